@@ -1,0 +1,50 @@
+"""Executor-side communication: the authenticated wire, the mesh and allreduce algorithms.
+
+Never imports pyspark: usable (and tested) with plain threads or processes.
+"""
+
+from sparktrain.comm.allreduce import ALLREDUCE_ALGOS, Allreduce, make_allreduce
+from sparktrain.comm.ring import RingAllreduce
+from sparktrain.comm.tree import TreeAllreduce
+from sparktrain.comm.wire import (
+    DRIVER_RANK,
+    KIND_ABORT,
+    KIND_CONTROL,
+    KIND_DATA,
+    KIND_METRICS,
+    KIND_USER_MIN,
+    MAX_FRAME_BYTES_DEFAULT,
+    AsyncSender,
+    CommStats,
+    Connection,
+    Mesh,
+    accept,
+    address_of,
+    connect,
+    open_listener,
+    parse_address,
+)
+
+__all__ = [
+    "ALLREDUCE_ALGOS",
+    "DRIVER_RANK",
+    "KIND_ABORT",
+    "KIND_CONTROL",
+    "KIND_DATA",
+    "KIND_METRICS",
+    "KIND_USER_MIN",
+    "MAX_FRAME_BYTES_DEFAULT",
+    "Allreduce",
+    "AsyncSender",
+    "CommStats",
+    "Connection",
+    "Mesh",
+    "RingAllreduce",
+    "TreeAllreduce",
+    "accept",
+    "address_of",
+    "connect",
+    "make_allreduce",
+    "open_listener",
+    "parse_address",
+]

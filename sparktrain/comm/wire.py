@@ -1,0 +1,1361 @@
+"""The wire: listeners, the authenticated handshake, framing, byte counting, the mesh.
+
+Everything that crosses a socket between sparktrain processes goes through this
+module. The rules (see DESIGN.md, "The wire"):
+
+* Listeners bind the task's own address, never a wildcard address.
+* Every connection starts with a mutual challenge-response handshake: both sides send
+  a fixed-size hello with a fresh 32-byte nonce, then prove knowledge of the per-job
+  secret with HMAC-SHA256 over the job id, the attempt, both ranks and both nonces.
+  Nothing but fixed-size, bounded reads happens before that succeeds, and the whole
+  handshake has a deadline.
+* After the handshake a connection carries frames: a fixed 88-byte header (magic,
+  kind, dtype, ndim, sequence number, payload length, shape) followed by the raw bytes
+  of a C-contiguous array. Arrays are sent from a memoryview and received with
+  ``recv_into`` straight into preallocated memory: no pickle, no intermediate copy.
+* Every socket has a timeout; a peer that dies, hangs or resets surfaces as
+  :class:`~sparktrain.errors.PeerLostError` naming its rank.
+* Every byte is counted in a :class:`CommStats`.
+
+Executor-side code: this module never imports pyspark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sparktrain.errors import (
+    CommError,
+    ConfigError,
+    FrameError,
+    HandshakeError,
+    PeerLostError,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES_DEFAULT = 1 << 30
+"""Cap on one frame's payload; a header announcing more is rejected before any allocation."""
+
+DRIVER_RANK = -1
+"""The rank the driver uses in handshakes (metrics channel, parameter server)."""
+
+PROTOCOL_VERSION = 1
+SECRET_BYTES = 32
+
+# Frame kinds. 1..15 are reserved for sparktrain's own use; callers (e.g. a parameter
+# server) may use KIND_USER_MIN..255 for their own message types.
+KIND_DATA = 1
+"""Tensor payloads of a collective; counted in ``CommStats.raw_bytes_sent``."""
+KIND_CONTROL = 2
+"""Small control messages (JSON text, never pickle)."""
+KIND_METRICS = 3
+"""Progress/metrics records sent to the driver."""
+KIND_ABORT = 15
+"""Sent by a rank that is tearing its mesh down after a failure; names the lost rank."""
+KIND_USER_MIN = 16
+
+SOCKET_BUFFER_BYTES = 4 << 20
+"""SO_SNDBUF/SO_RCVBUF asked for: large buffers keep loopback and LAN pipes full."""
+
+MAX_NDIM = 8
+
+_NOTICE_SECONDS = 0.5  # how long an abort may spend telling peers which rank was lost
+
+DIAL_TIMEOUT_FRACTION = 0.5
+"""Share of the comm timeout a mesh allows for dialing a peer (see Mesh.connect_all)."""
+
+_FRAME_MAGIC = b"STF1"
+_HELLO_MAGIC = b"STH1"
+_MAC_DOMAIN = b"sparktrain-v1"
+# magic, kind, dtype code, ndim, reserved, seq, payload length, shape[MAX_NDIM]
+_HEADER = struct.Struct("<4sBBBBQQ" + "Q" * MAX_NDIM)
+HEADER_BYTES = _HEADER.size
+# magic, protocol version, reserved, claimed rank, nonce
+_HELLO = struct.Struct("<4sHHi32s")
+_MAC_BYTES = 32
+# server verdict: status, server proof (zeros on rejection)
+_VERDICT = struct.Struct("<B32s")
+_VERDICT_OK = 0
+_VERDICT_REASONS = {
+    1: "the secret, job id or attempt number differ (is this peer from another job or "
+    "an older attempt?)",
+    2: "the server did not expect a connection from this rank",
+    3: "the protocol versions differ (mixed sparktrain versions on the cluster?)",
+}
+
+_UNSPECIFIED_HOSTS = ("", "*")
+
+# Numpy dtypes that may travel on the wire, by a stable code (never the dtype's repr).
+_DTYPE_CODES: dict[np.dtype[Any], int] = {
+    np.dtype(np.uint8): 1,
+    np.dtype(np.int8): 2,
+    np.dtype(np.int16): 3,
+    np.dtype(np.uint16): 4,
+    np.dtype(np.int32): 5,
+    np.dtype(np.uint32): 6,
+    np.dtype(np.int64): 7,
+    np.dtype(np.uint64): 8,
+    np.dtype(np.float16): 9,
+    np.dtype(np.float32): 10,
+    np.dtype(np.float64): 11,
+    np.dtype(np.bool_): 12,
+    np.dtype(np.complex64): 13,
+    np.dtype(np.complex128): 14,
+}
+_CODE_DTYPES = {code: dt for dt, code in _DTYPE_CODES.items()}
+
+# Errors that mean "the other end is gone or unreachable".
+_LOST = (TimeoutError, ConnectionError, OSError)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class AcceptTimeout(CommError, TimeoutError):
+    """Nobody connected to a listener within the wait (see :func:`accept`)."""
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclass
+class CommStats:
+    """Byte and frame counters of one rank's communication.
+
+    Thread-safe: the counters are updated under a lock because a sender thread and
+    the main thread both write them. Picklable (the lock is recreated).
+    """
+
+    raw_bytes_sent: int = 0
+    """Payload bytes the aggregation asked to send in ``KIND_DATA`` frames (before framing)."""
+    wire_bytes_sent: int = 0
+    """Every byte written to sockets: handshakes, frame headers, payloads."""
+    wire_bytes_recv: int = 0
+    """Every byte read from sockets."""
+    frames_sent: int = 0
+    frames_recv: int = 0
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
+
+    def add_sent(self, wire: int, raw: int = 0, frames: int = 0) -> None:
+        """Count bytes written (and optionally raw payload bytes and frames)."""
+        with self._lock:
+            self.wire_bytes_sent += wire
+            self.raw_bytes_sent += raw
+            self.frames_sent += frames
+
+    def add_recv(self, wire: int, frames: int = 0) -> None:
+        """Count bytes read (and optionally frames)."""
+        with self._lock:
+            self.wire_bytes_recv += wire
+            self.frames_recv += frames
+
+    def as_dict(self) -> dict[str, int]:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            return {
+                "raw_bytes_sent": self.raw_bytes_sent,
+                "wire_bytes_sent": self.wire_bytes_sent,
+                "wire_bytes_recv": self.wire_bytes_recv,
+                "frames_sent": self.frames_sent,
+                "frames_recv": self.frames_recv,
+            }
+
+    def merge(self, other: CommStats) -> None:
+        """Add ``other``'s counters to this object's, in place."""
+        snap = other.as_dict()  # other's lock first, then ours: never both at once
+        with self._lock:
+            self.raw_bytes_sent += snap["raw_bytes_sent"]
+            self.wire_bytes_sent += snap["wire_bytes_sent"]
+            self.wire_bytes_recv += snap["wire_bytes_recv"]
+            self.frames_sent += snap["frames_sent"]
+            self.frames_recv += snap["frames_recv"]
+
+    def __getstate__(self) -> dict[str, int]:
+        return self.as_dict()
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+def _check_bind_host(host: str) -> None:
+    if host in _UNSPECIFIED_HOSTS:
+        raise ConfigError(
+            f"refusing to listen on the wildcard address {host!r}: bind to the task's own "
+            "address (e.g. 127.0.0.1 on one machine, the executor's host otherwise)"
+        )
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return  # a host name: resolved below
+    if ip.is_unspecified:
+        raise ConfigError(
+            f"refusing to listen on the wildcard address {host!r}: bind to the task's own "
+            "address (e.g. 127.0.0.1 on one machine, the executor's host otherwise)"
+        )
+
+
+def _tune(sock: socket.socket) -> None:
+    """Low latency (no Nagle) and big buffers (bandwidth); best effort."""
+    for level, opt, value in (
+        (socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES),
+        (socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES),
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
+    ):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(level, opt, value)
+
+
+def open_listener(
+    host: str, port: int = 0, backlog: int = 64, timeout: float = 1.0
+) -> socket.socket:
+    """Open a TCP listener on ``(host, port)`` (port 0: any free port).
+
+    ``host`` must be the task's own address; wildcard addresses ("", "0.0.0.0", "::")
+    are refused with :class:`ConfigError` so that nothing listens on interfaces it was
+    not meant for. The listener gets a timeout (``timeout`` seconds) so that an
+    ``accept`` on it never blocks forever.
+    """
+    _check_bind_host(host)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"listener port {port} is out of range 0..65535")
+    if timeout <= 0:
+        raise ConfigError(f"listener timeout must be > 0 seconds, got {timeout}")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot resolve listener host {host!r}: {exc}") from exc
+    family, _, _, _, sockaddr = infos[0]
+    for _, _, _, _, candidate in infos:  # after resolution, a wildcard is still refused
+        _check_bind_host(str(candidate[0]))
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _tune(sock)  # accepted sockets inherit the buffer sizes (window scaling)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+        sock.settimeout(timeout)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from exc
+    return sock
+
+
+def address_of(listener: socket.socket) -> str:
+    """The ``"host:port"`` peers dial to reach ``listener`` (IPv6 hosts in brackets)."""
+    name = listener.getsockname()
+    host, port = str(name[0]), int(name[1])
+    if ":" in host:
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[v6-host]:port"``) into ``(host, port)``."""
+    hint = "expected 'host:port', e.g. '127.0.0.1:40123' or '[::1]:40123'"
+    if not isinstance(addr, str) or ":" not in addr:
+        raise ConfigError(f"bad peer address {addr!r}: {hint}")
+    host, _, port_text = addr.rpartition(":")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ConfigError(f"bad peer address {addr!r}: {hint}")
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"bad peer address {addr!r}: put IPv6 hosts in brackets; {hint}")
+    if not host or host in _UNSPECIFIED_HOSTS:
+        raise ConfigError(f"bad peer address {addr!r}: the host is empty; {hint}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"bad peer address {addr!r}: the port is not a number; {hint}") from None
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"bad peer address {addr!r}: port {port} is out of range 1..65535")
+    return host, port
+
+
+# --------------------------------------------------------------------------- connection
+
+
+def _byte_view(arr: np.ndarray) -> memoryview:
+    """A flat byte memoryview of a C-contiguous array, without copying."""
+    return arr.reshape(-1).view(np.uint8).data
+
+
+class Connection:
+    """An authenticated, framed connection to one peer.
+
+    Made by :func:`connect` or :func:`accept`, never directly. One thread may send
+    while another receives (the socket is full duplex); sends are serialised by a
+    lock, receives must come from one thread at a time.
+
+    Any timeout, reset or end-of-stream raises :class:`PeerLostError` naming
+    ``peer_rank``; any malformed frame raises :class:`FrameError`. Both close the
+    connection: after an error the byte stream is out of step and cannot be reused.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        peer_rank: int,
+        my_rank: int,
+        stats: CommStats,
+        timeout: float,
+        max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+    ) -> None:
+        self._sock = sock
+        self.peer_rank = peer_rank
+        self.my_rank = my_rank
+        self.stats = stats
+        self.timeout = timeout
+        self.max_frame_bytes = max_frame_bytes
+        sock.settimeout(timeout)
+        self._send_lock = threading.Lock()
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._recv_lock = threading.Lock()
+        self._send_header = bytearray(HEADER_BYTES)  # only touched under _send_lock
+        self._recv_header = bytearray(HEADER_BYTES)
+        self._recv_header_view = memoryview(self._recv_header)
+        self._closed = False
+        self._closed_here = False
+        try:
+            self.send_buffer_bytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        except OSError:
+            self.send_buffer_bytes = 0
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Connection rank {self.my_rank} -> rank {self.peer_rank} ({state})>"
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection was closed (by :meth:`close` or after an error)."""
+        return self._closed
+
+    def set_timeout(self, timeout: float) -> None:
+        """Change the per-operation socket timeout (seconds, > 0; never unbounded)."""
+        if not timeout > 0:
+            raise ConfigError(f"a connection timeout must be > 0 seconds, got {timeout}")
+        self.timeout = timeout
+        with contextlib.suppress(OSError):
+            self._sock.settimeout(timeout)
+
+    # ----------------------------------------------------------------- failures
+
+    def _lost(self, what: str, exc: BaseException | None) -> PeerLostError:
+        """Close and build the PeerLostError for a failed socket operation."""
+        closed_here = self._closed_here
+        self.close()
+        if closed_here:
+            detail = f"the connection was closed on this side while {what}"
+        elif isinstance(exc, TimeoutError):
+            detail = f"no progress for {self.timeout:g} s while {what}"
+        elif exc is None:
+            detail = f"the peer closed the connection while {what}"
+        else:
+            detail = f"{type(exc).__name__} while {what}: {exc}"
+        return PeerLostError(self.peer_rank, detail)
+
+    def _bad_frame(self, detail: str) -> FrameError:
+        self.close()
+        return FrameError(f"bad frame from rank {self.peer_rank}: {detail}; connection closed")
+
+    # ----------------------------------------------------------------- sending
+
+    def _frame_header(
+        self, kind: int, code: int, shape: Sequence[int], nbytes: int, seq: int
+    ) -> bytearray:
+        dims = list(shape) + [0] * (MAX_NDIM - len(shape))
+        _HEADER.pack_into(
+            self._send_header, 0, _FRAME_MAGIC, kind, code, len(shape), 0, seq, nbytes, *dims
+        )
+        return self._send_header
+
+    def _send_frame(
+        self, kind: int, code: int, shape: Sequence[int], payload: memoryview, raw: int
+    ) -> None:
+        if self._closed:
+            raise self._lost("sending", None)
+        nbytes = len(payload)
+        if nbytes > self.max_frame_bytes:
+            raise FrameError(
+                f"refusing to send a {nbytes}-byte frame to rank {self.peer_rank}: the cap is "
+                f"{self.max_frame_bytes} bytes; send it in smaller pieces"
+            )
+        with self._send_lock:
+            header = self._frame_header(kind, code, shape, nbytes, self._send_seq)
+            sock = self._sock
+            try:
+                # One syscall for header + payload (scatter-gather), then finish off
+                # whatever the kernel did not take.
+                sent = sock.sendmsg([header, payload]) if nbytes else sock.send(header)
+                if sent < HEADER_BYTES:
+                    sock.sendall(memoryview(header)[sent:])
+                    sock.sendall(payload)
+                elif sent < HEADER_BYTES + nbytes:
+                    sock.sendall(payload[sent - HEADER_BYTES :])
+            except _LOST as exc:
+                if not isinstance(exc, TimeoutError):
+                    notice = self._peek_abort_notice()
+                    if notice is not None:
+                        self.close()
+                        raise notice from exc
+                raise self._lost(f"sending a {nbytes}-byte frame", exc) from exc
+            self._send_seq += 1
+        self.stats.add_sent(HEADER_BYTES + nbytes, raw, 1)
+
+    def send_array(self, arr: np.ndarray, kind: int = KIND_DATA) -> None:
+        """Send one C-contiguous array as a frame, from its memory (no copy).
+
+        ``KIND_DATA`` frames count ``arr.nbytes`` in ``stats.raw_bytes_sent``.
+        """
+        if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
+            raise FrameError(
+                "send_array needs a C-contiguous numpy array; use np.ascontiguousarray"
+            )
+        code = _DTYPE_CODES.get(arr.dtype)
+        if code is None:
+            raise FrameError(f"dtype {arr.dtype} cannot be sent on the wire")
+        if arr.ndim > MAX_NDIM:
+            raise FrameError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent")
+        payload = _byte_view(arr)
+        self._send_frame(kind, code, arr.shape, payload, arr.nbytes if kind == KIND_DATA else 0)
+
+    def send_bytes(self, payload: bytes, kind: int) -> None:
+        """Send a small byte string (e.g. JSON) as one frame of kind ``kind``."""
+        view = memoryview(payload).cast("B")
+        raw = len(view) if kind == KIND_DATA else 0
+        self._send_frame(kind, _DTYPE_CODES[np.dtype(np.uint8)], (len(view),), view, raw)
+
+    def notify_abort(self, lost_rank: int, wait: float = 0.0) -> bool:
+        """Best effort: tell the peer this rank is aborting because ``lost_rank`` was lost.
+
+        Only sent if no other thread is in the middle of a frame (waiting at most
+        ``wait`` seconds for it), so the stream stays well formed. Returns whether the
+        notice went out.
+        """
+        if self._closed:
+            return False
+        got_lock = (
+            self._send_lock.acquire(timeout=wait) if wait > 0 else self._send_lock.acquire(False)
+        )
+        if not got_lock:
+            return False
+        try:
+            header = self._frame_header(KIND_ABORT, 0, (lost_rank + 2,), 0, self._send_seq)
+            self._sock.settimeout(min(self.timeout, 0.5))
+            self._sock.sendall(header)
+            self._send_seq += 1
+        except _LOST as exc:
+            log.debug("abort notice to rank %d not sent: %r", self.peer_rank, exc)
+            return False
+        finally:
+            self._send_lock.release()
+        self.stats.add_sent(HEADER_BYTES, 0, 1)
+        return True
+
+    def _peek_abort_notice(self) -> PeerLostError | None:
+        """After a failed send: did the peer leave an abort notice before it closed?
+
+        A rank that aborts tells its peers which rank was really lost, then closes. A
+        peer that was only sending to it sees a broken pipe; the notice is still in the
+        receive buffer, and naming the lost rank beats naming the messenger.
+        """
+        if self._closed or not self._recv_lock.acquire(blocking=False):
+            return None
+        try:
+            self._sock.settimeout(0.0)  # a peek must not wait
+            data = self._sock.recv(HEADER_BYTES, socket.MSG_PEEK)
+        except OSError:
+            return None
+        finally:
+            self._recv_lock.release()
+            with contextlib.suppress(OSError):
+                self._sock.settimeout(self.timeout)
+        if len(data) < HEADER_BYTES:
+            return None
+        fields = _HEADER.unpack(data)
+        if fields[0] != _FRAME_MAGIC or fields[1] != KIND_ABORT or fields[5] != self._recv_seq:
+            return None
+        return self._abort_error(fields[3], fields[7])
+
+    def _abort_error(self, ndim: int, encoded: int) -> PeerLostError:
+        lost = encoded - 2 if ndim == 1 else self.peer_rank
+        if lost == self.peer_rank:
+            detail = f"rank {self.peer_rank} aborted the collective after an error of its own"
+        else:
+            detail = f"rank {self.peer_rank} reported that it lost contact with rank {lost}"
+        return PeerLostError(lost, detail)
+
+    # ----------------------------------------------------------------- receiving
+
+    def _recv_exact(self, view: memoryview, what: str) -> None:
+        got, total = 0, len(view)
+        sock = self._sock
+        try:
+            while got < total:
+                n = sock.recv_into(view[got:])
+                if n == 0:
+                    raise self._lost(what, None)
+                got += n
+        except _LOST as exc:
+            raise self._lost(what, exc) from exc
+        finally:
+            self.stats.add_recv(got)
+
+    def _check_header(self, kind: int | None) -> tuple[int, int, int, tuple[int, ...]]:
+        """Validate the header in ``_recv_header``; returns (kind, code, length, shape)."""
+        fields = _HEADER.unpack(self._recv_header)
+        magic, got_kind, code, ndim, _, seq, length = fields[:7]
+        if magic != _FRAME_MAGIC:
+            raise self._bad_frame(f"bad magic {bytes(magic)!r} (not a sparktrain frame)")
+        if seq != self._recv_seq:
+            raise self._bad_frame(
+                f"sequence number {seq}, expected {self._recv_seq} (replayed or lost frame)"
+            )
+        if ndim > MAX_NDIM:
+            raise self._bad_frame(f"ndim {ndim} > {MAX_NDIM}")
+        shape = tuple(fields[7 : 7 + ndim])
+        if got_kind == KIND_ABORT:
+            self.close()
+            raise self._abort_error(ndim, fields[7])
+        if kind is not None and got_kind != kind:
+            raise self._bad_frame(f"kind {got_kind}, expected {kind}")
+        if length > self.max_frame_bytes:
+            raise self._bad_frame(
+                f"payload of {length} bytes exceeds the {self.max_frame_bytes}-byte cap"
+            )
+        dtype = _CODE_DTYPES.get(code)
+        if dtype is None:
+            raise self._bad_frame(f"unknown dtype code {code}")
+        count = 1
+        for dim in shape:
+            count *= dim
+        if count * dtype.itemsize != length:
+            raise self._bad_frame(f"shape {shape} of {dtype} does not match length {length}")
+        self._recv_seq += 1
+        return got_kind, code, length, shape
+
+    def recv_into(self, out: np.ndarray, kind: int = KIND_DATA) -> None:
+        """Receive one frame straight into ``out`` (C-contiguous, writable): no copy.
+
+        The frame's kind, dtype and byte length must match ``out`` (its shape may
+        differ, e.g. 2-D sent into 1-D), else :class:`FrameError`. On any error the
+        contents of ``out`` are unspecified.
+        """
+        with self._recv_lock:
+            self._recv_into(out, kind)
+
+    def _recv_into(self, out: np.ndarray, kind: int) -> None:
+        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+            raise FrameError("recv_into needs a writable, C-contiguous numpy array")
+        want_code = _DTYPE_CODES.get(out.dtype)
+        if want_code is None:
+            raise FrameError(f"dtype {out.dtype} cannot be received from the wire")
+        if self._closed:
+            raise self._lost("receiving", None)
+        payload = _byte_view(out)
+        nbytes = len(payload)
+        header = self._recv_header_view
+        sock = self._sock
+        # Read header and payload with one syscall when possible (latency of small
+        # frames). Bytes read past a frame that turns out to be shorter than expected
+        # are lost, but such a frame is an error that closes the connection anyway.
+        try:
+            got = sock.recvmsg_into([header, payload])[0] if nbytes else sock.recv_into(header)
+        except _LOST as exc:
+            raise self._lost("waiting for a frame", exc) from exc
+        if got == 0:
+            raise self._lost("waiting for a frame", None)
+        self.stats.add_recv(got)
+        if got < HEADER_BYTES:
+            self._recv_exact(header[got:], "reading a frame header")
+            got = HEADER_BYTES
+        _, code, length, _ = self._check_header(kind)
+        if code != want_code:
+            raise self._bad_frame(f"dtype {_CODE_DTYPES[code]}, expected {out.dtype}")
+        if length != nbytes:
+            raise self._bad_frame(f"{length} payload bytes, expected {nbytes}")
+        if got < HEADER_BYTES + nbytes:
+            self._recv_exact(payload[got - HEADER_BYTES :], f"reading a {nbytes}-byte payload")
+        self.stats.add_recv(0, 1)
+
+    def recv_bytes(self, kind: int | None = None, max_bytes: int = 16 << 20) -> tuple[int, bytes]:
+        """Receive one frame as bytes; returns ``(kind, payload)``.
+
+        With ``kind`` given, a frame of another kind is a :class:`FrameError`. A frame
+        longer than ``max_bytes`` is rejected before anything is allocated.
+        """
+        with self._recv_lock:
+            return self._recv_bytes(kind, max_bytes)
+
+    def _recv_bytes(self, kind: int | None, max_bytes: int) -> tuple[int, bytes]:
+        if self._closed:
+            raise self._lost("receiving", None)
+        self._recv_exact(self._recv_header_view, "waiting for a frame")
+        got_kind, _, length, _ = self._check_header(kind)
+        if length > max_bytes:
+            raise self._bad_frame(f"payload of {length} bytes exceeds the {max_bytes}-byte limit")
+        payload = bytearray(length)
+        if length:
+            self._recv_exact(memoryview(payload), f"reading a {length}-byte payload")
+        self.stats.add_recv(0, 1)
+        return got_kind, bytes(payload)
+
+    def close(self) -> None:
+        """Close the socket; idempotent, safe from any thread (wakes a blocked receiver)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closed_here = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+def _check_secret(secret: bytes) -> None:
+    if not isinstance(secret, bytes | bytearray) or len(secret) != SECRET_BYTES:
+        got = len(secret) if isinstance(secret, bytes | bytearray) else type(secret).__name__
+        raise ConfigError(
+            f"the job secret must be exactly {SECRET_BYTES} random bytes (got {got}); "
+            "make it with secrets.token_bytes(32) on the driver"
+        )
+
+
+def _mac(
+    secret: bytes,
+    job_id: str,
+    attempt: int,
+    client_rank: int,
+    server_rank: int,
+    client_nonce: bytes,
+    server_nonce: bytes,
+    role: bytes,
+) -> bytes:
+    job = job_id.encode("utf-8")
+    message = b"".join(
+        (
+            _MAC_DOMAIN,
+            struct.pack("<I", len(job)),
+            job,
+            struct.pack("<qii", attempt, client_rank, server_rank),
+            client_nonce,
+            server_nonce,
+            role,
+        )
+    )
+    return hmac.new(bytes(secret), message, hashlib.sha256).digest()
+
+
+class _HandshakeIO:
+    """Bounded, deadline-limited reads and writes on a socket before it is trusted."""
+
+    def __init__(self, sock: socket.socket, deadline: float, stats: CommStats) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.stats = stats
+
+    def _arm(self) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("handshake deadline passed")
+        self.sock.settimeout(remaining)
+
+    def send(self, data: bytes) -> None:
+        self._arm()
+        self.sock.sendall(data)
+        self.stats.add_sent(len(data))
+
+    def recv(self, size: int) -> bytes:
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            self._arm()
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise EOFError(f"connection closed after {got} of {size} handshake bytes")
+            got += n
+            self.stats.add_recv(n)
+        return bytes(buf)
+
+
+def _new_socket(family: int) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    _tune(sock)
+    return sock
+
+
+def _dial(address: str, peer_rank: int, deadline: float) -> socket.socket:
+    """Connect to ``address``, retrying while nothing listens there yet."""
+    host, port = parse_address(address)
+    delay = 0.005
+    last: BaseException | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, sockaddr = infos[0]
+        except socket.gaierror as exc:
+            raise ConfigError(
+                f"cannot resolve the address {address!r} of rank {peer_rank}: {exc}"
+            ) from exc
+        sock = _new_socket(family)
+        sock.settimeout(remaining)
+        try:
+            sock.connect(sockaddr)
+            return sock
+        except (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError) as exc:
+            # The peer's listener may not be accepting yet: retry until the deadline.
+            last = exc
+            sock.close()
+        except OSError as exc:
+            sock.close()
+            last = exc
+            if isinstance(exc, TimeoutError):
+                break
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.1)
+    why = f"{type(last).__name__}: {last}" if last is not None else "no attempt finished"
+    raise PeerLostError(peer_rank, f"could not connect to {address} before the deadline ({why})")
+
+
+def connect(
+    address: str,
+    *,
+    secret: bytes,
+    job_id: str,
+    attempt: int,
+    my_rank: int,
+    peer_rank: int,
+    timeout: float,
+    stats: CommStats,
+    max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+) -> Connection:
+    """Dial ``address`` and run the client side of the handshake.
+
+    Connection-refused is retried until ``timeout`` elapses (the peer's listener may
+    not be accepting yet); the dial and the handshake share that deadline. Raises
+    :class:`PeerLostError` if the peer cannot be reached or stops answering, and
+    :class:`HandshakeError` if it answers but authentication fails either way.
+    """
+    _check_secret(secret)
+    if timeout <= 0:
+        raise ConfigError(f"the comm timeout must be > 0 seconds, got {timeout}")
+    deadline = time.monotonic() + timeout
+    sock = _dial(address, peer_rank, deadline)
+    io = _HandshakeIO(sock, deadline, stats)
+    nonce = os.urandom(32)
+    try:
+        io.send(_HELLO.pack(_HELLO_MAGIC, PROTOCOL_VERSION, 0, my_rank, nonce))
+        magic, version, _, server_rank, server_nonce = _HELLO.unpack(io.recv(_HELLO.size))
+        if magic != _HELLO_MAGIC:
+            raise HandshakeError(
+                f"{address} does not speak the sparktrain protocol (is the address list stale?)"
+            )
+        if version != PROTOCOL_VERSION:
+            raise HandshakeError(
+                f"rank {server_rank} at {address} speaks protocol version {version}, this rank "
+                f"{PROTOCOL_VERSION}: run the same sparktrain version everywhere"
+            )
+        if server_rank != peer_rank:
+            raise HandshakeError(
+                f"{address} belongs to rank {server_rank}, not rank {peer_rank} "
+                "(is the address list stale or from another attempt?)"
+            )
+        io.send(_mac(secret, job_id, attempt, my_rank, server_rank, nonce, server_nonce, b"client"))
+        status, proof = _VERDICT.unpack(io.recv(_VERDICT.size))
+        if status != _VERDICT_OK:
+            reason = _VERDICT_REASONS.get(status, f"status {status}")
+            raise HandshakeError(f"rank {peer_rank} at {address} rejected this rank: {reason}")
+        expected = _mac(
+            secret, job_id, attempt, my_rank, server_rank, nonce, server_nonce, b"server"
+        )
+        if not hmac.compare_digest(proof, expected):
+            raise HandshakeError(
+                f"rank {peer_rank} at {address} could not prove it knows the job secret"
+            )
+    except HandshakeError:
+        sock.close()
+        raise
+    except (TimeoutError, EOFError, OSError) as exc:
+        sock.close()
+        raise PeerLostError(
+            peer_rank, f"handshake with {address} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    return Connection(
+        sock,
+        peer_rank=peer_rank,
+        my_rank=my_rank,
+        stats=stats,
+        timeout=timeout,
+        max_frame_bytes=max_frame_bytes,
+    )
+
+
+def _serve_handshake(
+    sock: socket.socket,
+    *,
+    secret: bytes,
+    job_id: str,
+    attempt: int,
+    my_rank: int,
+    deadline: float,
+    stats: CommStats,
+    accept_rank: Callable[[int], bool],
+) -> int:
+    """Server side of the handshake on an accepted socket; returns the proven rank."""
+    io = _HandshakeIO(sock, deadline, stats)
+    nonce = os.urandom(32)
+    try:
+        magic, version, _, client_rank, client_nonce = _HELLO.unpack(io.recv(_HELLO.size))
+        if magic != _HELLO_MAGIC:
+            raise HandshakeError("a client sent bytes that are not a sparktrain hello")
+        io.send(_HELLO.pack(_HELLO_MAGIC, PROTOCOL_VERSION, 0, my_rank, nonce))
+        client_mac = io.recv(_MAC_BYTES)
+        expected = _mac(
+            secret, job_id, attempt, client_rank, my_rank, client_nonce, nonce, b"client"
+        )
+        status = _VERDICT_OK
+        if version != PROTOCOL_VERSION:
+            status = 3
+        elif not hmac.compare_digest(client_mac, expected):
+            status = 1
+        elif not accept_rank(client_rank):
+            status = 2
+        if status != _VERDICT_OK:
+            with contextlib.suppress(OSError, TimeoutError):
+                io.send(_VERDICT.pack(status, bytes(32)))
+            raise HandshakeError(
+                f"rejected a client claiming rank {client_rank}: {_VERDICT_REASONS[status]}"
+            )
+        proof = _mac(secret, job_id, attempt, client_rank, my_rank, client_nonce, nonce, b"server")
+        io.send(_VERDICT.pack(_VERDICT_OK, proof))
+    except HandshakeError:
+        sock.close()
+        raise
+    except (TimeoutError, EOFError, OSError) as exc:
+        sock.close()
+        raise HandshakeError(
+            f"a client did not complete the handshake: {type(exc).__name__}: {exc}"
+        ) from exc
+    return int(client_rank)
+
+
+def accept(
+    listener: socket.socket,
+    *,
+    secret: bytes,
+    job_id: str,
+    attempt: int,
+    my_rank: int,
+    timeout: float,
+    stats: CommStats,
+    max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+    expect_rank: int | None = None,
+) -> Connection:
+    """Accept one connection on ``listener`` and run the server side of the handshake.
+
+    Waits for a client at most ``timeout`` seconds, or the listener's own timeout if
+    that is shorter (so a serving loop with a short listener timeout can notice it
+    should stop); the handshake then has ``timeout`` seconds. Returns a
+    :class:`Connection` whose ``peer_rank`` the client proved.
+
+    A client that fails the handshake (wrong secret/job/attempt, garbage, silence past
+    ``timeout``, or a rank other than ``expect_rank``) is closed and
+    :class:`HandshakeError` is raised; callers serving many clients catch it and keep
+    accepting. If nobody connects in time: :class:`PeerLostError` naming
+    ``expect_rank`` if given, else :class:`AcceptTimeout` (a ``CommError`` that is
+    also a ``TimeoutError``).
+    """
+    _check_secret(secret)
+    if timeout <= 0:
+        raise ConfigError(f"the comm timeout must be > 0 seconds, got {timeout}")
+    own = listener.gettimeout()
+    wait = timeout if own is None or own <= 0 else min(own, timeout)
+    try:
+        listener.settimeout(wait)
+        try:
+            sock, _ = listener.accept()
+        finally:
+            if own is not None and own > 0:
+                listener.settimeout(own)
+    except TimeoutError:
+        if expect_rank is not None:
+            raise PeerLostError(expect_rank, f"it did not connect within {wait:g} s") from None
+        raise AcceptTimeout(f"no peer connected within {wait:g} s") from None
+    except OSError as exc:
+        raise CommError(f"the listener failed: {exc}") from exc
+    deadline = time.monotonic() + timeout
+    _tune(sock)
+    rank = _serve_handshake(
+        sock,
+        secret=secret,
+        job_id=job_id,
+        attempt=attempt,
+        my_rank=my_rank,
+        deadline=deadline,
+        stats=stats,
+        accept_rank=lambda r: expect_rank is None or r == expect_rank,
+    )
+    return Connection(
+        sock,
+        peer_rank=rank,
+        my_rank=my_rank,
+        stats=stats,
+        timeout=timeout,
+        max_frame_bytes=max_frame_bytes,
+    )
+
+
+# --------------------------------------------------------------------------- async sender
+
+
+class AsyncSender:
+    """Sends arrays on one connection from a background thread, in order.
+
+    Lets a collective keep the outgoing pipe full while its calling thread receives
+    and reduces (socket calls and numpy ufuncs release the GIL). The arrays handed to
+    :meth:`put` must not be modified until :meth:`flush` returns.
+    """
+
+    def __init__(
+        self, conn: Connection, on_error: Callable[[CommError], object] | None = None
+    ) -> None:
+        self.conn = conn
+        self._on_error = on_error
+        self._queue: queue.SimpleQueue[tuple[np.ndarray, int] | threading.Event | None] = (
+            queue.SimpleQueue()
+        )
+        self._error: CommError | None = None
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        q = self._queue
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            if self._error is not None or self._stopped:
+                continue  # drop work after a failure, but keep releasing flush() waiters
+            arr, kind = item
+            try:
+                self.conn.send_array(arr, kind)
+            except CommError as exc:
+                self._error = exc
+                if self._on_error is not None:
+                    try:
+                        self._on_error(exc)
+                    except Exception:  # never let the callback kill the drain loop
+                        log.exception("sender error callback failed")
+
+    def put(self, arr: np.ndarray, kind: int = KIND_DATA) -> None:
+        """Queue ``arr`` to be sent after everything queued before it."""
+        if self._error is not None:
+            raise self._error
+        if self._stopped:
+            raise CommError(f"the sender to rank {self.conn.peer_rank} was closed")
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"sparktrain-send-{self.conn.peer_rank}", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((arr, kind))
+
+    def flush(self) -> None:
+        """Wait until everything queued is on the wire; raise the sender's error if any.
+
+        Bounded: every send has the connection's socket timeout.
+        """
+        thread = self._thread
+        if thread is not None and not self._stopped:
+            done = threading.Event()
+            self._queue.put(done)
+            while not done.wait(0.1):
+                if self._stopped or not thread.is_alive():
+                    break
+        if self._error is not None:
+            raise self._error
+        if self._stopped:
+            raise CommError(f"the sender to rank {self.conn.peer_rank} was closed")
+
+    def close(self) -> None:
+        """Stop the thread (pending arrays are dropped); idempotent."""
+        self._stopped = True
+        if self._thread is not None:
+            self._queue.put(None)
+
+
+# --------------------------------------------------------------------------- mesh
+
+
+class Mesh:
+    """Authenticated connections from one rank to its peers, opened lazily.
+
+    ``addresses[r]`` is rank ``r``'s listener address (gathered by the caller, e.g.
+    with ``BarrierTaskContext.allGather``). The lower rank of a pair dials, the higher
+    rank accepts: a background thread accepts and files incoming connections by the
+    rank their handshake proved, so ranks may ask for connections in any order
+    without deadlock.
+
+    Any communication failure inside a collective should go through :meth:`abort`:
+    it tells the peers which rank was lost (when the stream allows), closes every
+    connection so that neighbours fail at once instead of waiting for their timeout,
+    and makes every later call raise the same, original error.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        listener: socket.socket,
+        addresses: Sequence[str],
+        secret: bytes,
+        job_id: str,
+        attempt: int,
+        timeout: float,
+        stats: CommStats | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+    ) -> None:
+        if world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is out of range for world size {world_size}")
+        if len(addresses) != world_size:
+            raise ConfigError(
+                f"got {len(addresses)} peer addresses for a world of {world_size}: gather one "
+                "listener address per rank, in rank order"
+            )
+        if timeout <= 0:
+            raise ConfigError(f"the comm timeout must be > 0 seconds, got {timeout}")
+        if max_frame_bytes <= 0:
+            raise ConfigError(f"max_frame_bytes must be > 0, got {max_frame_bytes}")
+        _check_secret(secret)
+        for addr in addresses:
+            parse_address(addr)
+        self.rank = rank
+        self.world_size = world_size
+        self.addresses = list(addresses)
+        self.timeout = timeout
+        self.stats = stats if stats is not None else CommStats()
+        self.max_frame_bytes = max_frame_bytes
+        self._listener = listener
+        self._secret = bytes(secret)
+        self._job_id = job_id
+        self._attempt = attempt
+        self._cond = threading.Condition()
+        self._conns: dict[int, Connection] = {}
+        self._senders: dict[int, AsyncSender] = {}
+        self._rejections: list[str] = []
+        self._failure: CommError | None = None
+        self._aborted = threading.Event()  # set once abort() has told the peers
+        self._closed = False
+        self._acceptor: threading.Thread | None = None
+        if rank > 0:  # rank 0 has no lower rank to dial it
+            listener.settimeout(0.2)  # the accept loop polls for close()
+            self._acceptor = threading.Thread(
+                target=self._accept_loop, name=f"sparktrain-accept-{rank}", daemon=True
+            )
+            self._acceptor.start()
+
+    def __repr__(self) -> str:
+        return f"<Mesh rank {self.rank}/{self.world_size} peers {sorted(self._conns)}>"
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def failure(self) -> CommError | None:
+        """The error that aborted this mesh, if any."""
+        return self._failure
+
+    # ----------------------------------------------------------------- accepting
+
+    def _accept_loop(self) -> None:
+        handshakes: list[threading.Thread] = []
+        while not self._closed:
+            with self._cond:
+                if all(r in self._conns for r in range(self.rank)):
+                    return  # every lower rank is connected: nobody else may dial us
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._closed:
+                    return
+                log.warning("rank %d: accept failed: %s", self.rank, exc)
+                time.sleep(0.05)
+                continue
+            handshakes = [t for t in handshakes if t.is_alive()]
+            if len(handshakes) >= 2 * self.world_size + 8:
+                sock.close()  # refuse a flood of half-open clients
+                continue
+            # One thread per handshake so that a silent client cannot delay real peers.
+            t = threading.Thread(target=self._handshake, args=(sock,), daemon=True)
+            handshakes.append(t)
+            t.start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        _tune(sock)
+        try:
+            rank = _serve_handshake(
+                sock,
+                secret=self._secret,
+                job_id=self._job_id,
+                attempt=self._attempt,
+                my_rank=self.rank,
+                deadline=time.monotonic() + self.timeout,
+                stats=self.stats,
+                accept_rank=self._may_dial_me,
+            )
+        except HandshakeError as exc:
+            log.warning("rank %d: %s", self.rank, exc)
+            with self._cond:
+                self._rejections.append(str(exc))
+            return
+        conn = Connection(
+            sock,
+            peer_rank=rank,
+            my_rank=self.rank,
+            stats=self.stats,
+            timeout=self.timeout,
+            max_frame_bytes=self.max_frame_bytes,
+        )
+        with self._cond:
+            if self._closed or rank in self._conns:
+                conn.close()
+                return
+            self._conns[rank] = conn
+            self._cond.notify_all()
+
+    def _may_dial_me(self, rank: int) -> bool:
+        with self._cond:
+            return 0 <= rank < self.rank and rank not in self._conns
+
+    # ----------------------------------------------------------------- connections
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ConfigError(
+                f"rank {self.rank} cannot connect to rank {peer} in a world of {self.world_size}"
+            )
+
+    def _raise_if_unusable(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise CommError(f"the mesh of rank {self.rank} is closed")
+
+    def connection(self, peer: int) -> Connection:
+        """The connection to ``peer``, established on first use.
+
+        Raises :class:`PeerLostError` naming ``peer`` if it cannot be reached (or, for
+        a lower rank, does not dial in) within the timeout.
+        """
+        self._check_peer(peer)
+        self._raise_if_unusable()
+        conn = self._conns.get(peer)
+        if conn is not None:
+            return conn
+        self.connect_all((peer,))
+        return self._conns[peer]
+
+    def connect_all(self, peers: Iterable[int]) -> None:
+        """Establish the connections to all ``peers`` at once (dials run in parallel).
+
+        Used by collectives before they start, so that a missing rank is named by all
+        its neighbours after one timeout, instead of a chain of ranks each timing out
+        while waiting for the previous one.
+
+        Waiting for a lower rank to dial in may take the whole timeout (that rank may
+        legitimately reach its first collective late). Dialing gets only half of it:
+        the peer's listener exists before addresses are gathered and its mesh answers
+        handshakes at once, so a dial that takes long means the peer is gone. Failing
+        it early lets this rank's abort notice reach neighbours that are already
+        waiting for data from it, before their own timeout blames this rank.
+        """
+        wanted = sorted(set(peers))
+        for peer in wanted:
+            self._check_peer(peer)
+        self._raise_if_unusable()
+        missing = [p for p in wanted if p not in self._conns]
+        if not missing:
+            return
+        now = time.monotonic()
+        deadline = now + self.timeout
+        dial_deadline = now + self.timeout * DIAL_TIMEOUT_FRACTION
+        errors: dict[int, CommError] = {}
+        dials = [p for p in missing if p > self.rank]
+
+        def dial(peer: int) -> None:
+            try:
+                conn = connect(
+                    self.addresses[peer],
+                    secret=self._secret,
+                    job_id=self._job_id,
+                    attempt=self._attempt,
+                    my_rank=self.rank,
+                    peer_rank=peer,
+                    timeout=max(dial_deadline - time.monotonic(), 0.001),
+                    stats=self.stats,
+                    max_frame_bytes=self.max_frame_bytes,
+                )
+            except CommError as exc:
+                errors[peer] = exc
+                return
+            conn.timeout = self.timeout
+            conn._sock.settimeout(self.timeout)
+            with self._cond:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns[peer] = conn
+                self._cond.notify_all()
+
+        threads = []
+        if len(dials) == 1:
+            dial(dials[0])
+        else:
+            for peer in dials:
+                t = threading.Thread(target=dial, args=(peer,), daemon=True)
+                t.start()
+                threads.append(t)
+        waits = [p for p in missing if p < self.rank]
+        with self._cond:
+            while not self._closed and not all(p in self._conns for p in waits):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            rejections = list(self._rejections)
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0) + 1.0)
+        for peer in waits:
+            if peer not in self._conns and peer not in errors:
+                note = f"; rejected clients: {rejections[-3:]}" if rejections else ""
+                errors[peer] = PeerLostError(
+                    peer,
+                    f"it did not connect to rank {self.rank}'s listener at "
+                    f"{self.addresses[self.rank]} within {self.timeout:g} s{note}",
+                )
+        for peer in dials:
+            if peer not in self._conns and peer not in errors:
+                errors[peer] = PeerLostError(peer, "the dial did not finish in time")
+        if errors:
+            self._raise_if_unusable()
+            raise errors[min(errors)]
+
+    def sender(self, peer: int) -> AsyncSender:
+        """The background sender on the connection to ``peer`` (created on first use)."""
+        sender = self._senders.get(peer)
+        if sender is None or sender.conn.closed:
+            sender = AsyncSender(self.connection(peer), on_error=self.abort)
+            self._senders[peer] = sender
+        return sender
+
+    # ----------------------------------------------------------------- teardown
+
+    def abort(self, cause: CommError) -> CommError:
+        """Tear the mesh down after ``cause``; returns the error callers should raise.
+
+        The first failure wins: if another thread already aborted the mesh (e.g. the
+        sender thread saw the peer vanish), this returns that original error, so the
+        rank named is the one that was really lost rather than a neighbour that shut
+        its sockets in reaction.
+        """
+        with self._cond:
+            first = self._failure is None and not self._closed
+            if self._failure is None:
+                self._failure = cause
+            failure = self._failure
+            conns = list(self._conns.values())
+        if not first:
+            # Another thread is telling the peers: let it finish before the error
+            # propagates (and before anyone closes the sockets under it).
+            self._aborted.wait(_NOTICE_SECONDS + 0.5)
+            return failure
+        try:
+            lost = failure.rank if isinstance(failure, PeerLostError) else self.rank
+            for sender in list(self._senders.values()):
+                sender.close()
+            # Tell the others (when no frame is half-sent), so they name the lost rank.
+            notice_deadline = time.monotonic() + _NOTICE_SECONDS
+            for conn in conns:
+                wait = max(0.0, min(0.2, notice_deadline - time.monotonic()))
+                if conn.peer_rank != lost:
+                    conn.notify_abort(lost, wait)
+            self._close_now()
+        finally:
+            self._aborted.set()
+        return failure
+
+    def close(self) -> None:
+        """Close every connection, the senders and the listener; idempotent."""
+        if self._failure is not None:
+            self._aborted.wait(_NOTICE_SECONDS + 0.5)  # let abort notices go out first
+        self._close_now()
+
+    def _close_now(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns.values())
+            self._cond.notify_all()
+        for sender in list(self._senders.values()):
+            sender.close()
+        for conn in conns:
+            conn.close()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop at once
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        acceptor = self._acceptor
+        if acceptor is not None and acceptor is not threading.current_thread():
+            acceptor.join(1.0)

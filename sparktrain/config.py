@@ -1,0 +1,252 @@
+"""TrainConfig: the one typed, validated source of every training knob.
+
+A config comes from Python keyword arguments, from a TOML file, or from ``--set key=value``
+overrides on the command line; all three go through :meth:`TrainConfig.from_dict`, so an
+unknown key or a bad value gets the same error everywhere, naming the key and what it
+accepts. Keys are flat; a TOML table ``[t]`` with key ``k`` is the dotted key ``t.k``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from sparktrain.errors import ConfigError
+
+STRATEGIES = ("ring", "tree")
+COMPRESSIONS = ("none",)
+LOSSES = ("cross_entropy", "mse", "bce_with_logits")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run.
+
+    Parameters
+    ----------
+    strategy:
+        How gradients are aggregated: ``"ring"`` (bandwidth-optimal ring allreduce between
+        barrier tasks) or ``"tree"`` (recursive doubling, for small latency-bound models).
+    compression:
+        Gradient compression spec; ``"none"`` for now.
+    epochs, batch_size, lr:
+        Passes over the data, samples per worker per step, learning rate.
+    optimizer, optimizer_kwargs:
+        ``"sgd"`` (``momentum``, ``nesterov``, ``weight_decay``), ``"adam"``, ``"adamw"``,
+        or a callable ``(params, lr) -> torch.optim.Optimizer``.
+    loss, loss_kwargs:
+        ``"cross_entropy"``, ``"mse"``, ``"bce_with_logits"`` or a callable
+        ``(output, target) -> scalar tensor`` (mean over the batch).
+    num_workers:
+        Barrier tasks, one training loop each; the data is repartitioned to match.
+    seed:
+        Seeds model initialisation, shuffling and the validation split.
+    comm_timeout:
+        Seconds any socket operation may wait before the peer is declared lost.
+    bucket_mb:
+        Gradients are fused into flat buckets of at most this many MiB per allreduce.
+    validation_fraction:
+        Fraction of each partition held out for validation when no validation data set
+        is given to :meth:`Trainer.fit`.
+    threads_per_worker:
+        ``torch.set_num_threads`` in each task; 0 means ``spark.task.cpus``.
+    progress, metrics_jsonl:
+        Show a live progress bar on the driver; append per-epoch metrics to this file.
+    """
+
+    strategy: str = "ring"
+    compression: str = "none"
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 0.01
+    optimizer: str | Callable[..., Any] = "sgd"
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss: str | Callable[..., Any] = "cross_entropy"
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_workers: int = 2
+    seed: int = 0
+    comm_timeout: float = 120.0
+    bucket_mb: float = 25.0
+    validation_fraction: float = 0.0
+    shuffle: bool = True
+    threads_per_worker: int = 0
+    progress: bool = True
+    metrics_jsonl: str = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first key whose value is not allowed."""
+        _one_of("strategy", self.strategy, STRATEGIES)
+        _one_of("compression", self.compression, COMPRESSIONS)
+        if isinstance(self.loss, str):
+            _one_of("loss", self.loss, LOSSES)
+        elif not callable(self.loss):
+            raise ConfigError(f"loss must be one of {', '.join(LOSSES)} or a callable")
+        if isinstance(self.optimizer, str):
+            _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        elif not callable(self.optimizer):
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)} or a callable")
+        _at_least("epochs", self.epochs, 1)
+        _at_least("batch_size", self.batch_size, 1)
+        _at_least("num_workers", self.num_workers, 1)
+        _at_least("threads_per_worker", self.threads_per_worker, 0)
+        _positive("lr", self.lr)
+        _positive("comm_timeout", self.comm_timeout)
+        _positive("bucket_mb", self.bucket_mb)
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(
+                f"validation_fraction={self.validation_fraction!r} is out of range: "
+                "use a value in [0, 1), e.g. 0.2"
+            )
+        for name in ("optimizer_kwargs", "loss_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a table/dict, e.g. {{momentum = 0.9}}")
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def keys(cls) -> list[str]:
+        """Every accepted key, in declaration order."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """Build from a flat mapping (dotted keys for tables); unknown keys are errors."""
+        flat = flatten(values)
+        known = set(cls.keys())
+        for key in flat:
+            if key not in known:
+                raise ConfigError(
+                    f"unknown config key {key!r}; allowed keys: {', '.join(cls.keys())}"
+                )
+        hints = get_type_hints(cls)
+        coerced = {k: _coerce(k, v, hints[k]) for k, v in flat.items()}
+        return cls(**coerced)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
+        """Read a TOML file, apply ``key=value`` overrides, validate."""
+        return cls.from_dict(apply_overrides(load_toml(path), overrides))
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some keys changed (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view (callables shown by name)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value if not callable(value) else _callable_name(value)
+        return out
+
+
+# ---------------------------------------------------------------------- helpers
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML file into a flat dict with dotted keys for tables."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; see conf/*.toml for examples")
+    try:
+        with p.open("rb") as fh:
+            return flatten(tomllib.load(fh))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, except for keys whose value is itself a dict
+    (``*_kwargs``), which stay tables."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and not name.endswith("_kwargs"):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = dict(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def apply_overrides(values: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply ``key=value`` strings; the value is parsed as TOML (so ``1``, ``0.1``,
+    ``true``, ``"x"`` and ``{a = 1}`` work), falling back to a bare string."""
+    out = dict(values)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        out[key] = parse_value(raw.strip())
+    return out
+
+
+def parse_value(raw: str) -> Any:
+    """Parse one override value as a TOML value, or keep it as a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Convert a TOML/CLI value to the field's type, or say what was expected."""
+    allowed = _allowed_types(hint)
+    if any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in allowed):
+        return value
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if bool in allowed and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if dict in allowed and isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return parsed
+    if str in allowed and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    names = " or ".join(t.__name__ for t in allowed if t is not type(None))
+    raise ConfigError(f"config key {key!r} expects {names}, got {value!r}")
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...]:
+    origin = get_origin(hint)
+    if origin is Union or str(origin) == "<class 'types.UnionType'>":
+        out: list[type] = []
+        for arg in get_args(hint):
+            out.extend(_allowed_types(arg))
+        return tuple(out)
+    if origin is not None:
+        return (origin,) if isinstance(origin, type) and origin.__module__ == "builtins" else ()
+    return (hint,) if isinstance(hint, type) else ()
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not supported; allowed values: {', '.join(allowed)}")
+
+
+def _at_least(key: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{key}={value!r} must be an integer >= {low}")
+
+
+def _positive(key: str, value: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"{key}={value!r} must be a number > 0")
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"

@@ -1,0 +1,81 @@
+"""Data sets for jobs, tests and benchmarks: real ones from scikit-learn, synthetic ones
+only for throughput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sparktrain.errors import ConfigError
+
+
+@dataclass
+class Split:
+    """Train and test arrays of one data set."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+
+
+def digits(test_fraction: float = 0.25, seed: int = 0) -> Split:
+    """scikit-learn's bundled 8x8 handwritten digits (1,797 images), scaled to [0, 1],
+    split stratified into train and test."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.int64)
+    xtr, xte, ytr, yte = train_test_split(
+        x, y, test_size=test_fraction, random_state=seed, stratify=y
+    )
+    return Split(xtr, ytr, xte, yte, num_classes=10)
+
+
+def synthetic(
+    n: int = 100_000,
+    features: int = 256,
+    classes: int = 10,
+    test_fraction: float = 0.1,
+    seed: int = 0,
+) -> Split:
+    """A linearly separable-ish classification task from a random teacher: only for
+    measuring throughput, never for claims about accuracy."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, features), dtype=np.float32)
+    teacher = rng.standard_normal((features, classes), dtype=np.float32)
+    y = np.argmax(x @ teacher + 0.5 * rng.standard_normal((n, classes)), axis=1).astype(np.int64)
+    cut = int(n * (1 - test_fraction))
+    return Split(x[:cut], y[:cut], x[cut:], y[cut:], num_classes=classes)
+
+
+DATASETS = {"digits": digits, "synthetic": synthetic}
+
+
+def load(name: str, **kwargs: object) -> Split:
+    """Load a data set by name."""
+    if name not in DATASETS:
+        raise ConfigError(f"dataset {name!r} unknown; allowed: {', '.join(DATASETS)}")
+    try:
+        loader: Any = DATASETS[name]
+        return loader(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"dataset {name!r} does not take {kwargs}: {exc}") from exc
+
+
+def to_dataframe(spark: Any, x: np.ndarray, y: np.ndarray, partitions: int) -> Any:
+    """A DataFrame with ``features`` (array<float>) and ``label`` (double) columns, built
+    through Arrow (no per-row Python objects)."""
+    import pyarrow as pa
+
+    width = x.shape[1]
+    features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1), pa.float32()), width)
+    table = pa.table(
+        {"features": features.cast(pa.list_(pa.float32())), "label": pa.array(y.astype(np.float64))}
+    )
+    return spark.createDataFrame(table).repartition(partitions)

@@ -1,0 +1,115 @@
+"""The sparktrain error hierarchy.
+
+Every message says what went wrong *and* what to do about it. Errors raised inside a
+Spark task travel to the driver as text; :func:`WorkerError.from_spark` recovers the
+original class and message from Spark's wrapped traceback so users see our words,
+not a Py4J stack.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+class SparkTrainError(Exception):
+    """Base class of every error sparktrain raises on purpose."""
+
+
+class ConfigError(SparkTrainError, ValueError):
+    """A configuration key or value is unknown or out of range."""
+
+
+class DataError(SparkTrainError, ValueError):
+    """The training data does not fit the model or the config (columns, widths, NaN...)."""
+
+
+class ResourceError(SparkTrainError):
+    """The cluster cannot run the job as configured (too few slots, dynamic allocation...)."""
+
+
+class CommError(SparkTrainError):
+    """Communication between workers (or with the driver) failed."""
+
+
+class HandshakeError(CommError):
+    """A peer failed the authenticated handshake (wrong secret, wrong job, bad bytes)."""
+
+
+class FrameError(CommError):
+    """A frame on the wire is malformed, oversized or unexpected."""
+
+
+class PeerLostError(CommError):
+    """A peer stopped answering or closed its connection."""
+
+    def __init__(self, rank: int, detail: str) -> None:
+        self.rank = rank
+        super().__init__(
+            f"lost contact with rank {rank}: {detail}. The peer's task probably failed; "
+            "check its executor log, or raise comm_timeout if it is merely slow."
+        )
+
+    def __reduce__(self) -> tuple[object, tuple[int, str]]:  # keep picklable across Spark
+        return (_rebuild_peer_lost, (self.rank, str(self)))
+
+
+def _rebuild_peer_lost(rank: int, message: str) -> PeerLostError:
+    err = PeerLostError.__new__(PeerLostError)
+    err.rank = rank
+    Exception.__init__(err, message)
+    return err
+
+
+class WorkerError(SparkTrainError):
+    """An error raised inside a Spark task, surfaced on the driver."""
+
+    _TAGGED = re.compile(r"sparktrain\.errors\.(\w+): (.*)")
+
+    @classmethod
+    def from_spark(cls, exc: BaseException) -> SparkTrainError:
+        """Turn a Spark/Py4J exception into the sparktrain error a task raised, if any."""
+        text = str(exc)
+        found = None
+        for line in text.splitlines():
+            match = cls._TAGGED.search(line)
+            if match:
+                found = match  # the innermost (last) one is the cause
+        if found is None:
+            return cls(f"the training stage failed: {_cause(text)}")
+        error_cls = _BY_NAME.get(found.group(1), cls)
+        return error_cls(found.group(2).strip())
+
+
+_EXCEPTION_LINE = re.compile(r"([\w.$]+(?:Error|Exception)): (.+)")
+
+
+def _cause(text: str) -> str:
+    """The most specific exception line of a Spark/Py4J error text (the last one that is
+    not Py4J's own wrapper), else its first non-empty line."""
+    best = None
+    for line in text.splitlines():
+        match = _EXCEPTION_LINE.search(line.strip())
+        if match and "Py4JJavaError" not in match.group(1):
+            best = f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2)}"
+    if best:
+        return best[:2000]
+    return next(
+        (line.strip()[:2000] for line in text.splitlines() if line.strip()), "unknown error"
+    )
+
+
+_BY_NAME: dict[str, type[SparkTrainError]] = {
+    c.__name__: c
+    for c in (
+        SparkTrainError,
+        ConfigError,
+        DataError,
+        ResourceError,
+        CommError,
+        HandshakeError,
+        FrameError,
+        WorkerError,
+    )
+}
+# PeerLostError's constructor takes a rank; its text already says everything.
+_BY_NAME["PeerLostError"] = CommError

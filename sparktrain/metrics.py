@@ -1,0 +1,187 @@
+"""Progress and metrics: a small authenticated channel from rank 0 to the driver.
+
+Rank 0 sends JSON messages (``start``, ``step``, ``epoch``) over the same wire as the
+allreduce (``KIND_METRICS`` frames, never pickle). The driver shows a live progress bar
+and appends one JSON line per epoch to ``metrics_jsonl``. Progress is a convenience:
+if the channel breaks, training goes on and a warning is logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sparktrain.comm import wire
+from sparktrain.errors import CommError
+
+log = logging.getLogger(__name__)
+
+# Step messages are throttled so that progress never costs training time.
+STEP_REPORT_INTERVAL_S = 0.25
+
+
+class MetricsClient:
+    """Rank 0's end of the channel; every method swallows communication failures."""
+
+    def __init__(
+        self, address: str, *, secret: bytes, job_id: str, attempt: int, timeout: float
+    ) -> None:
+        self._conn: wire.Connection | None = None
+        self._last_step = 0.0
+        try:
+            self._conn = wire.connect(
+                address,
+                secret=secret,
+                job_id=job_id,
+                attempt=attempt,
+                my_rank=0,
+                peer_rank=wire.DRIVER_RANK,
+                timeout=timeout,
+                stats=wire.CommStats(),
+            )
+        except (CommError, OSError) as exc:
+            log.warning("progress channel to the driver unavailable (%s); training goes on", exc)
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._conn is None:
+            return
+        if message.get("type") == "step":
+            now = time.monotonic()
+            if now - self._last_step < STEP_REPORT_INTERVAL_S:
+                return
+            self._last_step = now
+        try:
+            self._conn.send_bytes(json.dumps(message).encode(), wire.KIND_METRICS)
+        except (CommError, OSError) as exc:
+            log.warning("progress channel to the driver broke (%s); training goes on", exc)
+            self.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class MetricsServer:
+    """The driver's end: accepts rank 0 (of any attempt), feeds a progress display."""
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        secret: bytes,
+        job_id: str,
+        attempt: int,
+        on_message: Callable[[dict[str, Any]], None],
+        idle_timeout: float = 24 * 3600.0,
+    ) -> None:
+        self._listener = wire.open_listener(host)
+        self._listener.settimeout(0.5)  # lets the accept loop notice stop()
+        self.address = wire.address_of(self._listener)
+        self._secret, self._job_id, self._attempt = secret, job_id, attempt
+        self._on_message = on_message
+        self._idle_timeout = idle_timeout
+        self._stop = threading.Event()
+        self._conns: list[wire.Connection] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name="sparktrain-metrics", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn = wire.accept(
+                    self._listener,
+                    secret=self._secret,
+                    job_id=self._job_id,
+                    attempt=self._attempt,
+                    my_rank=wire.DRIVER_RANK,
+                    timeout=10.0,
+                    stats=wire.CommStats(),
+                )
+            except (CommError, OSError) as exc:
+                if not isinstance(exc, TimeoutError) and not self._stop.is_set():
+                    log.debug("metrics channel: refused a connection: %s", exc)
+                continue
+            with self._lock:
+                self._conns.append(conn)
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: wire.Connection) -> None:
+        conn.set_timeout(self._idle_timeout)
+        while not self._stop.is_set():
+            try:
+                _, payload = conn.recv_bytes(wire.KIND_METRICS, max_bytes=1 << 20)
+                message = json.loads(payload)
+            except (CommError, OSError, ValueError):
+                return
+            if isinstance(message, dict):
+                try:
+                    self._on_message(message)
+                except Exception:  # a display bug must not end the reader
+                    log.exception("metrics display failed")
+
+    def stop(self) -> None:
+        """Close the listener and every connection; idempotent."""
+        self._stop.set()
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+        self._listener.close()
+        self._thread.join(timeout=5)
+
+
+class ProgressDisplay:
+    """A tqdm bar (epoch, step, loss, samples/s) plus per-epoch JSON lines."""
+
+    def __init__(self, enabled: bool, jsonl_path: str = "") -> None:
+        self.enabled = enabled
+        self.jsonl_path = jsonl_path
+        self.epochs: list[dict[str, Any]] = []
+        self._bar: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            kind = message.get("type")
+            if kind == "start" and self.enabled:
+                from tqdm.auto import tqdm
+
+                total = int(message.get("epochs", 0)) * int(message.get("steps_per_epoch", 0))
+                self._bar = tqdm(total=total, unit="step", desc="training", dynamic_ncols=True)
+            elif kind == "step" and self._bar is not None:
+                done = int(message["epoch"]) * int(message["steps_per_epoch"]) + int(
+                    message["step"]
+                )
+                self._bar.update(max(0, done - self._bar.n))
+                self._bar.set_postfix(
+                    epoch=message["epoch"] + 1,
+                    loss=f"{message['loss']:.4f}",
+                    samples_s=f"{message['samples_per_s']:.0f}",
+                    refresh=False,
+                )
+            elif kind == "epoch":
+                self.epochs.append(message)
+                if self.jsonl_path:
+                    path = Path(self.jsonl_path)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    with path.open("a") as fh:
+                        fh.write(json.dumps(message) + "\n")
+                if self._bar is not None:
+                    self._bar.write(
+                        f"epoch {message['epoch'] + 1}: loss {message['loss']:.4f} "
+                        f"{message['metric_name']} {message['metric']:.4f} "
+                        f"({message['seconds']:.2f} s)"
+                    )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None

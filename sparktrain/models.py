@@ -1,0 +1,30 @@
+"""Ready-made model factories, importable as ``"sparktrain.models:NAME"``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+
+from torch import nn
+
+
+def mlp(
+    in_features: int = 64,
+    hidden: Sequence[int] | int = (128,),
+    out_features: int = 10,
+    dropout: float = 0.0,
+) -> nn.Sequential:
+    """A ReLU multi-layer perceptron; the default is the digits 64-128-10 MLP."""
+    sizes = [in_features, *([hidden] if isinstance(hidden, int) else hidden)]
+    layers: list[nn.Module] = []
+    for a, b in pairwise(sizes):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+        if dropout > 0:
+            layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(sizes[-1], out_features))
+    return nn.Sequential(*layers)
+
+
+def digits_mlp() -> nn.Sequential:
+    """The main job's model: 64 inputs (8x8 digits), 128 hidden, 10 classes."""
+    return mlp(64, (128,), 10)

@@ -1,0 +1,53 @@
+"""Starting a SparkSession the way sparktrain expects: on loopback, quiet, with a bounded
+barrier timeout. Only the CLI, jobs and tests start sessions; the Trainer uses the active
+one."""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+LOOPBACK = "127.0.0.1"
+
+# Applied unless the caller (or spark-submit) already set them.
+DEFAULTS: dict[str, str] = {
+    "spark.driver.host": LOOPBACK,
+    "spark.driver.bindAddress": LOOPBACK,
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.barrier.sync.timeout": "600s",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.python.worker.reuse": "true",
+}
+
+
+def log4j_options() -> str:
+    """JVM option that points log4j2 at sparktrain's quiet configuration."""
+    path = resources.files("sparktrain").joinpath("resources/log4j2.properties")
+    return f"-Dlog4j2.configurationFile={path}"
+
+
+def get_or_create_session(
+    master: str | None = None, app_name: str = "sparktrain", conf: dict[str, str] | None = None
+) -> SparkSession:
+    """The active session, or a new one with sparktrain's loopback defaults."""
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None and master is None:
+        return active
+    os.environ.setdefault("SPARK_LOCAL_IP", LOOPBACK)
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    settings = {**DEFAULTS, "spark.driver.extraJavaOptions": log4j_options(), **(conf or {})}
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark

@@ -1,0 +1,258 @@
+"""The driver side: validate the job, launch the barrier stage, rebuild the trained model.
+
+>>> from sparktrain import Trainer, TrainConfig
+>>> result = Trainer("sparktrain.models:digits_mlp",
+...                  TrainConfig(strategy="ring", epochs=20, lr=0.1)).fit(df)  # doctest: +SKIP
+>>> result.summary["metric_value"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
+from sparktrain.launch import barrier
+from sparktrain.launch.prepare import PreparedData, prepare
+from sparktrain.launch.resources import check_can_launch, task_cpus
+from sparktrain.metrics import MetricsServer, ProgressDisplay
+from sparktrain.modeling import (
+    ModelFn,
+    build_loss,
+    build_model,
+    build_optimizer,
+    resolve_model_fn,
+)
+from sparktrain.worker.context import JobSpec
+from sparktrain.worker.loop import Record
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`Trainer.fit` returns: the trained module (rank 0's weights, on the
+    driver), the per-epoch history and the run's summary (see README for the keys)."""
+
+    model: nn.Module
+    history: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def save_summary(self, path: str | Path) -> None:
+        """Write the summary as pretty JSON."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.summary, indent=2) + "\n")
+
+
+class Trainer:
+    """Data-parallel training of a torch model over a Spark DataFrame or RDD.
+
+    Parameters
+    ----------
+    model_fn:
+        Builds the ``torch.nn.Module``: a picklable zero-argument callable, or an
+        importable ``"package.module:function"`` string.
+    config:
+        Every training knob (:class:`TrainConfig`).
+    model_kwargs:
+        Keyword arguments for ``model_fn``.
+    spark:
+        The session to use; the active one by default.
+    """
+
+    def __init__(
+        self,
+        model_fn: ModelFn,
+        config: TrainConfig | None = None,
+        *,
+        model_kwargs: dict[str, Any] | None = None,
+        spark: SparkSession | None = None,
+    ) -> None:
+        self.model_fn = model_fn
+        self.config = config or TrainConfig()
+        self.config.validate()
+        self.model_kwargs = dict(model_kwargs or {})
+        self._spark = spark
+
+    def fit(
+        self,
+        data: Any,
+        features_col: str = "features",
+        label_col: str = "label",
+        validation_data: Any = None,
+    ) -> TrainResult:
+        """Train on ``data`` and return the model, history and summary.
+
+        ``data`` is a DataFrame with a features column (``array<float|double>`` or an ml
+        Vector) and a numeric label column, or an RDD of ``(features, label)`` pairs.
+        ``validation_data`` (same kind) is evaluated after every epoch; without it,
+        ``config.validation_fraction`` of each partition is held out.
+        """
+        started = time.perf_counter()
+        cfg = self.config
+        spark = self._session()
+        sc = spark.sparkContext
+        check_can_launch(sc, cfg.num_workers)
+        prepared = prepare(data, validation_data, features_col, label_col, cfg.num_workers)
+        model, num_outputs = self._check_model(prepared.feature_width)
+
+        job_id = uuid.uuid4().hex[:12]
+        secret = secrets.token_bytes(32)
+        host = sc.getConf().get("spark.driver.host", "127.0.0.1")
+        display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
+        server = MetricsServer(host, secret=secret, job_id=job_id, attempt=0, on_message=display)
+        spec = JobSpec(
+            job_id=job_id,
+            attempt=0,
+            secret=secret,
+            config=cfg,
+            model_fn=self.model_fn,
+            model_kwargs=self.model_kwargs,
+            feature_width=prepared.feature_width,
+            num_outputs=num_outputs,
+            metrics_address=server.address,
+            threads=cfg.threads_per_worker or task_cpus(sc),
+        )
+        log.info("job %s: %s on %d workers", job_id, cfg.strategy, cfg.num_workers)
+        launched = time.perf_counter()
+        try:
+            records = self._launch(prepared, spec)
+        finally:
+            server.stop()
+            display.close()
+        return _assemble(
+            model,
+            records,
+            cfg,
+            wall_s=time.perf_counter() - started,
+            stage_s=time.perf_counter() - launched,
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _session(self) -> SparkSession:
+        if self._spark is not None:
+            return self._spark
+        from sparktrain.session import get_or_create_session
+
+        return get_or_create_session()
+
+    def _check_model(self, width: int) -> tuple[nn.Module, int]:
+        """Build the model once on the driver: does it take this feature width, and do the
+        loss and optimizer settings fit it? Fails here rather than in every task."""
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        model = build_model(resolve_model_fn(self.model_fn, self.model_kwargs))
+        model.eval()
+        try:
+            with torch.no_grad():
+                out = model(torch.zeros(2, width))
+        except Exception as exc:
+            raise DataError(
+                f"the model does not accept features of width {width} ({exc}); check the "
+                "features column or the model's input size"
+            ) from exc
+        num_outputs = int(out.shape[1]) if out.ndim == 2 else 1
+        if cfg.loss == "cross_entropy" and num_outputs < 2:
+            raise ConfigError(
+                f"loss='cross_entropy' needs one output per class, the model has {num_outputs}; "
+                "use bce_with_logits for a single logit"
+            )
+        build_loss(cfg.loss, dict(cfg.loss_kwargs))
+        build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, dict(cfg.optimizer_kwargs))
+        return model.train(), num_outputs
+
+    def _launch(self, prepared: PreparedData, spec: JobSpec) -> list[Record]:
+        try:
+            try:
+                return barrier.run(prepared, spec)
+            except Exception as exc:
+                if not barrier.is_unsupported_chain(exc):
+                    raise
+            # Spark refuses barrier stages over a union or coalesce whose partition counts
+            # differ (checked at submission, before any task runs): shuffle and retry.
+            log.info(
+                "the input's lineage cannot feed a barrier stage (union/coalesce); "
+                "shuffling it into %d partitions",
+                self.config.num_workers,
+            )
+            return barrier.run(prepared.shuffled(self.config.num_workers), spec)
+        except SparkTrainError:
+            raise
+        except Exception as exc:  # Py4J / PythonException wrapping a task's error
+            raise WorkerError.from_spark(exc) from exc
+
+
+def _assemble(
+    model: nn.Module, records: list[Record], cfg: TrainConfig, wall_s: float, stage_s: float
+) -> TrainResult:
+    """Load rank 0's state into the driver's model and build the summary."""
+    stats = sorted(
+        (json.loads(r.data) for r in records if r.kind == "stats"), key=lambda s: s["rank"]
+    )
+    metas = [r for r in records if r.kind == "meta"]
+    if len(metas) != 1 or len(stats) != cfg.num_workers:
+        raise WorkerError(
+            f"the training stage returned {len(stats)} of {cfg.num_workers} worker reports "
+            f"and {len(metas)} model states; this is a bug, please report it"
+        )
+    meta = json.loads(metas[0].data)
+    blob = b"".join(
+        r.data for r in sorted((r for r in records if r.kind == "state"), key=lambda r: r.seq)
+    )
+    if len(blob) != meta["nbytes"]:
+        raise WorkerError(f"model state truncated: got {len(blob)} of {meta['nbytes']} bytes")
+    state = {}
+    for item in meta["layout"]:
+        dtype = getattr(torch, item["dtype"])
+        raw = bytearray(blob[item["offset"] : item["offset"] + item["nbytes"]])
+        tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        state[item["name"]] = tensor.reshape(item["shape"])
+    model.load_state_dict(state)
+
+    history = meta["history"]
+    last = history[-1]
+    train_s = max(s["train_s"] for s in stats)
+    train_samples = sum(s["train_rows"] for s in stats)
+    comm = [s["comm"] for s in stats]
+    summary = {
+        "strategy": cfg.strategy,
+        "compression": cfg.compression,
+        "world_size": cfg.num_workers,
+        "epochs": cfg.epochs,
+        "train_samples": train_samples,
+        "train_rows_per_worker": [s["train_rows"] for s in stats],
+        "steps_per_epoch": stats[0]["steps_per_epoch"],
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": last["loss"],
+        "metric_name": meta["metric_name"],
+        "metric_value": last["metric"],
+        "wall_s": wall_s,
+        "stage_s": stage_s,
+        "train_s": train_s,
+        "comm_s": max(s["comm_s"] for s in stats),
+        "samples_per_s": train_samples * cfg.epochs / train_s if train_s > 0 else 0.0,
+        "bytes_sent": sum(c["raw_bytes_sent"] for c in comm),
+        "wire_bytes": sum(c["wire_bytes_sent"] for c in comm),
+        "restarts": 0,
+        "replicas_in_sync": len({s["param_digest"] for s in stats}) == 1,
+        "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
+        "config": cfg.to_dict(),
+    }
+    summary["compression_ratio"] = (
+        summary["bytes_sent"] / summary["wire_bytes"] if summary["wire_bytes"] else 1.0
+    )
+    return TrainResult(model=model, history=summary["history"], summary=summary)

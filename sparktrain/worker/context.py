@@ -1,0 +1,52 @@
+"""What a worker knows about its job and its peers; no Spark types here.
+
+`launch/barrier.py` builds a :class:`WorkerContext` from Spark's ``BarrierTaskContext``;
+tests build one from threads. Executor-side code sees only this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparktrain.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The picklable view of a job that travels from the driver to every task.
+
+    Holds no SparkSession, socket or lock: only plain values and the model factory.
+    """
+
+    job_id: str
+    attempt: int
+    secret: bytes = field(repr=False)
+    config: TrainConfig
+    model_fn: Any  # zero-argument callable or "package.module:function"
+    model_kwargs: dict[str, Any]
+    feature_width: int
+    num_outputs: int
+    metrics_address: str | None = None
+    threads: int = 1
+    state_chunk_bytes: int = 4 << 20
+
+
+@dataclass
+class WorkerContext:
+    """Rank, world and the two collective primitives a worker needs from its launcher."""
+
+    rank: int
+    world_size: int
+    host: str
+    all_gather: Callable[[str], list[str]]
+    barrier: Callable[[], None]
+    spec: JobSpec | None = None
+
+    @property
+    def job(self) -> JobSpec:
+        """The job this task trains for (benchmarks run tasks without one)."""
+        if self.spec is None:
+            raise RuntimeError("this task was launched without a JobSpec")
+        return self.spec

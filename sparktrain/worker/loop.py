@@ -1,0 +1,321 @@
+"""The training loop every barrier task runs.
+
+Order of events on each rank:
+
+1. convert the partition (already done by the caller) and split off validation rows;
+2. one ``all_gather`` of (listener address, row counts, error): every rank learns the
+   peers, the common number of steps per epoch, and whether any rank found bad data —
+   in which case *all* ranks raise before any socket is used, so nobody hangs;
+3. epochs of steps: forward/backward, gradients averaged by the allreduce (weighted by
+   sample counts, see ``buckets.py``), identical optimizer steps on every rank;
+4. after each epoch a tiny allreduce of loss/metric sums gives global figures;
+5. every rank returns its communication stats; rank 0 also returns the trained state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from sparktrain import errors
+from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
+from sparktrain.metrics import MetricsClient
+from sparktrain.modeling import (
+    build_loss,
+    build_model,
+    build_optimizer,
+    is_classification,
+    label_dtype,
+    resolve_model_fn,
+)
+from sparktrain.worker.buckets import GradientBuckets
+from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.data import PartitionData, check_labels, epoch_batches
+
+# torch's global RNG is per process; ranks run as threads (in tests, or several tasks in one
+# reused Python worker) must not interleave seeding and initialisation.
+_SEEDED_INIT = threading.Lock()
+
+# Validation runs in slices so that memory stays bounded on large partitions.
+EVAL_SLICE = 8192
+
+
+@dataclass
+class Record:
+    """One output row of a task: ``kind`` is ``stats``, ``meta`` or ``state``."""
+
+    rank: int
+    kind: str
+    seq: int
+    data: bytes
+
+
+def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
+    """Run the whole training loop for one rank and return its output records."""
+    spec, cfg = ctx.job, ctx.job.config
+    torch.set_num_threads(max(1, spec.threads))
+    started = time.perf_counter()
+
+    problem: str | None = None
+    train, val = data, data
+    try:
+        train, val = data.split(cfg.validation_fraction, cfg.seed, ctx.rank)
+        if cfg.loss == "cross_entropy":
+            check_labels(data.y, spec.num_outputs, ctx.rank)
+    except errors.SparkTrainError as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+
+    listener = open_listener(ctx.host)
+    try:
+        mine = {
+            "address": address_of(listener),
+            "train": train.size,
+            "val": val.size,
+            "error": problem,
+        }
+        infos = [json.loads(s) for s in ctx.all_gather(json.dumps(mine))]
+        _raise_first_error(infos)
+        world_train = sum(i["train"] for i in infos)
+        world_val = sum(i["val"] for i in infos)
+        if world_train == 0:
+            raise errors.DataError("the training data is empty on every worker")
+        steps_per_epoch = max(math.ceil(i["train"] / cfg.batch_size) for i in infos)
+        mesh = Mesh(
+            ctx.rank,
+            ctx.world_size,
+            listener,
+            [i["address"] for i in infos],
+            secret=spec.secret,
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            timeout=cfg.comm_timeout,
+        )
+    except BaseException:
+        listener.close()
+        raise
+    try:
+        return _train(
+            ctx,
+            mesh,
+            train,
+            val if world_val else train,
+            world_val > 0,
+            steps_per_epoch,
+            world_train,
+            started,
+        )
+    finally:
+        mesh.close()
+
+
+def _raise_first_error(infos: list[dict[str, Any]]) -> None:
+    for rank, info in enumerate(infos):
+        if info["error"]:
+            name, _, message = info["error"].partition(": ")
+            error_cls = getattr(errors, name, errors.SparkTrainError)
+            raise error_cls(message if f"rank {rank}" in message else f"rank {rank}: {message}")
+
+
+def _train(
+    ctx: WorkerContext,
+    mesh: Mesh,
+    train: PartitionData,
+    evaluation: PartitionData,
+    has_validation: bool,
+    steps_per_epoch: int,
+    world_train: int,
+    started: float,
+) -> list[Record]:
+    spec, cfg = ctx.job, ctx.job.config
+    allreduce = make_allreduce(cfg.strategy, mesh)
+    with _SEEDED_INIT:  # same seed on every rank: identical initial weights
+        torch.manual_seed(cfg.seed)
+        model = build_model(resolve_model_fn(spec.model_fn, spec.model_kwargs))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, dict(cfg.optimizer_kwargs))
+    loss_fn = build_loss(cfg.loss, dict(cfg.loss_kwargs))
+    buckets = GradientBuckets(params, int(cfg.bucket_mb * (1 << 20)))
+    x_all = torch.from_numpy(train.x)
+    y_all = torch.from_numpy(train.y).to(label_dtype(cfg.loss))
+
+    reporter = None
+    if ctx.rank == 0 and spec.metrics_address:
+        reporter = MetricsClient(
+            spec.metrics_address,
+            secret=spec.secret,
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            timeout=min(cfg.comm_timeout, 10.0),
+        )
+        reporter.send(
+            {
+                "type": "start",
+                "epochs": cfg.epochs,
+                "steps_per_epoch": steps_per_epoch,
+                "world_size": ctx.world_size,
+                "train_samples": world_train,
+            }
+        )
+    metric_name = "accuracy" if is_classification(cfg.loss) else "rmse"
+    if not has_validation:
+        metric_name = f"train_{metric_name}"
+
+    history: list[dict[str, Any]] = []
+    comm_s = 0.0
+    train_started = time.perf_counter()
+    try:
+        for epoch in range(cfg.epochs):
+            epoch_started = time.perf_counter()
+            model.train()
+            rng = np.random.default_rng([cfg.seed, ctx.rank, epoch]) if cfg.shuffle else None
+            batches = list(epoch_batches(train.size, cfg.batch_size, rng))
+            loss_sum = 0.0
+            for step in range(steps_per_epoch):
+                optimizer.zero_grad(set_to_none=False)
+                count = 0
+                if step < len(batches):
+                    idx = torch.from_numpy(batches[step])
+                    out = model(x_all[idx])
+                    loss = loss_fn(out, _target_like(y_all[idx], out))
+                    loss.backward()
+                    count = len(idx)
+                    loss_sum += float(loss.detach()) * count
+                t = time.perf_counter()
+                buckets.average_(allreduce, count)
+                comm_s += time.perf_counter() - t
+                optimizer.step()
+                if reporter is not None:
+                    elapsed = time.perf_counter() - epoch_started
+                    reporter.send(
+                        {
+                            "type": "step",
+                            "epoch": epoch,
+                            "step": step + 1,
+                            "steps_per_epoch": steps_per_epoch,
+                            "loss": loss_sum / max(1, min(train.size, (step + 1) * cfg.batch_size)),
+                            "samples_per_s": world_train
+                            * (step + 1)
+                            / steps_per_epoch
+                            / max(elapsed, 1e-9),
+                        }
+                    )
+            sums = np.array(
+                [loss_sum, train.size, *_evaluate(model, evaluation, cfg.loss, loss_fn)]
+            )
+            allreduce.allreduce_(sums)
+            epoch_loss = sums[0] / max(sums[1], 1)
+            metric = _finish_metric(sums[2], sums[3], cfg.loss)
+            record = {
+                "type": "epoch",
+                "epoch": epoch,
+                "loss": float(epoch_loss),
+                "metric_name": metric_name,
+                "metric": metric,
+                "seconds": time.perf_counter() - epoch_started,
+            }
+            history.append(record)
+            if reporter is not None:
+                reporter.send(record)
+    finally:
+        if reporter is not None:
+            reporter.close()
+    train_s = time.perf_counter() - train_started
+
+    stats = {
+        "rank": ctx.rank,
+        "train_rows": train.size,
+        "steps_per_epoch": steps_per_epoch,
+        "train_s": train_s,
+        "comm_s": comm_s,
+        "task_s": time.perf_counter() - started,
+        "comm": mesh.stats.as_dict(),
+        "gradient_elements": buckets.num_elements,
+        "param_digest": _digest(params),
+    }
+    records = [Record(ctx.rank, "stats", 0, json.dumps(stats).encode())]
+    if ctx.rank == 0:
+        records += _state_records(model, history, metric_name, spec.state_chunk_bytes)
+    return records
+
+
+def _digest(params: list[nn.Parameter]) -> str:
+    """A hash of this replica's weights: equal on every rank when replicas stayed in sync."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _target_like(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Regression and BCE targets take the output's shape ((n,) labels vs (n, 1) outputs)."""
+    if y.dtype.is_floating_point and y.shape != out.shape and y.numel() == out.numel():
+        return y.view_as(out)
+    return y
+
+
+def _evaluate(
+    model: nn.Module, data: PartitionData, loss: Any, loss_fn: Any
+) -> tuple[float, float]:
+    """(correct count or squared-error sum, rows) over this rank's evaluation rows."""
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, data.size, EVAL_SLICE):
+            x = torch.from_numpy(data.x[start : start + EVAL_SLICE])
+            y = torch.from_numpy(data.y[start : start + EVAL_SLICE])
+            out = model(x)
+            if loss == "cross_entropy":
+                total += float((out.argmax(dim=1) == y.long()).sum())
+            elif loss == "bce_with_logits":
+                total += float(((out.reshape(-1) > 0).double() == y).sum())
+            else:
+                total += float(
+                    ((out.double().reshape(y.shape[0], -1) - y.reshape(-1, 1)) ** 2).sum()
+                )
+    model.train()
+    return total, float(data.size)
+
+
+def _finish_metric(total: float, rows: float, loss: Any) -> float:
+    if rows == 0:
+        return float("nan")
+    if is_classification(loss):
+        return total / rows
+    return math.sqrt(total / rows)
+
+
+def _state_records(
+    model: nn.Module, history: list[dict[str, Any]], metric_name: str, chunk: int
+) -> Iterator[Record]:
+    """The trained state as raw bytes in chunks plus a JSON layout; no pickle."""
+    layout = []
+    blobs = []
+    offset = 0
+    for name, tensor in model.state_dict().items():
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        layout.append(
+            {
+                "name": name,
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "offset": offset,
+                "nbytes": len(raw),
+            }
+        )
+        blobs.append(raw)
+        offset += len(raw)
+    meta = {"layout": layout, "history": history, "metric_name": metric_name, "nbytes": offset}
+    yield Record(0, "meta", 0, json.dumps(meta).encode())
+    state = b"".join(blobs)
+    for seq, start in enumerate(range(0, len(state), chunk)):
+        yield Record(0, "state", seq, state[start : start + chunk])

@@ -1,0 +1,74 @@
+import pytest
+
+from sparktrain.cli import split_job_keys
+from sparktrain.config import TrainConfig, apply_overrides, load_toml
+from sparktrain.errors import ConfigError, SparkTrainError
+
+
+def test_defaults_validate():
+    cfg = TrainConfig()
+    assert cfg.strategy == "ring" and cfg.num_workers == 2
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("strategy", "carrier-pigeon", "allowed values: ring, tree"),
+        ("epochs", 0, "epochs=0 must be an integer >= 1"),
+        ("lr", -1.0, "lr=-1.0 must be a number > 0"),
+        ("optimizer", "lbfgs", "allowed values: sgd, adam, adamw"),
+        ("loss", "hinge", "allowed values: cross_entropy, mse, bce_with_logits"),
+        ("validation_fraction", 1.5, "validation_fraction"),
+        ("compression", "zip", "allowed values: none"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_allowed_values(key, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        TrainConfig.from_dict({key: value})
+
+
+def test_unknown_key_lists_allowed_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key 'epoch'.*epochs"):
+        TrainConfig.from_dict({"epoch": 3})
+
+
+def test_overrides_are_parsed_as_toml_values():
+    values = apply_overrides(
+        {"epochs": 1},
+        ["epochs=3", "lr=0.5", "strategy=tree", "shuffle=false", "optimizer_kwargs={momentum=0.9}"],
+    )
+    cfg = TrainConfig.from_dict(values)
+    assert (cfg.epochs, cfg.lr, cfg.strategy, cfg.shuffle) == (3, 0.5, "tree", False)
+    assert cfg.optimizer_kwargs == {"momentum": 0.9}
+
+
+def test_type_errors_say_what_was_expected():
+    with pytest.raises(ConfigError, match="'epochs' expects int"):
+        TrainConfig.from_dict(apply_overrides({}, ["epochs=many"]))
+    with pytest.raises(ConfigError, match="--set expects key=value"):
+        apply_overrides({}, ["epochs"])
+
+
+def test_int_is_accepted_for_float_keys():
+    assert TrainConfig.from_dict({"lr": 1}).lr == 1.0
+
+
+def test_shipped_configs_load(tmp_path):
+    for name in ("conf/digits_mlp.toml", "conf/synthetic_throughput.toml"):
+        job, rest = split_job_keys(load_toml(name))
+        TrainConfig.from_dict(rest)
+        assert ":" in job["model"]
+
+
+def test_job_table_rejects_unknown_keys():
+    with pytest.raises(SparkTrainError, match="the \\[job\\] table takes"):
+        split_job_keys({"job.modle": "x"})
+
+
+def test_missing_or_broken_toml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("epochs = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(bad)

@@ -1,0 +1,83 @@
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from sparktrain.errors import DataError
+from sparktrain.worker.data import (
+    FEATURES,
+    IS_VALIDATION,
+    LABEL,
+    PartitionData,
+    check_labels,
+    epoch_batches,
+    from_arrow,
+    from_rows,
+)
+
+
+def _batch(rows, labels, val=None):
+    cols = {FEATURES: pa.array(rows, pa.list_(pa.float32())), LABEL: pa.array(labels, pa.float64())}
+    if val is not None:
+        cols[IS_VALIDATION] = pa.array(val)
+    return pa.RecordBatch.from_pydict(cols)
+
+
+def test_arrow_batches_become_one_array():
+    batches = [_batch([[1, 2], [3, 4]], [0, 1]), _batch([], []), _batch([[5, 6]], [1], [True])]
+    data = from_arrow(batches, width=2, rank=0)
+    np.testing.assert_array_equal(data.x, [[1, 2], [3, 4], [5, 6]])
+    np.testing.assert_array_equal(data.y, [0, 1, 1])
+    np.testing.assert_array_equal(data.is_val, [False, False, True])
+    assert data.x.dtype == np.float32 and data.x.flags.c_contiguous
+
+
+def test_empty_partition_has_the_right_shape():
+    data = from_arrow([], width=3, rank=1)
+    assert data.x.shape == (0, 3) and data.size == 0
+
+
+@pytest.mark.parametrize(
+    ("rows", "needle"),
+    [
+        ([[1.0, 2.0], [1.0]], "has 1 values but the model expects 2"),
+        ([[1.0, float("nan")]], "NaN or infinite features"),
+        ([[1.0, float("inf")]], "NaN or infinite features"),
+        ([None], "null features"),
+    ],
+)
+def test_bad_arrow_rows_are_refused(rows, needle):
+    with pytest.raises(DataError, match=needle):
+        from_arrow([_batch(rows, [0] * len(rows))], width=2, rank=0)
+
+
+def test_rdd_rows():
+    data = from_rows([(np.array([1.0, 2.0]), 1), ([3, 4], 0, True)], width=2, rank=0)
+    np.testing.assert_array_equal(data.x, [[1, 2], [3, 4]])
+    np.testing.assert_array_equal(data.is_val, [False, True])
+    with pytest.raises(DataError, match="expects width 3"):
+        from_rows([([1.0, 2.0], 0)], width=3, rank=0)
+    with pytest.raises(DataError, match=r"\(features, label\) pairs"):
+        from_rows([(1.0,)], width=1, rank=0)
+
+
+def test_split_uses_tags_or_a_seeded_fraction():
+    x = np.zeros((1000, 1), np.float32)
+    tagged = PartitionData(x, np.zeros(1000), np.arange(1000) < 100)
+    train, val = tagged.split(0.5, seed=0, rank=0)
+    assert (train.size, val.size) == (900, 100)
+    untagged = PartitionData(x, np.zeros(1000), np.zeros(1000, bool))
+    a = untagged.split(0.2, seed=1, rank=0)[1].size
+    assert a == untagged.split(0.2, seed=1, rank=0)[1].size and 140 < a < 260
+
+
+def test_labels_must_be_class_indices():
+    check_labels(np.array([0.0, 9.0]), 10, 0)
+    for bad in ([0.5], [-1.0], [10.0]):
+        with pytest.raises(DataError, match="class indices 0..9"):
+            check_labels(np.array(bad), 10, 0)
+
+
+def test_epoch_batches_cover_every_row_once():
+    idx = np.concatenate(list(epoch_batches(10, 3, np.random.default_rng(0))))
+    assert sorted(idx.tolist()) == list(range(10))
+    assert [len(b) for b in epoch_batches(10, 3, None)] == [3, 3, 3, 1]
