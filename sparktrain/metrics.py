@@ -138,28 +138,24 @@ class MetricsServer:
 
 
 class ProgressDisplay:
-    """A tqdm bar (epoch, step, loss, samples/s) plus per-epoch JSON lines."""
+    """A tqdm bar (epoch, step, loss, samples/s) on a terminal, a log line per epoch, and
+    per-epoch JSON lines in ``jsonl_path``."""
 
     def __init__(self, enabled: bool, jsonl_path: str = "") -> None:
         self.enabled = enabled
         self.jsonl_path = jsonl_path
         self.epochs: list[dict[str, Any]] = []
         self._bar: Any = None
+        self._steps_per_epoch = 0
         self._lock = threading.Lock()
 
     def __call__(self, message: dict[str, Any]) -> None:
         with self._lock:
             kind = message.get("type")
-            if kind == "start" and self.enabled:
-                from tqdm.auto import tqdm
-
-                total = int(message.get("epochs", 0)) * int(message.get("steps_per_epoch", 0))
-                self._bar = tqdm(total=total, unit="step", desc="training", dynamic_ncols=True)
+            if kind == "start":
+                self._start(message)
             elif kind == "step" and self._bar is not None:
-                done = int(message["epoch"]) * int(message["steps_per_epoch"]) + int(
-                    message["step"]
-                )
-                self._bar.update(max(0, done - self._bar.n))
+                self._advance(int(message["epoch"]) * self._steps_per_epoch + int(message["step"]))
                 self._bar.set_postfix(
                     epoch=message["epoch"] + 1,
                     loss=f"{message['loss']:.4f}",
@@ -167,18 +163,36 @@ class ProgressDisplay:
                     refresh=False,
                 )
             elif kind == "epoch":
-                self.epochs.append(message)
-                if self.jsonl_path:
-                    path = Path(self.jsonl_path)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    with path.open("a") as fh:
-                        fh.write(json.dumps(message) + "\n")
-                if self._bar is not None:
-                    self._bar.write(
-                        f"epoch {message['epoch'] + 1}: loss {message['loss']:.4f} "
-                        f"{message['metric_name']} {message['metric']:.4f} "
-                        f"({message['seconds']:.2f} s)"
-                    )
+                self._epoch(message)
+
+    def _start(self, message: dict[str, Any]) -> None:
+        self._steps_per_epoch = int(message.get("steps_per_epoch", 0))
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            total = int(message.get("epochs", 0)) * self._steps_per_epoch
+            # disable=None: a bar on a terminal only, never \r-garbage in CI logs
+            self._bar = tqdm(total=total, unit="step", desc="training", disable=None)
+
+    def _epoch(self, message: dict[str, Any]) -> None:
+        self.epochs.append(message)
+        if self.jsonl_path:
+            path = Path(self.jsonl_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as fh:
+                fh.write(json.dumps(message) + "\n")
+        line = (
+            f"epoch {message['epoch'] + 1}: loss {message['loss']:.4f} "
+            f"{message['metric_name']} {message['metric']:.4f} ({message['seconds']:.2f} s)"
+        )
+        if self._bar is not None and not self._bar.disable:
+            self._advance((int(message["epoch"]) + 1) * self._steps_per_epoch)
+            self._bar.write(line)
+        elif self.enabled:
+            log.info(line)
+
+    def _advance(self, done: int) -> None:
+        self._bar.update(max(0, done - self._bar.n))
 
     def close(self) -> None:
         with self._lock:

@@ -38,7 +38,8 @@ def fast_config(**overrides) -> TrainConfig:  # type: ignore[no-untyped-def]
     base = {
         "epochs": 20,
         "batch_size": 32,
-        "lr": 0.1,
+        "lr": 0.05,
+        "optimizer_kwargs": {"momentum": 0.9},
         "num_workers": 2,
         "progress": False,
         "comm_timeout": 30.0,

@@ -101,7 +101,14 @@ def test_regression_reports_rmse(spark):
         (xi.astype(np.float32).tolist(), float(yi) / 100.0) for xi, yi in zip(x, y, strict=True)
     ]
     rdd = spark.sparkContext.parallelize(rows, 2)
-    cfg = fast_config(loss="mse", optimizer="adam", lr=0.01, epochs=30, validation_fraction=0.2)
+    cfg = fast_config(
+        loss="mse",
+        optimizer="adam",
+        optimizer_kwargs={},
+        lr=0.01,
+        epochs=30,
+        validation_fraction=0.2,
+    )
     result = Trainer(
         "sparktrain.models:mlp",
         cfg,
