@@ -10,7 +10,9 @@ Segments are pipelined in chunks of at most ``chunk_bytes``. A background sender
 thread keeps the outgoing socket busy while the calling thread receives the next
 chunk into a preallocated scratch buffer and adds it in place, so sending, receiving
 and adding overlap (socket calls and numpy ufuncs release the GIL). The hot loop
-allocates nothing but small view objects.
+allocates nothing but small view objects. Buffers of at most ``INLINE_MAX_BYTES / 2``
+are sent by the calling thread instead: there, the thread hand-off would cost more
+than the transfer.
 
 Every rank ends with the same bytes: each segment's sum is computed by exactly one
 rank (in a fixed order around the ring) and then copied verbatim to the others.
@@ -132,7 +134,8 @@ class RingAllreduce:
         # can run ahead of its successor by at most the whole exchange, 2x the buffer,
         # which then sits in the socket buffers. The frames are the same either way,
         # so ranks need not agree on the choice.
-        inline = 2 * (buf.nbytes + HEADER_BYTES * len(plan)) <= min(
+        frames = sum(len(seg) for seg in plan)
+        inline = 2 * (buf.nbytes + HEADER_BYTES * frames) <= min(
             INLINE_MAX_BYTES, send_conn.send_buffer_bytes // 4
         )
         sender = None if inline else mesh.sender(nxt)
@@ -153,6 +156,9 @@ class RingAllreduce:
                 put(view, KIND_DATA)
         # All-gather: finished segments arrive straight into place and are passed on,
         # except in the last step, when the segment has been everywhere else.
+        # Overwriting buf here is safe even while our own earlier sends of the same
+        # chunk may still be queued: the finished chunk includes this rank's
+        # contribution, so it cannot arrive before the successor has read that send.
         last = n - 2
         for step in range(n - 1):
             for a, b in plan[(r - step) % n]:

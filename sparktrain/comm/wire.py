@@ -120,6 +120,9 @@ _DTYPE_CODES: dict[np.dtype[Any], int] = {
 }
 _CODE_DTYPES = {code: dt for dt, code in _DTYPE_CODES.items()}
 
+# sendmsg/recvmsg_into let header and payload share one syscall (not on Windows).
+_SCATTER_GATHER = hasattr(socket.socket, "sendmsg") and hasattr(socket.socket, "recvmsg_into")
+
 # Errors that mean "the other end is gone or unreachable".
 _LOST = (TimeoutError, ConnectionError, OSError)
 
@@ -339,7 +342,7 @@ class Connection:
         self._recv_header = bytearray(HEADER_BYTES)
         self._recv_header_view = memoryview(self._recv_header)
         self._closed = False
-        self._closed_here = False
+        self._loss: str | None = None  # why the connection died, repeated by later calls
         try:
             self.send_buffer_bytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         except OSError:
@@ -372,21 +375,27 @@ class Connection:
 
     def _lost(self, what: str, exc: BaseException | None) -> PeerLostError:
         """Close and build the PeerLostError for a failed socket operation."""
-        closed_here = self._closed_here
-        self.close()
-        if closed_here:
-            detail = f"the connection was closed on this side while {what}"
-        elif isinstance(exc, TimeoutError):
-            detail = f"no progress for {self.timeout:g} s while {what}"
-        elif exc is None:
-            detail = f"the peer closed the connection while {what}"
+        if self._loss is not None:
+            detail = self._loss  # later calls repeat the first cause
+        elif self._closed:
+            detail = f"the connection was closed on this side (while {what})"
         else:
-            detail = f"{type(exc).__name__} while {what}: {exc}"
+            if isinstance(exc, TimeoutError):
+                detail = f"no progress for {self.timeout:g} s while {what}"
+            elif exc is None:
+                detail = f"the peer closed the connection while {what}"
+            else:
+                detail = f"{type(exc).__name__} while {what}: {exc}"
+            self._loss = detail
+        self.close()
         return PeerLostError(self.peer_rank, detail)
 
     def _bad_frame(self, detail: str) -> FrameError:
+        message = f"bad frame from rank {self.peer_rank}: {detail}; connection closed"
+        if self._loss is None:
+            self._loss = f"the connection was closed after a {message}"
         self.close()
-        return FrameError(f"bad frame from rank {self.peer_rank}: {detail}; connection closed")
+        return FrameError(message)
 
     # ----------------------------------------------------------------- sending
 
@@ -416,7 +425,10 @@ class Connection:
             try:
                 # One syscall for header + payload (scatter-gather), then finish off
                 # whatever the kernel did not take.
-                sent = sock.sendmsg([header, payload]) if nbytes else sock.send(header)
+                if nbytes and _SCATTER_GATHER:
+                    sent = sock.sendmsg([header, payload])
+                else:
+                    sent = sock.send(header)
                 if sent < HEADER_BYTES:
                     sock.sendall(memoryview(header)[sent:])
                     sock.sendall(payload)
@@ -590,7 +602,10 @@ class Connection:
         # frames). Bytes read past a frame that turns out to be shorter than expected
         # are lost, but such a frame is an error that closes the connection anyway.
         try:
-            got = sock.recvmsg_into([header, payload])[0] if nbytes else sock.recv_into(header)
+            if nbytes and _SCATTER_GATHER:
+                got = sock.recvmsg_into([header, payload])[0]
+            else:
+                got = sock.recv_into(header)
         except _LOST as exc:
             raise self._lost("waiting for a frame", exc) from exc
         if got == 0:
@@ -635,7 +650,6 @@ class Connection:
         if self._closed:
             return
         self._closed = True
-        self._closed_here = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
@@ -1040,6 +1054,10 @@ class Mesh:
     it tells the peers which rank was lost (when the stream allows), closes every
     connection so that neighbours fail at once instead of waiting for their timeout,
     and makes every later call raise the same, original error.
+
+    The mesh owns ``listener`` once constructed (:meth:`close` closes it). Run one
+    collective at a time per mesh: connections carry sequenced frames, so two
+    threads interleaving collectives on the same peers would corrupt both.
     """
 
     def __init__(
@@ -1086,7 +1104,7 @@ class Mesh:
         self._senders: dict[int, AsyncSender] = {}
         self._rejections: list[str] = []
         self._failure: CommError | None = None
-        self._aborted = threading.Event()  # set once abort() has told the peers
+        self._aborted = threading.Event()  # set once abort() told the peers, or on close
         self._closed = False
         self._acceptor: threading.Thread | None = None
         if rank > 0:  # rank 0 has no lower rank to dial it
@@ -1348,6 +1366,7 @@ class Mesh:
             self._closed = True
             conns = list(self._conns.values())
             self._cond.notify_all()
+        self._aborted.set()  # closed: no abort notice will be sent any more
         for sender in list(self._senders.values()):
             sender.close()
         for conn in conns:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import random
+import threading
 import time
 from typing import Any
 
@@ -21,7 +23,7 @@ except ImportError:
     import comm_harness as h  # type: ignore[no-redef]
 
 LENGTHS = [0, 1, 2, 1001, 5000]  # 5000 float32 > the 1 KiB chunks: many chunks per segment
-TOL = {np.float32: dict(rtol=1e-5, atol=1e-5), np.float64: dict(rtol=1e-12, atol=1e-12)}
+TOL: dict[Any, float] = {np.float32: 1e-5, np.float64: 1e-12}  # rtol = atol
 
 
 def _options(algo: str) -> dict[str, Any]:
@@ -41,7 +43,7 @@ def _check(outs: list[np.ndarray], data: list[np.ndarray], dtype: Any) -> None:
     ref = _reference(data)
     for out in outs:
         assert out.dtype == dtype
-        np.testing.assert_allclose(out, ref, **TOL[dtype])
+        np.testing.assert_allclose(out, ref, rtol=TOL[dtype], atol=TOL[dtype])
         # Every rank must hold the same bits: they all take the same optimizer step.
         assert out.tobytes() == outs[0].tobytes()
 
@@ -233,8 +235,6 @@ def test_peer_dying_during_a_large_ring_allreduce() -> None:
         if dead_mesh:
             dead_mesh[0].close()
 
-    import threading
-
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     results = h.run_ranks(world, body, timeout=2.0)
@@ -329,7 +329,7 @@ def test_ring_segments_cover_the_buffer() -> None:
         for world in (1, 2, 3, 7):
             segs = ring_segments(length, world)
             assert segs[0][0] == 0 and segs[-1][1] == length
-            assert all(a[1] == b[0] for a, b in zip(segs, segs[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(segs))
             sizes = [b - a for a, b in segs]
             assert max(sizes) - min(sizes) <= 1
 
@@ -344,8 +344,6 @@ def test_shared_stats_object() -> None:
         with Mesh(rank, 2, listeners[rank], addresses, h.SECRET, h.JOB, 0, 5.0, shared) as m:
             make_allreduce("tree", m).allreduce_(np.ones(100))
             results[rank] = m.stats
-
-    import threading
 
     threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
     for t in threads:
