@@ -18,7 +18,8 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from sparktrain.errors import ConfigError
 
-STRATEGIES = ("ring", "tree")
+STRATEGIES = ("ring", "tree", "ps", "tree_aggregate")
+PS_MODES = ("sync", "async", "ssp")
 COMPRESSIONS = ("none",)
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -32,7 +33,9 @@ class TrainConfig:
     ----------
     strategy:
         How gradients are aggregated: ``"ring"`` (bandwidth-optimal ring allreduce between
-        barrier tasks) or ``"tree"`` (recursive doubling, for small latency-bound models).
+        barrier tasks), ``"tree"`` (recursive doubling, for small latency-bound models),
+        ``"ps"`` (parameter server in the driver) or ``"tree_aggregate"`` (one ordinary
+        Spark job per round, merged with ``RDD.treeAggregate``; no gang scheduling).
     compression:
         Gradient compression spec; ``"none"`` for now.
     epochs, batch_size, lr:
@@ -58,6 +61,14 @@ class TrainConfig:
         ``torch.set_num_threads`` in each task; 0 means ``spark.task.cpus``.
     progress, metrics_jsonl:
         Show a live progress bar on the driver; append per-epoch metrics to this file.
+    ps_mode, staleness, ps_shards, staleness_lr:
+        Parameter server (``strategy="ps"``): ``sync`` | ``async`` | ``ssp`` (a worker may
+        run at most ``staleness`` steps ahead of the slowest), the number of shards the
+        parameters are split into, and whether a stale gradient's step is scaled by
+        1/(1 + staleness).
+    aggregation_depth, local_steps:
+        ``tree_aggregate``: depth of ``RDD.treeAggregate``, and local SGD steps per round
+        (1 = synchronous mini-batch gradient; k > 1 averages model deltas, FedAvg-style).
     """
 
     strategy: str = "ring"
@@ -78,6 +89,12 @@ class TrainConfig:
     threads_per_worker: int = 0
     progress: bool = True
     metrics_jsonl: str = ""
+    ps_mode: str = "sync"
+    staleness: int = 2
+    ps_shards: int = 2
+    staleness_lr: bool = False
+    aggregation_depth: int = 2
+    local_steps: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +116,11 @@ class TrainConfig:
         _at_least("batch_size", self.batch_size, 1)
         _at_least("num_workers", self.num_workers, 1)
         _at_least("threads_per_worker", self.threads_per_worker, 0)
+        _one_of("ps_mode", self.ps_mode, PS_MODES)
+        _at_least("staleness", self.staleness, 0)
+        _at_least("ps_shards", self.ps_shards, 1)
+        _at_least("aggregation_depth", self.aggregation_depth, 1)
+        _at_least("local_steps", self.local_steps, 1)
         _positive("lr", self.lr)
         _positive("comm_timeout", self.comm_timeout)
         _positive("bucket_mb", self.bucket_mb)

@@ -5,6 +5,7 @@ one."""
 from __future__ import annotations
 
 import os
+import sys
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,9 @@ def get_or_create_session(
     if active is not None and master is None:
         return active
     os.environ.setdefault("SPARK_LOCAL_IP", LOOPBACK)
+    # Python workers run the driver's interpreter unless the user chose another: the
+    # executors then see the same torch and sparktrain.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)

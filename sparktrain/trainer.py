@@ -106,15 +106,27 @@ class Trainer:
         cfg = self.config
         spark = self._session()
         sc = spark.sparkContext
-        check_can_launch(sc, cfg.num_workers)
+        if cfg.strategy != "tree_aggregate":  # the only strategy without gang scheduling
+            check_can_launch(sc, cfg.num_workers)
         prepared = prepare(data, validation_data, features_col, label_col, cfg.num_workers)
         model, num_outputs = self._check_model(prepared.feature_width)
+        if cfg.strategy == "tree_aggregate":
+            from sparktrain.launch.rounds import run_rounds
+
+            return run_rounds(prepared, model, cfg, num_outputs=num_outputs, started=started)
 
         job_id = uuid.uuid4().hex[:12]
         secret = secrets.token_bytes(32)
         host = sc.getConf().get("spark.driver.host", "127.0.0.1")
         display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
         server = MetricsServer(host, secret=secret, job_id=job_id, attempt=0, on_message=display)
+        ps = None
+        if cfg.strategy == "ps":
+            from sparktrain.ps.server import start_parameter_server
+
+            ps = start_parameter_server(
+                model, cfg, host=host, secret=secret, job_id=job_id, attempt=0
+            )
         spec = JobSpec(
             job_id=job_id,
             attempt=0,
@@ -126,6 +138,7 @@ class Trainer:
             num_outputs=num_outputs,
             metrics_address=server.address,
             threads=cfg.threads_per_worker or task_cpus(sc),
+            ps_addresses=tuple(ps.addresses) if ps is not None else (),
         )
         log.info("job %s: %s on %d workers", job_id, cfg.strategy, cfg.num_workers)
         launched = time.perf_counter()
@@ -134,13 +147,18 @@ class Trainer:
         finally:
             server.stop()
             display.close()
-        return _assemble(
+            if ps is not None:
+                ps.stop()
+        result = _assemble(
             model,
             records,
             cfg,
             wall_s=time.perf_counter() - started,
             stage_s=time.perf_counter() - launched,
         )
+        if ps is not None:
+            ps.finish(result)  # the server's parameters are the model; its stats join the summary
+        return result
 
     # ------------------------------------------------------------------ internals
     def _session(self) -> SparkSession:

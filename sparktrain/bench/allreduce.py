@@ -228,11 +228,47 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms"
 
 
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """busbw against message size, one panel per world size, one line per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world"] for r in records if r["world"] > 1})
+    if not worlds:
+        return
+    fig, axes = plt.subplots(1, len(worlds), figsize=(5 * len(worlds), 3.6), squeeze=False)
+    for ax, world in zip(axes[0], worlds, strict=True):
+        for algo in sorted({r["algo"] for r in records}):
+            rows = sorted(
+                (r for r in records if r["algo"] == algo and r["world"] == world),
+                key=lambda r: r["bytes"],
+            )
+            if rows:
+                ax.plot(
+                    [r["bytes"] for r in rows], [r["busbw"] for r in rows], marker="o", label=algo
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["bytes"] for r in records if r["world"] == world])
+        ax.set_xticklabels([_human(r["bytes"]) for r in records if r["world"] == world])
+        ax.set_title(f"world {world}")
+        ax.set_xlabel("message size")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=["4K", "1M", "16M", "64M"])
     parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
     parser.add_argument("--json", metavar="PATH", help="write the records here")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG here (default: beside --json)")
     parser.add_argument("--master", help="Spark master (default local[max(world)])")
 
 
@@ -260,4 +296,8 @@ def main(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(records, indent=1) + "\n")
         print(f"records written to {path}")
+    plot_path = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot_path:
+        plot(records, Path(plot_path))
+        print(f"plot written to {plot_path}")
     return 0

@@ -31,6 +31,7 @@ class JobSpec:
     metrics_address: str | None = None
     threads: int = 1
     state_chunk_bytes: int = 4 << 20
+    ps_addresses: tuple[str, ...] = ()  # one "host:port" per parameter-server shard
 
 
 @dataclass

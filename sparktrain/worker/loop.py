@@ -30,24 +30,15 @@ from torch import nn
 from sparktrain import errors
 from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
 from sparktrain.metrics import MetricsClient
-from sparktrain.modeling import (
-    build_loss,
-    build_model,
-    build_optimizer,
-    is_classification,
-    label_dtype,
-    resolve_model_fn,
-)
-from sparktrain.worker.buckets import GradientBuckets
+from sparktrain.modeling import build_loss, build_model, label_dtype, resolve_model_fn
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches
+from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
+from sparktrain.worker.sync import make_sync
 
 # torch's global RNG is per process; ranks run as threads (in tests, or several tasks in one
 # reused Python worker) must not interleave seeding and initialisation.
 _SEEDED_INIT = threading.Lock()
-
-# Validation runs in slices so that memory stays bounded on large partitions.
-EVAL_SLICE = 8192
 
 
 @dataclass
@@ -137,14 +128,14 @@ def _train(
     started: float,
 ) -> list[Record]:
     spec, cfg = ctx.job, ctx.job.config
-    allreduce = make_allreduce(cfg.strategy, mesh)
     with _SEEDED_INIT:  # same seed on every rank: identical initial weights
         torch.manual_seed(cfg.seed)
         model = build_model(resolve_model_fn(spec.model_fn, spec.model_kwargs))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, dict(cfg.optimizer_kwargs))
     loss_fn = build_loss(cfg.loss, dict(cfg.loss_kwargs))
-    buckets = GradientBuckets(params, int(cfg.bucket_mb * (1 << 20)))
+    sync = make_sync(ctx, model, mesh)
+    # epoch figures are a handful of float64 sums: latency-bound, so always the tree
+    reduce_sums = make_allreduce("tree", mesh)
     x_all = torch.from_numpy(train.x)
     y_all = torch.from_numpy(train.y).to(label_dtype(cfg.loss))
 
@@ -166,9 +157,7 @@ def _train(
                 "train_samples": world_train,
             }
         )
-    metric_name = "accuracy" if is_classification(cfg.loss) else "rmse"
-    if not has_validation:
-        metric_name = f"train_{metric_name}"
+    metric = metric_name(cfg.loss, has_validation)
 
     history: list[dict[str, Any]] = []
     comm_s = 0.0
@@ -181,19 +170,17 @@ def _train(
             batches = list(epoch_batches(train.size, cfg.batch_size, rng))
             loss_sum = 0.0
             for step in range(steps_per_epoch):
-                optimizer.zero_grad(set_to_none=False)
                 count = 0
                 if step < len(batches):
                     idx = torch.from_numpy(batches[step])
                     out = model(x_all[idx])
-                    loss = loss_fn(out, _target_like(y_all[idx], out))
+                    loss = loss_fn(out, target_like(y_all[idx], out))
                     loss.backward()
                     count = len(idx)
                     loss_sum += float(loss.detach()) * count
                 t = time.perf_counter()
-                buckets.average_(allreduce, count)
+                sync.step(count)
                 comm_s += time.perf_counter() - t
-                optimizer.step()
                 if reporter is not None:
                     elapsed = time.perf_counter() - epoch_started
                     reporter.send(
@@ -209,24 +196,21 @@ def _train(
                             / max(elapsed, 1e-9),
                         }
                     )
-            sums = np.array(
-                [loss_sum, train.size, *_evaluate(model, evaluation, cfg.loss, loss_fn)]
-            )
-            allreduce.allreduce_(sums)
-            epoch_loss = sums[0] / max(sums[1], 1)
-            metric = _finish_metric(sums[2], sums[3], cfg.loss)
+            sums = np.array([loss_sum, train.size, *evaluate(model, evaluation, cfg.loss)])
+            reduce_sums.allreduce_(sums)
             record = {
                 "type": "epoch",
                 "epoch": epoch,
-                "loss": float(epoch_loss),
-                "metric_name": metric_name,
-                "metric": metric,
+                "loss": float(sums[0] / max(sums[1], 1)),
+                "metric_name": metric,
+                "metric": finish_metric(sums[2], sums[3], cfg.loss),
                 "seconds": time.perf_counter() - epoch_started,
             }
             history.append(record)
             if reporter is not None:
                 reporter.send(record)
     finally:
+        sync.close()
         if reporter is not None:
             reporter.close()
     train_s = time.perf_counter() - train_started
@@ -239,12 +223,12 @@ def _train(
         "comm_s": comm_s,
         "task_s": time.perf_counter() - started,
         "comm": mesh.stats.as_dict(),
-        "gradient_elements": buckets.num_elements,
+        **sync.stats(),
         "param_digest": _digest(params),
     }
     records = [Record(ctx.rank, "stats", 0, json.dumps(stats).encode())]
     if ctx.rank == 0:
-        records += _state_records(model, history, metric_name, spec.state_chunk_bytes)
+        records += _state_records(model, history, metric, spec.state_chunk_bytes)
     return records
 
 
@@ -254,44 +238,6 @@ def _digest(params: list[nn.Parameter]) -> str:
     for p in params:
         h.update(p.detach().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def _target_like(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Regression and BCE targets take the output's shape ((n,) labels vs (n, 1) outputs)."""
-    if y.dtype.is_floating_point and y.shape != out.shape and y.numel() == out.numel():
-        return y.view_as(out)
-    return y
-
-
-def _evaluate(
-    model: nn.Module, data: PartitionData, loss: Any, loss_fn: Any
-) -> tuple[float, float]:
-    """(correct count or squared-error sum, rows) over this rank's evaluation rows."""
-    model.eval()
-    total = 0.0
-    with torch.no_grad():
-        for start in range(0, data.size, EVAL_SLICE):
-            x = torch.from_numpy(data.x[start : start + EVAL_SLICE])
-            y = torch.from_numpy(data.y[start : start + EVAL_SLICE])
-            out = model(x)
-            if loss == "cross_entropy":
-                total += float((out.argmax(dim=1) == y.long()).sum())
-            elif loss == "bce_with_logits":
-                total += float(((out.reshape(-1) > 0).double() == y).sum())
-            else:
-                total += float(
-                    ((out.double().reshape(y.shape[0], -1) - y.reshape(-1, 1)) ** 2).sum()
-                )
-    model.train()
-    return total, float(data.size)
-
-
-def _finish_metric(total: float, rows: float, loss: Any) -> float:
-    if rows == 0:
-        return float("nan")
-    if is_classification(loss):
-        return total / rows
-    return math.sqrt(total / rows)
 
 
 def _state_records(

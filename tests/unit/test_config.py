@@ -13,7 +13,9 @@ def test_defaults_validate():
 @pytest.mark.parametrize(
     ("key", "value", "needle"),
     [
-        ("strategy", "carrier-pigeon", "allowed values: ring, tree"),
+        ("strategy", "carrier-pigeon", "allowed values: ring, tree, ps, tree_aggregate"),
+        ("ps_mode", "eventual", "allowed values: sync, async, ssp"),
+        ("local_steps", 0, "local_steps=0 must be an integer >= 1"),
         ("epochs", 0, "epochs=0 must be an integer >= 1"),
         ("lr", -1.0, "lr=-1.0 must be a number > 0"),
         ("optimizer", "lbfgs", "allowed values: sgd, adam, adamw"),

@@ -1,0 +1,59 @@
+"""Loss targets and validation metrics, shared by every strategy (barrier-stage loops on
+the executors and the driver-side tree_aggregate rounds)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparktrain.modeling import is_classification
+from sparktrain.worker.data import PartitionData
+
+# Validation runs in slices so that memory stays bounded on large partitions.
+EVAL_SLICE = 8192
+
+
+def target_like(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Regression and BCE targets take the output's shape ((n,) labels vs (n, 1) outputs)."""
+    if y.dtype.is_floating_point and y.shape != out.shape and y.numel() == out.numel():
+        return y.view_as(out)
+    return y
+
+
+def metric_name(loss: Any, has_validation: bool) -> str:
+    """``accuracy`` or ``rmse``, prefixed ``train_`` when measured on the training rows."""
+    name = "accuracy" if is_classification(loss) else "rmse"
+    return name if has_validation else f"train_{name}"
+
+
+def evaluate(model: nn.Module, data: PartitionData, loss: Any) -> tuple[float, float]:
+    """(correct count or squared-error sum, rows) over ``data``; sums add up across ranks."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, data.size, EVAL_SLICE):
+            x = torch.from_numpy(data.x[start : start + EVAL_SLICE])
+            y = torch.from_numpy(data.y[start : start + EVAL_SLICE])
+            out = model(x)
+            if loss == "cross_entropy":
+                total += float((out.argmax(dim=1) == y.long()).sum())
+            elif loss == "bce_with_logits":
+                total += float(((out.reshape(-1) > 0).double() == y).sum())
+            else:
+                diff = out.double().reshape(y.shape[0], -1) - y.reshape(-1, 1)
+                total += float((diff**2).sum())
+    model.train(was_training)
+    return total, float(data.size)
+
+
+def finish_metric(total: float, rows: float, loss: Any) -> float:
+    """Accuracy = correct / rows; RMSE = sqrt(squared error / rows); NaN without rows."""
+    if rows == 0:
+        return float("nan")
+    if is_classification(loss):
+        return total / rows
+    return math.sqrt(total / rows)
