@@ -47,14 +47,19 @@ class MetricsClient:
         except (CommError, OSError) as exc:
             log.warning("progress channel to the driver unavailable (%s); training goes on", exc)
 
+    def step_due(self) -> bool:
+        """True at most every STEP_REPORT_INTERVAL_S: ask before building a step message."""
+        if self._conn is None:
+            return False
+        now = time.monotonic()
+        if now - self._last_step < STEP_REPORT_INTERVAL_S:
+            return False
+        self._last_step = now
+        return True
+
     def send(self, message: dict[str, Any]) -> None:
         if self._conn is None:
             return
-        if message.get("type") == "step":
-            now = time.monotonic()
-            if now - self._last_step < STEP_REPORT_INTERVAL_S:
-                return
-            self._last_step = now
         try:
             self._conn.send_bytes(json.dumps(message).encode(), wire.KIND_METRICS)
         except (CommError, OSError) as exc:

@@ -181,7 +181,7 @@ def _train(
                 t = time.perf_counter()
                 sync.step(count)
                 comm_s += time.perf_counter() - t
-                if reporter is not None:
+                if reporter is not None and reporter.step_due():
                     elapsed = time.perf_counter() - epoch_started
                     reporter.send(
                         {

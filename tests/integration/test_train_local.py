@@ -37,12 +37,12 @@ SUMMARY_KEYS = {
 
 
 @pytest.mark.parametrize(("strategy", "vector"), [("ring", False), ("tree", True)])
-def test_digits_mlp_reaches_95_percent(spark, strategy, vector):
+def test_digits_mlp_reaches_95_percent(spark, strategy, vector, tmp_path):
     train, test = digits_frames(spark, vector=vector)
     cols = {"features_col": "pixels"} if vector else {}
-    result = Trainer(DIGITS_MODEL, fast_config(strategy=strategy), spark=spark).fit(
-        train, validation_data=test, **cols
-    )
+    jsonl = tmp_path / "epochs.jsonl"
+    cfg = fast_config(strategy=strategy, metrics_jsonl=str(jsonl))
+    result = Trainer(DIGITS_MODEL, cfg, spark=spark).fit(train, validation_data=test, **cols)
     s = result.summary
     assert set(s) >= SUMMARY_KEYS
     assert s["metric_name"] == "accuracy" and s["metric_value"] >= 0.95
@@ -53,6 +53,10 @@ def test_digits_mlp_reaches_95_percent(spark, strategy, vector):
     assert s["train_samples"] == len(split.y_train)
     assert s["bytes_sent"] > 0 and s["wire_bytes"] > s["bytes_sent"]
     assert len(result.history) == 20 and result.history[-1]["loss"] < result.history[0]["loss"]
+    # rank 0's progress channel delivered every epoch to the driver
+    epochs = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [e["epoch"] for e in epochs] == list(range(20))
+    assert epochs[-1]["metric"] == pytest.approx(s["metric_value"])
 
 
 def test_rdd_with_more_partitions_than_workers_is_repartitioned(spark, caplog):
