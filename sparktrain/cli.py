@@ -2,6 +2,8 @@
 
     sparktrain train CONFIG.toml [--set key=value ...] [--master URL] [--summary-json PATH]
     sparktrain bench allreduce --world 2 4 --sizes 4K 1M 16M 64M --algos ring tree gloo --json PATH
+    sparktrain bench ps --world 2 --epochs 10 --json PATH
+    sparktrain bench compression --json PATH
 
 A training config is a TrainConfig (top-level keys) plus a ``[job]`` table that says what
 to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`` and
@@ -76,10 +78,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from sparktrain.bench.allreduce import main as bench_allreduce
+    from sparktrain.bench.ps import main as bench_ps
 
     if args.what == "allreduce":
         return bench_allreduce(args)
-    raise SparkTrainError(f"unknown benchmark {args.what!r}; available: allreduce")
+    if args.what == "ps":
+        return bench_ps(args)
+    if args.what == "compression":
+        from sparktrain.bench.compression import main as bench_compression
+
+        return bench_compression(args)
+    raise SparkTrainError(f"unknown benchmark {args.what!r}; available: allreduce, ps, compression")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     from sparktrain.bench.allreduce import add_arguments
 
     add_arguments(bench_sub.add_parser("allreduce", help="ring/tree allreduce vs torch Gloo"))
+    from sparktrain.bench.ps import add_arguments as add_ps_arguments
+
+    add_ps_arguments(
+        bench_sub.add_parser("ps", help="parameter server: async/ssp, staleness_lr on/off")
+    )
+    from sparktrain.bench.compression import add_arguments as add_compression_arguments
+
+    add_compression_arguments(
+        bench_sub.add_parser("compression", help="compressor speed (GB/s) and ratio")
+    )
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -20,7 +20,9 @@ from sparktrain.errors import ConfigError
 
 STRATEGIES = ("ring", "tree", "ps", "tree_aggregate")
 PS_MODES = ("sync", "async", "ssp")
-COMPRESSIONS = ("none",)
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk:R", "randomk:R", "sign", "powersgd:R")
+"""The compressor families; specs compose (``topk:0.01+ef``, ``delta+int8``), see
+:mod:`sparktrain.compress.base` for the grammar."""
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -37,7 +39,10 @@ class TrainConfig:
         ``"ps"`` (parameter server in the driver) or ``"tree_aggregate"`` (one ordinary
         Spark job per round, merged with ``RDD.treeAggregate``; no gang scheduling).
     compression:
-        Gradient compression spec; ``"none"`` for now.
+        Gradient compression spec: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
+        ``"topk:0.01"``, ``"randomk:0.01"``, ``"sign"``, ``"powersgd:2"``, optionally
+        ``delta+`` in front and ``+ef`` (error feedback) behind, e.g. ``"topk:0.01+ef"``;
+        grammar and options in :mod:`sparktrain.compress.base`.
     epochs, batch_size, lr:
         Passes over the data, samples per worker per step, learning rate.
     optimizer, optimizer_kwargs:
@@ -66,6 +71,13 @@ class TrainConfig:
         run at most ``staleness`` steps ahead of the slowest), the number of shards the
         parameters are split into, and whether a stale gradient's step is scaled by
         1/(1 + staleness).
+    allow_unencrypted:
+        sparktrain's sockets are authenticated (HMAC) but not encrypted. When Spark's own
+        encryption is on, training refuses to start unless this is true.
+    checkpoint_dir, checkpoint_every, keep_checkpoints, resume, max_restarts:
+        Where checkpoints go (a local path or any pyarrow.fs URI; empty = none), how
+        often in epochs (fractions allowed, e.g. 0.5), how many to keep, whether to
+        continue from the newest one, and how often a failed stage is resubmitted.
     aggregation_depth, local_steps:
         ``tree_aggregate``: depth of ``RDD.treeAggregate``, and local SGD steps per round
         (1 = synchronous mini-batch gradient; k > 1 averages model deltas, FedAvg-style).
@@ -89,6 +101,12 @@ class TrainConfig:
     threads_per_worker: int = 0
     progress: bool = True
     metrics_jsonl: str = ""
+    allow_unencrypted: bool = False
+    checkpoint_dir: str = ""
+    checkpoint_every: float = 1.0
+    keep_checkpoints: int = 3
+    resume: bool = False
+    max_restarts: int = 2
     ps_mode: str = "sync"
     staleness: int = 2
     ps_shards: int = 2
@@ -103,7 +121,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first key whose value is not allowed."""
         _one_of("strategy", self.strategy, STRATEGIES)
-        _one_of("compression", self.compression, COMPRESSIONS)
+        _check_compression(self.compression, self.strategy)
         if isinstance(self.loss, str):
             _one_of("loss", self.loss, LOSSES)
         elif not callable(self.loss):
@@ -116,6 +134,9 @@ class TrainConfig:
         _at_least("batch_size", self.batch_size, 1)
         _at_least("num_workers", self.num_workers, 1)
         _at_least("threads_per_worker", self.threads_per_worker, 0)
+        _positive("checkpoint_every", self.checkpoint_every)
+        _at_least("keep_checkpoints", self.keep_checkpoints, 1)
+        _at_least("max_restarts", self.max_restarts, 0)
         _one_of("ps_mode", self.ps_mode, PS_MODES)
         _at_least("staleness", self.staleness, 0)
         _at_least("ps_shards", self.ps_shards, 1)
@@ -253,6 +274,20 @@ def _allowed_types(hint: Any) -> tuple[type, ...]:
     if origin is not None:
         return (origin,) if isinstance(origin, type) and origin.__module__ == "builtins" else ()
     return (hint,) if isinstance(hint, type) else ()
+
+
+def _check_compression(spec: Any, strategy: str) -> None:
+    if not isinstance(spec, str):
+        raise ConfigError(f"compression must be a spec string such as 'topk:0.01+ef', got {spec!r}")
+    from sparktrain.compress.base import parse_spec, validate_spec
+
+    validate_spec(spec)
+    if strategy in ("ring", "tree") and any(s.name == "delta" for s in parse_spec(spec)):
+        raise ConfigError(
+            f"compression={spec!r}: delta encodes repeated sends of a value the receiver "
+            "already holds (parameter-server pulls); ring/tree exchange fresh gradients, "
+            "so drop 'delta+' (e.g. use 'int8+ef')"
+        )
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:

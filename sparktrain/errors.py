@@ -60,6 +60,10 @@ def _rebuild_peer_lost(rank: int, message: str) -> PeerLostError:
     return err
 
 
+class CheckpointError(SparkTrainError):
+    """A checkpoint cannot be written, listed or read."""
+
+
 class WorkerError(SparkTrainError):
     """An error raised inside a Spark task, surfaced on the driver."""
 
@@ -109,6 +113,7 @@ _BY_NAME: dict[str, type[SparkTrainError]] = {
         HandshakeError,
         FrameError,
         WorkerError,
+        CheckpointError,
     )
 }
 # PeerLostError's constructor takes a rank; its text already says everything.

@@ -152,6 +152,7 @@ class ProgressDisplay:
         self.epochs: list[dict[str, Any]] = []
         self._bar: Any = None
         self._steps_per_epoch = 0
+        self.last_global_step = 0  # as far as rank 0 reported (steps are throttled)
         self._lock = threading.Lock()
 
     def __call__(self, message: dict[str, Any]) -> None:
@@ -159,8 +160,12 @@ class ProgressDisplay:
             kind = message.get("type")
             if kind == "start":
                 self._start(message)
-            elif kind == "step" and self._bar is not None:
-                self._advance(int(message["epoch"]) * self._steps_per_epoch + int(message["step"]))
+            elif kind == "step":
+                done = int(message["epoch"]) * self._steps_per_epoch + int(message["step"])
+                self.last_global_step = max(self.last_global_step, done)
+                if self._bar is None:
+                    return
+                self._advance(done)
                 self._bar.set_postfix(
                     epoch=message["epoch"] + 1,
                     loss=f"{message['loss']:.4f}",
@@ -172,6 +177,9 @@ class ProgressDisplay:
 
     def _start(self, message: dict[str, Any]) -> None:
         self._steps_per_epoch = int(message.get("steps_per_epoch", 0))
+        if self._bar is not None:  # a resubmitted stage starts a fresh bar
+            self._bar.close()
+            self._bar = None
         if self.enabled:
             from tqdm.auto import tqdm
 
@@ -181,6 +189,9 @@ class ProgressDisplay:
 
     def _epoch(self, message: dict[str, Any]) -> None:
         self.epochs.append(message)
+        self.last_global_step = max(
+            self.last_global_step, (int(message["epoch"]) + 1) * self._steps_per_epoch
+        )
         if self.jsonl_path:
             path = Path(self.jsonl_path)
             path.parent.mkdir(parents=True, exist_ok=True)

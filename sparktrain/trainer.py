@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import logging
 import secrets
@@ -20,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from sparktrain.checkpoint import CheckpointStore
 from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
+from sparktrain.errors import CommError, ConfigError, DataError, SparkTrainError, WorkerError
 from sparktrain.launch import barrier
 from sparktrain.launch.prepare import PreparedData, prepare
-from sparktrain.launch.resources import check_can_launch, task_cpus
+from sparktrain.launch.resources import check_can_launch, check_transport_security, task_cpus
 from sparktrain.metrics import MetricsServer, ProgressDisplay
 from sparktrain.modeling import (
     ModelFn,
@@ -34,6 +37,7 @@ from sparktrain.modeling import (
     resolve_model_fn,
 )
 from sparktrain.worker.context import JobSpec
+from sparktrain.worker.faults import FaultPlan
 from sparktrain.worker.loop import Record
 
 if TYPE_CHECKING:
@@ -81,12 +85,14 @@ class Trainer:
         *,
         model_kwargs: dict[str, Any] | None = None,
         spark: SparkSession | None = None,
+        fault_plan: FaultPlan | None = None,
     ) -> None:
         self.model_fn = model_fn
         self.config = config or TrainConfig()
         self.config.validate()
         self.model_kwargs = dict(model_kwargs or {})
         self._spark = spark
+        self._fault_plan = fault_plan  # test-only: see sparktrain.worker.faults
 
     def fit(
         self,
@@ -106,7 +112,8 @@ class Trainer:
         cfg = self.config
         spark = self._session()
         sc = spark.sparkContext
-        if cfg.strategy != "tree_aggregate":  # the only strategy without gang scheduling
+        if cfg.strategy != "tree_aggregate":  # the only strategy without our own sockets
+            check_transport_security(sc, cfg.allow_unencrypted)
             check_can_launch(sc, cfg.num_workers)
         prepared = prepare(data, validation_data, features_col, label_col, cfg.num_workers)
         model, num_outputs = self._check_model(prepared.feature_width)
@@ -115,37 +122,64 @@ class Trainer:
 
             return run_rounds(prepared, model, cfg, num_outputs=num_outputs, started=started)
 
-        job_id = uuid.uuid4().hex[:12]
-        secret = secrets.token_bytes(32)
-        host = sc.getConf().get("spark.driver.host", "127.0.0.1")
-        display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
-        server = MetricsServer(host, secret=secret, job_id=job_id, attempt=0, on_message=display)
-        ps = None
-        if cfg.strategy == "ps":
-            from sparktrain.ps.server import start_parameter_server
-
-            ps = start_parameter_server(
-                model, cfg, host=host, secret=secret, job_id=job_id, attempt=0
-            )
-        spec = JobSpec(
-            job_id=job_id,
+        base = JobSpec(
+            job_id=uuid.uuid4().hex[:12],
             attempt=0,
-            secret=secret,
+            secret=secrets.token_bytes(32),
             config=cfg,
             model_fn=self.model_fn,
             model_kwargs=self.model_kwargs,
             feature_width=prepared.feature_width,
             num_outputs=num_outputs,
-            metrics_address=server.address,
             threads=cfg.threads_per_worker or task_cpus(sc),
-            ps_addresses=tuple(ps.addresses) if ps is not None else (),
+            fault=self._fault_plan,
         )
-        log.info("job %s: %s on %d workers", job_id, cfg.strategy, cfg.num_workers)
+        host = sc.getConf().get("spark.driver.host", "127.0.0.1")
+        store = (
+            CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
+            if cfg.checkpoint_dir
+            else None
+        )
+        resume_step = _resume_step(store, cfg.resume)
+        display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
+        ps = None
+        if cfg.strategy == "ps":
+            from sparktrain.ps.server import start_parameter_server
+
+            ps = start_parameter_server(
+                model, cfg, host=host, secret=base.secret, job_id=base.job_id, attempt=0
+            )
+            base = dataclasses.replace(base, ps_addresses=tuple(ps.addresses))
+        log.info("job %s: %s on %d workers", base.job_id, cfg.strategy, cfg.num_workers)
         launched = time.perf_counter()
+        restarts = steps_redone = 0
         try:
-            records = self._launch(prepared, spec)
+            for attempt in itertools.count():
+                if ps is not None:
+                    ps.begin_attempt(attempt)  # keeps the server's model; rejects older attempts
+                spec = dataclasses.replace(base, attempt=attempt, resume_step=resume_step)
+                try:
+                    records = self._attempt(prepared, spec, host, display)
+                    break
+                except (WorkerError, CommError) as exc:  # data and config errors are final
+                    if attempt >= cfg.max_restarts:
+                        raise
+                    reached = display.last_global_step
+                    resume_step = _resume_step(store, True)
+                    steps_redone += max(0, reached - (resume_step or 0))
+                    restarts += 1
+                    log.warning(
+                        "the training stage failed (%s); resubmitting it (restart %d of %d) %s",
+                        exc,
+                        restarts,
+                        cfg.max_restarts,
+                        f"from the checkpoint of step {resume_step}"
+                        if resume_step is not None
+                        else "from scratch: no checkpoint to resume from"
+                        + ("" if store else " (set checkpoint_dir to keep progress)"),
+                    )
+                    check_can_launch(sc, cfg.num_workers)  # a lost executor may leave too few
         finally:
-            server.stop()
             display.close()
             if ps is not None:
                 ps.stop()
@@ -156,9 +190,23 @@ class Trainer:
             wall_s=time.perf_counter() - started,
             stage_s=time.perf_counter() - launched,
         )
+        result.summary.update(restarts=restarts, steps_redone=steps_redone)
         if ps is not None:
             ps.finish(result)  # the server's parameters are the model; its stats join the summary
         return result
+
+    def _attempt(
+        self, prepared: PreparedData, spec: JobSpec, host: str, display: ProgressDisplay
+    ) -> list[Record]:
+        """One barrier stage, with its own progress channel (the handshake names the
+        attempt, so a straggler of an earlier attempt cannot report into this one)."""
+        server = MetricsServer(
+            host, secret=spec.secret, job_id=spec.job_id, attempt=spec.attempt, on_message=display
+        )
+        try:
+            return self._launch(prepared, dataclasses.replace(spec, metrics_address=server.address))
+        finally:
+            server.stop()
 
     # ------------------------------------------------------------------ internals
     def _session(self) -> SparkSession:
@@ -212,6 +260,16 @@ class Trainer:
             raise
         except Exception as exc:  # Py4J / PythonException wrapping a task's error
             raise WorkerError.from_spark(exc) from exc
+
+
+def _resume_step(store: CheckpointStore | None, resume: bool) -> int | None:
+    """The newest checkpoint's step when resuming, else None (start from scratch)."""
+    if store is None or not resume:
+        return None
+    step = store.latest_step()
+    if step is None:
+        log.info("no checkpoint in %s yet: starting from scratch", store.uri)
+    return step
 
 
 def _assemble(

@@ -20,18 +20,31 @@ rank (in a fixed order around the ring) and then copied verbatim to the others.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from sparktrain.comm.wire import HEADER_BYTES, KIND_DATA, Mesh
 from sparktrain.errors import CommError, ConfigError
+
+AddFn = Callable[[np.ndarray, np.ndarray, np.ndarray], object]
+"""``add(a, b, out)``: element-wise ``out = a + b``; must be commutative and
+deterministic (the default is ``np.add``)."""
+
+KIND_PAYLOAD = 4
+"""Frames of compressed collectives: not counted as raw bytes (the compressed exchange
+adds the uncompressed equivalent itself). Lives here until wire.py declares it."""
+
+SUMMABLE_DTYPES = (np.float16, np.float32, np.float64)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 INLINE_MAX_BYTES = 512 << 10
 """Largest exchange (2x the buffer) sent by the calling thread instead of the sender."""
 
 
-def check_buffer(buf: np.ndarray) -> None:
-    """Raise ConfigError unless ``buf`` is a 1-D, C-contiguous float32/float64 array."""
+def check_buffer(buf: np.ndarray, custom_add: bool = False) -> None:
+    """Raise ConfigError unless ``buf`` is a 1-D, C-contiguous float16/32/64 array (any
+    dtype when the caller brings its own ``add``)."""
     if not isinstance(buf, np.ndarray):
         raise ConfigError(f"allreduce_ needs a numpy array, got {type(buf).__name__}")
     if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:
@@ -39,8 +52,11 @@ def check_buffer(buf: np.ndarray) -> None:
             "allreduce_ needs a writable, 1-D, C-contiguous buffer "
             f"(got shape {buf.shape}); flatten gradients into one bucket first"
         )
-    if buf.dtype not in (np.float32, np.float64):
-        raise ConfigError(f"allreduce_ supports float32 and float64 buffers, got {buf.dtype}")
+    if not custom_add and buf.dtype not in SUMMABLE_DTYPES:
+        raise ConfigError(
+            f"allreduce_ supports float16, float32 and float64 buffers, got {buf.dtype}; "
+            "pass add= for other dtypes"
+        )
 
 
 def ring_segments(length: int, world_size: int) -> list[tuple[int, int]]:
@@ -63,6 +79,48 @@ def ring_raw_bytes_sent(length: int, world_size: int, rank: int, itemsize: int) 
         return stop - start
 
     return (2 * length - size(rank + 1) - size(rank + 2)) * itemsize
+
+
+def ring_allgather(
+    mesh: Mesh, blob: np.ndarray, max_bytes: int, kind: int = KIND_PAYLOAD
+) -> list[np.ndarray]:
+    """Every rank's ``blob`` (1-D uint8, any length), in rank order, around the ring.
+
+    ``n - 1`` steps; each rank sends its own blob and forwards ``n - 2`` others, so it
+    sends ``n - 1`` blobs in all. Blobs longer than ``max_bytes`` are refused unread.
+    Large sends go through the mesh's background sender, so the ring cannot deadlock.
+    """
+    n, r = mesh.world_size, mesh.rank
+    blobs: list[np.ndarray | None] = [None] * n
+    blobs[r] = blob
+    if n == 1:
+        return [blob]
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    try:
+        mesh.connect_all((nxt, prv))
+        send_conn, recv = mesh.connection(nxt), mesh.connection(prv)
+        sender = None
+        for step in range(n - 1):
+            out = blobs[(r - step) % n]
+            assert out is not None
+            if sender is None and out.nbytes + HEADER_BYTES > min(
+                INLINE_MAX_BYTES, send_conn.send_buffer_bytes // 4
+            ):
+                sender = mesh.sender(nxt)
+            if sender is None:
+                send_conn.send_array(out, kind)
+            else:
+                sender.put(out, kind)
+            _, data = recv.recv_bytes(kind, max_bytes=max_bytes)
+            blobs[(r - step - 1) % n] = np.frombuffer(data, dtype=np.uint8)
+        if sender is not None:
+            sender.flush()
+    except CommError as exc:
+        failure = mesh.abort(exc)
+        if failure is exc:
+            raise
+        raise failure from exc
+    return [b for b in blobs if b is not None]
 
 
 class RingAllreduce:
@@ -100,15 +158,21 @@ class RingAllreduce:
             self._scratch[dtype] = scratch
         return scratch
 
-    def allreduce_(self, buf: np.ndarray) -> None:
-        """Sum ``buf`` over all ranks, in place. Every rank must pass the same length."""
-        check_buffer(buf)
+    def allreduce_(
+        self, buf: np.ndarray, *, add: AddFn | None = None, kind: int = KIND_DATA
+    ) -> None:
+        """Sum ``buf`` over all ranks, in place. Every rank must pass the same length.
+
+        ``add`` replaces ``np.add`` (e.g. bfloat16 held in int16); ``kind`` tags the
+        frames (``KIND_PAYLOAD`` for compressed buffers: not counted as raw bytes).
+        """
+        check_buffer(buf, custom_add=add is not None)
         mesh = self.mesh
         n = mesh.world_size
         if n == 1 or buf.size == 0:
             return
         try:
-            self._ring(buf)
+            self._ring(buf, np.add if add is None else add, kind)
         except CommError as exc:
             # Tear the mesh down so the neighbours fail now rather than at their
             # timeout, and raise the first failure (the rank really lost).
@@ -117,7 +181,11 @@ class RingAllreduce:
                 raise
             raise failure from exc
 
-    def _ring(self, buf: np.ndarray) -> None:
+    def allgather(self, blob: np.ndarray, max_bytes: int) -> list[np.ndarray]:
+        """Every rank's byte blob in rank order (see :func:`ring_allgather`)."""
+        return ring_allgather(self.mesh, blob, max_bytes)
+
+    def _ring(self, buf: np.ndarray, add: AddFn, kind: int) -> None:
         mesh = self.mesh
         n, r = mesh.world_size, mesh.rank
         nxt, prv = (r + 1) % n, (r - 1) % n
@@ -127,7 +195,6 @@ class RingAllreduce:
         plan = self._chunks(buf.size, buf.itemsize)
         biggest = max((b - a for seg in plan for a, b in seg), default=0)
         scratch = self._scratch_for(buf.dtype, biggest)
-        add = np.add
         recv_into = recv.recv_into
         # Small buffers: send from this thread, skipping the hand-off to the sender
         # thread (tens of microseconds per wake-up). Safe from deadlock because a rank
@@ -146,14 +213,14 @@ class RingAllreduce:
         # steps. The chunk finished in the last step is this rank's fully reduced
         # segment r+1: sending it is the first all-gather step.
         for a, b in plan[r]:
-            put(buf[a:b], KIND_DATA)
+            put(buf[a:b], kind)
         for step in range(n - 1):
             for a, b in plan[(r - step - 1) % n]:
                 view = buf[a:b]
                 tmp = scratch[: b - a]
-                recv_into(tmp, KIND_DATA)
-                add(view, tmp, out=view)
-                put(view, KIND_DATA)
+                recv_into(tmp, kind)
+                add(view, tmp, view)
+                put(view, kind)
         # All-gather: finished segments arrive straight into place and are passed on,
         # except in the last step, when the segment has been everywhere else.
         # Overwriting buf here is safe even while our own earlier sends of the same
@@ -163,9 +230,9 @@ class RingAllreduce:
         for step in range(n - 1):
             for a, b in plan[(r - step) % n]:
                 view = buf[a:b]
-                recv_into(view, KIND_DATA)
+                recv_into(view, kind)
                 if step < last:
-                    put(view, KIND_DATA)
+                    put(view, kind)
         # The caller may modify buf as soon as we return: wait for the sends.
         if sender is not None:
             sender.flush()

@@ -23,12 +23,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparktrain.comm.ring import check_buffer
+from sparktrain.comm.ring import KIND_PAYLOAD, AddFn, check_buffer
 from sparktrain.comm.wire import HEADER_BYTES, KIND_DATA, Connection, Mesh
 from sparktrain.errors import CommError
 
 INLINE_MAX_BYTES = 256 << 10
 """Largest message sent inline; the kernel buffers of a connection hold several MiB."""
+
+
+def tree_raw_bytes_sent(length: int, world_size: int, rank: int, itemsize: int) -> int:
+    """Payload bytes ``rank`` sends in one tree allreduce of ``length`` elements."""
+    if world_size == 1:
+        return 0
+    p = 1 << (world_size.bit_length() - 1)
+    if rank >= p:
+        return length * itemsize
+    sends = (p.bit_length() - 1) + (1 if rank + p < world_size else 0)
+    return sends * length * itemsize
 
 
 class TreeAllreduce:
@@ -58,14 +69,19 @@ class TreeAllreduce:
             self._scratch[buf.dtype] = scratch
         return scratch[: buf.size]
 
-    def allreduce_(self, buf: np.ndarray) -> None:
-        """Sum ``buf`` over all ranks, in place. Every rank must pass the same length."""
-        check_buffer(buf)
+    def allreduce_(
+        self, buf: np.ndarray, *, add: AddFn | None = None, kind: int = KIND_DATA
+    ) -> None:
+        """Sum ``buf`` over all ranks, in place. Every rank must pass the same length.
+
+        ``add`` replaces ``np.add`` (must be commutative); ``kind`` tags the frames.
+        """
+        check_buffer(buf, custom_add=add is not None)
         mesh = self.mesh
         if mesh.world_size == 1 or buf.size == 0:
             return
         try:
-            self._run(buf)
+            self._run(buf, np.add if add is None else add, kind)
         except CommError as exc:
             # Tear the mesh down so the neighbours fail now rather than at their
             # timeout, and raise the first failure (the rank really lost).
@@ -80,7 +96,67 @@ class TreeAllreduce:
         limit = min(INLINE_MAX_BYTES, conn.send_buffer_bytes // 4)
         return nbytes + HEADER_BYTES <= limit
 
-    def _run(self, buf: np.ndarray) -> None:
+    def allgather(self, blob: np.ndarray, max_bytes: int) -> list[np.ndarray]:
+        """Every rank's byte blob (1-D uint8, any length) in rank order, by recursive
+        doubling: round j swaps everything gathered so far with ``rank ^ 2**j``; folded
+        ranks hand their blob in first and get all blobs back last. Each rank sends
+        ``n - 1`` blobs (a folded partner ``2 (n - 1)``)."""
+        mesh = self.mesh
+        r, p, n = mesh.rank, self.pow2, mesh.world_size
+        if n == 1:
+            return [blob]
+        have: dict[int, np.ndarray] = {r: blob}
+        try:
+            mesh.connect_all(self._peers())
+            if r >= p:
+                conn = mesh.connection(r - p)
+                conn.send_array(blob, KIND_PAYLOAD)
+                for q in range(n):
+                    if q != r:
+                        have[q] = self._recv_blob(conn, max_bytes)
+                return [have[q] for q in range(n)]
+            if r + p < n:
+                have[r + p] = self._recv_blob(mesh.connection(r + p), max_bytes)
+            for j in range(p.bit_length() - 1):
+                partner = r ^ (1 << j)
+                mine = sorted(have)
+                theirs = sorted(
+                    q
+                    for base in range(p)
+                    if (base >> j) == (partner >> j)
+                    for q in (base, base + p)
+                    if q < n
+                )
+                conn = mesh.connection(partner)
+                size = sum(have[q].nbytes + HEADER_BYTES for q in mine)
+                sender = None if self._inline(conn, size) else mesh.sender(partner)
+                for q in mine:
+                    if sender is None:
+                        conn.send_array(have[q], KIND_PAYLOAD)
+                    else:
+                        sender.put(have[q], KIND_PAYLOAD)
+                for q in theirs:
+                    have[q] = self._recv_blob(conn, max_bytes)
+                if sender is not None:
+                    sender.flush()
+            if r + p < n:
+                conn = mesh.connection(r + p)
+                for q in range(n):
+                    if q != r + p:
+                        conn.send_array(have[q], KIND_PAYLOAD)
+        except CommError as exc:
+            failure = mesh.abort(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+        return [have[q] for q in range(n)]
+
+    @staticmethod
+    def _recv_blob(conn: Connection, max_bytes: int) -> np.ndarray:
+        _, data = conn.recv_bytes(KIND_PAYLOAD, max_bytes=max_bytes)
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def _run(self, buf: np.ndarray, add: AddFn, kind: int) -> None:
         mesh = self.mesh
         r, p, n = mesh.rank, self.pow2, mesh.world_size
         mesh.connect_all(self._peers())
@@ -88,24 +164,24 @@ class TreeAllreduce:
             # Extra rank: hand the buffer to the partner, get the total back. Sending
             # first is safe whatever the size: the partner receives before it sends.
             conn = mesh.connection(r - p)
-            conn.send_array(buf, KIND_DATA)
-            conn.recv_into(buf, KIND_DATA)
+            conn.send_array(buf, kind)
+            conn.recv_into(buf, kind)
             return
         scratch = self._scratch_for(buf)
         folded = r + p < n
         if folded:
-            mesh.connection(r + p).recv_into(scratch, KIND_DATA)
-            np.add(buf, scratch, out=buf)
+            mesh.connection(r + p).recv_into(scratch, kind)
+            add(buf, scratch, buf)
         for j in range(p.bit_length() - 1):
             conn = mesh.connection(r ^ (1 << j))
             if self._inline(conn, buf.nbytes):
-                conn.send_array(buf, KIND_DATA)
-                conn.recv_into(scratch, KIND_DATA)
+                conn.send_array(buf, kind)
+                conn.recv_into(scratch, kind)
             else:
                 sender = mesh.sender(conn.peer_rank)
-                sender.put(buf, KIND_DATA)
-                conn.recv_into(scratch, KIND_DATA)
+                sender.put(buf, kind)
+                conn.recv_into(scratch, kind)
                 sender.flush()  # buf is being sent: do not touch it before this
-            np.add(buf, scratch, out=buf)
+            add(buf, scratch, buf)
         if folded:
-            mesh.connection(r + p).send_array(buf, KIND_DATA)
+            mesh.connection(r + p).send_array(buf, kind)

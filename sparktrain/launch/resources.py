@@ -3,6 +3,7 @@ gang-scheduled fails at once with a clear message instead of Spark's 10-minute r
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import TYPE_CHECKING
@@ -11,6 +12,8 @@ from sparktrain.errors import ResourceError
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
+
+log = logging.getLogger(__name__)
 
 _LOCAL = re.compile(r"^local(\[(\*|\d+)(,\s*\d+)?\])?$")
 
@@ -24,6 +27,31 @@ def max_concurrent_tasks(sc: SparkContext) -> int:
     jsc = sc._jsc.sc()
     profile = jsc.resourceProfileManager().resourceProfileFromId(0)
     return int(jsc.maxNumConcurrentTasks(profile))
+
+
+_ENCRYPTION_KEYS = (
+    "spark.network.crypto.enabled",
+    "spark.ssl.enabled",
+    "spark.io.encryption.enabled",
+)
+
+
+def check_transport_security(sc: SparkContext, allow_unencrypted: bool) -> None:
+    """Refuse to move gradients in plaintext when the user asked Spark to encrypt."""
+    conf = sc.getConf()
+    enabled = [k for k in _ENCRYPTION_KEYS if str(conf.get(k, "false")).lower() == "true"]
+    if enabled and not allow_unencrypted:
+        raise ResourceError(
+            f"Spark encrypts its traffic here ({', '.join(enabled)}=true), but sparktrain's "
+            "gradient sockets are authenticated, not encrypted. Set allow_unencrypted=true to "
+            "accept that, or use strategy='tree_aggregate', which moves everything through "
+            "Spark's own (encrypted) transport"
+        )
+    if enabled:
+        log.warning(
+            "Spark encryption is on but sparktrain's sockets are not encrypted "
+            "(allow_unencrypted=true)"
+        )
 
 
 def check_can_launch(

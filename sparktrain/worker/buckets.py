@@ -5,6 +5,10 @@ the step (n_r may be 0 when its partition ran out). Each bucket carries n_r * g_
 the first bucket one extra slot with n_r; after the SUM allreduce every rank divides by
 N = sum(n_r). The result, sum(n_r g_r) / N, is exactly the gradient of the mean loss
 over all N samples of the step, however unevenly they were spread.
+
+With compression (:meth:`GradientBuckets.average_compressed_`) the count slot is left
+out of what the compressor sees: the reducer carries n_r uncompressed alongside (see
+``sparktrain/compress/collective.py``), so N arrives exactly whatever the compressor.
 """
 
 from __future__ import annotations
@@ -22,6 +26,21 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 class SumAllreduce(Protocol):
     def allreduce_(self, buf: np.ndarray) -> None: ...
+
+
+class BucketReducer(Protocol):
+    """Sums one bucket's gradients (without the count slot) over the ranks, in place,
+    carrying the sample count on the side (e.g. ``CompressedAllreduce``)."""
+
+    def reduce_(
+        self,
+        index: int,
+        grads: torch.Tensor,
+        count: float | None,
+        *,
+        shapes: Sequence[tuple[int, ...]] = (),
+        raw_length: int | None = None,
+    ) -> float: ...
 
 
 @dataclass
@@ -66,6 +85,30 @@ class GradientBuckets:
 
     def average_(self, allreduce: SumAllreduce, count: int) -> float:
         """Replace every gradient by the sample-weighted mean over all ranks; returns N."""
+        self._fill(count)
+        self.buckets[0].flat[-1] = count
+        for b in self.buckets:
+            allreduce.allreduce_(b.flat)
+        return self._finish(float(self.buckets[0].flat[-1]))
+
+    def average_compressed_(self, reducer: BucketReducer, count: int) -> float:
+        """As :meth:`average_`, through a reducer that keeps the count out of the
+        compressed payload; returns N."""
+        self._fill(count)
+        total = 0.0
+        for i, b in enumerate(self.buckets):
+            got = reducer.reduce_(
+                i,
+                b.tensor[:-1] if i == 0 else b.tensor,
+                float(count) if i == 0 else None,
+                shapes=[tuple(p.shape) for p in b.params],
+                raw_length=b.flat.size,
+            )
+            if i == 0:
+                total = got
+        return self._finish(total)
+
+    def _fill(self, count: int) -> None:
         for b in self.buckets:
             for p, view in zip(b.params, b.views, strict=True):
                 if p.grad is None:
@@ -74,10 +117,8 @@ class GradientBuckets:
                     view.copy_(p.grad)
             if count != 1:
                 b.tensor.mul_(count)
-        self.buckets[0].flat[-1] = count
-        for b in self.buckets:
-            allreduce.allreduce_(b.flat)
-        total = float(self.buckets[0].flat[-1])
+
+    def _finish(self, total: float) -> float:
         if total <= 0:
             raise RuntimeError("no rank contributed samples to this step")
         for b in self.buckets:

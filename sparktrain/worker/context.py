@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparktrain.config import TrainConfig
+from sparktrain.worker.faults import FaultPlan
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class JobSpec:
     threads: int = 1
     state_chunk_bytes: int = 4 << 20
     ps_addresses: tuple[str, ...] = ()  # one "host:port" per parameter-server shard
+    resume_step: int | None = None  # continue from the checkpoint of this step
+    fault: FaultPlan | None = None  # test-only failure injection
 
 
 @dataclass

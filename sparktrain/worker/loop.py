@@ -28,13 +28,15 @@ import torch
 from torch import nn
 
 from sparktrain import errors
+from sparktrain.checkpoint import Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
+from sparktrain.errors import CheckpointError
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_model, label_dtype, resolve_model_fn
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
-from sparktrain.worker.sync import make_sync
+from sparktrain.worker.sync import StepSync, make_sync
 
 # torch's global RNG is per process; ranks run as threads (in tests, or several tasks in one
 # reused Python worker) must not interleave seeding and initialisation.
@@ -159,17 +161,37 @@ def _train(
         )
     metric = metric_name(cfg.loss, has_validation)
 
+    # With a parameter server the model lives in the driver and survives a stage restart;
+    # the workers' copies are not authoritative (async), so they neither save nor restore.
+    store = None
+    if cfg.checkpoint_dir and sync.optimizer is not None:
+        store = CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
     history: list[dict[str, Any]] = []
+    global_step = 0
+    if store is not None and spec.resume_step is not None:
+        ckpt = store.load(spec.resume_step)
+        if ckpt is None:
+            raise CheckpointError(
+                f"checkpoint of step {spec.resume_step} vanished from {store.uri}"
+            )
+        _restore(ckpt, model, sync)
+        global_step, history = ckpt.step, ckpt.history
+    # checkpoint_every is in epochs; fractions of an epoch are rounded to whole steps
+    every = max(1, round(cfg.checkpoint_every * steps_per_epoch))
     comm_s = 0.0
     train_started = time.perf_counter()
     try:
-        for epoch in range(cfg.epochs):
+        for epoch in range(global_step // steps_per_epoch, cfg.epochs):
             epoch_started = time.perf_counter()
             model.train()
             rng = np.random.default_rng([cfg.seed, ctx.rank, epoch]) if cfg.shuffle else None
             batches = list(epoch_batches(train.size, cfg.batch_size, rng))
             loss_sum = 0.0
-            for step in range(steps_per_epoch):
+            loss_rows = 0
+            # after a mid-epoch resume, the epoch's first steps are already done
+            for step in range(global_step - epoch * steps_per_epoch, steps_per_epoch):
+                if spec.fault is not None:
+                    spec.fault.maybe_fire(ctx.rank, global_step)
                 count = 0
                 if step < len(batches):
                     idx = torch.from_numpy(batches[step])
@@ -178,9 +200,19 @@ def _train(
                     loss.backward()
                     count = len(idx)
                     loss_sum += float(loss.detach()) * count
+                    loss_rows += count
                 t = time.perf_counter()
                 sync.step(count)
                 comm_s += time.perf_counter() - t
+                global_step += 1
+                # a checkpoint at an epoch's end waits for the epoch's figures (below)
+                if (
+                    store
+                    and ctx.rank == 0
+                    and global_step % every == 0
+                    and step + 1 < steps_per_epoch
+                ):
+                    _save(store, global_step, model, sync, history)
                 if reporter is not None and reporter.step_due():
                     elapsed = time.perf_counter() - epoch_started
                     reporter.send(
@@ -189,14 +221,14 @@ def _train(
                             "epoch": epoch,
                             "step": step + 1,
                             "steps_per_epoch": steps_per_epoch,
-                            "loss": loss_sum / max(1, min(train.size, (step + 1) * cfg.batch_size)),
+                            "loss": loss_sum / max(1, loss_rows),
                             "samples_per_s": world_train
                             * (step + 1)
                             / steps_per_epoch
                             / max(elapsed, 1e-9),
                         }
                     )
-            sums = np.array([loss_sum, train.size, *evaluate(model, evaluation, cfg.loss)])
+            sums = np.array([loss_sum, loss_rows, *evaluate(model, evaluation, cfg.loss)])
             reduce_sums.allreduce_(sums)
             record = {
                 "type": "epoch",
@@ -207,6 +239,8 @@ def _train(
                 "seconds": time.perf_counter() - epoch_started,
             }
             history.append(record)
+            if store is not None and ctx.rank == 0 and global_step % every == 0:
+                _save(store, global_step, model, sync, history)
             if reporter is not None:
                 reporter.send(record)
     finally:
@@ -230,6 +264,33 @@ def _train(
     if ctx.rank == 0:
         records += _state_records(model, history, metric, spec.state_chunk_bytes)
     return records
+
+
+def _save(
+    store: CheckpointStore,
+    step: int,
+    model: nn.Module,
+    sync: StepSync,
+    history: list[dict[str, Any]],
+) -> None:
+    optimizer = sync.optimizer
+    store.save(
+        Checkpoint(
+            step=step,
+            model_state=model.state_dict(),
+            optimizer_state=optimizer.state_dict() if optimizer is not None else {},
+            rng_state=torch.get_rng_state(),
+            history=history,
+        )
+    )
+
+
+def _restore(ckpt: Checkpoint, model: nn.Module, sync: StepSync) -> None:
+    model.load_state_dict(ckpt.model_state)
+    optimizer = sync.optimizer
+    if optimizer is not None and ckpt.optimizer_state:
+        optimizer.load_state_dict(ckpt.optimizer_state)
+    torch.set_rng_state(ckpt.rng_state)
 
 
 def _digest(params: list[nn.Parameter]) -> str:

@@ -2,7 +2,8 @@
 class per strategy, chosen by name.
 
 - ``ring`` / ``tree``: average gradients with an allreduce (``buckets.py`` for the
-  weighting rule), then every rank takes the same optimizer step.
+  weighting rule), then every rank takes the same optimizer step. With
+  ``config.compression`` set, buckets go through ``sparktrain.compress.collective``.
 - ``ps``: push gradients to the parameter server in the driver, pull parameters back
   (``sparktrain.ps``).
 """
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
-from sparktrain.comm import Mesh, make_allreduce
+from sparktrain.comm import Mesh, RingAllreduce, TreeAllreduce, make_allreduce
+from sparktrain.compress.base import build as build_compressor
+from sparktrain.compress.collective import CompressedAllreduce
 from sparktrain.errors import ConfigError
 from sparktrain.modeling import build_optimizer
 from sparktrain.worker.buckets import GradientBuckets
@@ -33,6 +37,11 @@ class StepSync(Protocol):
     def close(self) -> None:
         """Release sockets and threads; idempotent."""
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The rank-local optimizer whose state checkpoints hold; None when the optimizer
+        lives elsewhere (the parameter server)."""
+
 
 class AllreduceSync:
     """Sample-weighted gradient averaging by ring or tree allreduce, then a local step."""
@@ -43,14 +52,26 @@ class AllreduceSync:
         self.optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, dict(cfg.optimizer_kwargs))
         self.buckets = GradientBuckets(params, int(cfg.bucket_mb * (1 << 20)))
         self.allreduce = make_allreduce(cfg.strategy, mesh)
+        self.compressed: CompressedAllreduce | None = None
+        comp = build_compressor(cfg.compression)
+        if comp is not None:
+            algo = self.allreduce
+            assert isinstance(algo, RingAllreduce | TreeAllreduce)
+            self.compressed = CompressedAllreduce(comp, algo, seed=cfg.seed)
 
     def step(self, count: int) -> None:
-        self.buckets.average_(self.allreduce, count)
+        if self.compressed is not None:
+            self.buckets.average_compressed_(self.compressed, count)
+        else:
+            self.buckets.average_(self.allreduce, count)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
 
     def stats(self) -> dict[str, Any]:
-        return {"gradient_elements": self.buckets.num_elements}
+        out: dict[str, Any] = {"gradient_elements": self.buckets.num_elements}
+        if self.compressed is not None:
+            out["compression_path"] = self.compressed.path
+        return out
 
     def close(self) -> None:
         pass

@@ -1,0 +1,480 @@
+"""The compressor protocol, per-bucket state, the spec grammar and the wire message.
+
+Spec grammar
+------------
+``config.compression`` is a spec string::
+
+    spec    := "none" | ["delta" "+"] base ["+" "ef" [":" ef-opts]] | "delta" ["+ef"...]
+    base    := name [":" arg ("," arg)*]
+    arg     := value | key "=" value | flag
+
+    name        positional    options                              notes
+    ----------  ------------  -----------------------------------  ------------------------
+    fp16                      -                                    summable
+    bf16                      -                                    summable
+    int8                      chunk=N (1024), stochastic           per-chunk fp32 scales
+    topk        ratio         ratio=R, sampled, sample=S (0.01)    fp32 values + int32 idx
+    randomk     ratio         ratio=R                              shared seed: summable
+    sign                      -                                    1 bit/value + one scale
+    powersgd    rank          rank=R (1), warm (on) / cold         summable factors
+    delta                     -                                    prefix: delta+<base>
+    ef                        reset=N (0 = never)                  suffix: <base>+ef
+
+Examples: ``none``, ``fp16``, ``int8:chunk=256,stochastic+ef``, ``topk:0.01+ef``,
+``topk:0.01,sampled+ef:reset=500``, ``randomk:0.05+ef``, ``sign+ef``,
+``powersgd:2+ef``, ``delta+int8``. Whitespace is ignored; names are case-insensitive.
+:func:`parse_spec` raises :class:`~sparktrain.errors.ConfigError` naming the allowed
+forms; :func:`build` turns a spec into a :class:`Compressor`.
+
+Protocol
+--------
+A :class:`Compressor` holds hyper-parameters only (immutable once built). Everything
+that changes from step to step lives in a :class:`BucketState` the caller keeps per
+bucket (error-feedback residual, PowerSGD's Q, the delta reference, the step count),
+as torch's ``PowerSGDState`` keeps state apart from hyper-parameters.
+
+- ``compress(tensor, state) -> (payload, ctx)``: ``tensor`` is 1-D float (not modified);
+  ``payload`` a tuple of 1-D numpy arrays (raw buffers, never pickled); ``ctx`` a
+  :class:`Ctx` (element count plus a few floats), small and rebuilt from raw bytes.
+- ``decompress(payload, ctx) -> tensor``: 1-D float32 of ``ctx.numel`` elements. A
+  payload that does not match its ctx raises :class:`~sparktrain.errors.FrameError`.
+- ``add_into(out, payload, ctx)``: ``out += decompress(payload, ctx)`` (sparse
+  compressors do it without a dense temporary).
+- ``summable``: payloads of all ranks, summed part by part (see ``allreduce``), decode
+  to the sum of their tensors. Summable compressors also implement
+  ``allreduce(tensor, state, sum_) -> (total, local)`` which reduces *inside* a SUM
+  collective ``sum_(array, add)``; ``local`` is this rank's own contribution as the
+  others see it (for error feedback). :func:`summable_allreduce` is the generic body.
+
+:func:`encode_message` / :func:`decode_message` frame ``(payload, ctx, count)`` as one
+``uint8`` buffer with a fixed binary header; the sample count travels here, uncompressed,
+so the weighting rule (``worker/buckets.py``) survives any compressor.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from sparktrain.errors import ConfigError, FrameError
+
+Payload = tuple[np.ndarray, ...]
+SumFn = Callable[..., None]
+"""``sum_(buf, add=None)``: SUM ``buf`` over all ranks in place (``add`` for dtypes
+numpy cannot add, e.g. bfloat16 held as int16)."""
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a receiver needs besides the payload buffers: the element count and a few
+    compressor-specific numbers (a scale, a seed...). Travels as raw float64s."""
+
+    numel: int
+    meta: tuple[float, ...] = ()
+
+
+@dataclass
+class BucketState:
+    """Mutable per-bucket state, kept by the caller, one per bucket (and per rank).
+
+    ``shapes`` are the parameter shapes laid out in the bucket (PowerSGD compresses the
+    matrices among them); ``seed`` and ``step`` must be equal on every rank (shared
+    random choices). ``slots`` holds compressor state by name (``ef.residual``,
+    ``powersgd.q``, ``delta.ref``...).
+    """
+
+    key: int = 0
+    shapes: tuple[tuple[int, ...], ...] = ()
+    seed: int = 0
+    step: int = 0
+    slots: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Compressor(Protocol):
+    """A gradient compressor; see the module docstring."""
+
+    spec: str
+    summable: bool
+
+    def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]: ...
+
+    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor: ...
+
+    def add_into(self, out: torch.Tensor, payload: Payload, ctx: Ctx) -> None: ...
+
+    def payload_nbytes(self, numel: int) -> int:
+        """Payload bytes for ``numel`` elements (expected value for variable sizes)."""
+        ...
+
+
+class BaseCompressor:
+    """Shared defaults: dense ``add_into``, not summable."""
+
+    spec = "?"
+    summable = False
+
+    def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_into(self, out: torch.Tensor, payload: Payload, ctx: Ctx) -> None:
+        out.add_(self.decompress(payload, ctx))
+
+    def payload_nbytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec}>"
+
+
+def summable_allreduce(
+    comp: Compressor, tensor: torch.Tensor, state: BucketState, sum_: SumFn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-round summable compressors: compress, SUM every part, decompress.
+
+    Returns ``(total, local)``. Parts of dtype int16 are bfloat16 bits.
+    """
+    payload, ctx = comp.compress(tensor, state)
+    local = comp.decompress(payload, ctx).clone()
+    for part in payload:
+        sum_(part, add=add_bf16 if part.dtype == np.int16 else None)
+    return comp.decompress(payload, ctx), local
+
+
+def add_bf16(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a + b`` for bfloat16 values held in int16 arrays (a ring/tree reducer)."""
+    ta = torch.from_numpy(a).view(torch.bfloat16)
+    tb = torch.from_numpy(b).view(torch.bfloat16)
+    torch.add(ta, tb, out=torch.from_numpy(out).view(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------- checking
+def bad(detail: str) -> FrameError:
+    """The error for a payload that does not match its ctx (from a peer or a bug)."""
+    return FrameError(f"malformed compressed payload: {detail}; the sender is out of step")
+
+
+def expect_parts(payload: Payload, dtypes: tuple[Any, ...], what: str) -> None:
+    if not isinstance(payload, tuple) or len(payload) != len(dtypes):
+        raise bad(f"{what} expects {len(dtypes)} buffers, got {len(payload)}")
+    for i, (part, dt) in enumerate(zip(payload, dtypes, strict=True)):
+        if not isinstance(part, np.ndarray) or part.ndim != 1 or part.dtype != np.dtype(dt):
+            got = getattr(part, "dtype", type(part).__name__)
+            raise bad(f"{what} buffer {i} must be 1-D {np.dtype(dt)}, got {got}")
+
+
+def expect_len(part: np.ndarray, n: int, what: str) -> None:
+    if part.size != n:
+        raise bad(f"{what} has {part.size} elements, expected {n}")
+
+
+def expect_meta(ctx: Ctx, n: int, what: str) -> None:
+    if not isinstance(ctx, Ctx) or len(ctx.meta) != n or ctx.numel < 0:
+        raise bad(f"{what} ctx must carry {n} numbers and a count >= 0, got {ctx!r}")
+    if not all(math.isfinite(v) for v in ctx.meta):
+        raise bad(f"{what} ctx has non-finite numbers {ctx.meta}")
+
+
+def as_tensor(part: np.ndarray) -> torch.Tensor:
+    """A torch view of a payload buffer (copied first if read-only or misaligned)."""
+    if not part.flags.writeable or not part.flags.aligned:
+        part = part.copy()
+    return torch.from_numpy(part)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A 1-D numpy view of a CPU tensor (bfloat16 as int16 bits)."""
+    t = t.detach().reshape(-1).contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
+# ---------------------------------------------------------------------- wire message
+_MAGIC = b"STC1"
+_HEAD = struct.Struct("<4sBBHqd")  # magic, parts, meta, reserved, numel, count
+_PART = struct.Struct("<B7xQ")  # dtype code, nbytes
+_CODES: dict[np.dtype[Any], int] = {
+    np.dtype(np.uint8): 1,
+    np.dtype(np.int8): 2,
+    np.dtype(np.int16): 3,
+    np.dtype(np.int32): 4,
+    np.dtype(np.int64): 5,
+    np.dtype(np.float16): 6,
+    np.dtype(np.float32): 7,
+    np.dtype(np.float64): 8,
+}
+_DTYPES: dict[int, np.dtype[Any]] = {code: dt for dt, code in _CODES.items()}
+MAX_PARTS = 16
+MAX_META = 1024
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def message_nbytes(payload: Payload, ctx: Ctx) -> int:
+    """Length of :func:`encode_message`'s output."""
+    return (
+        _HEAD.size
+        + _PART.size * len(payload)
+        + 8 * len(ctx.meta)
+        + sum(_pad8(p.nbytes) for p in payload)
+    )
+
+
+def encode_message(payload: Payload, ctx: Ctx, count: float = 0.0) -> np.ndarray:
+    """``(payload, ctx, count)`` as one ``uint8`` buffer: header, part table, ctx floats,
+    then each part's raw bytes (8-byte aligned). No pickle."""
+    if len(payload) > MAX_PARTS or len(ctx.meta) > MAX_META:
+        raise ConfigError(f"a payload has at most {MAX_PARTS} parts and {MAX_META} ctx numbers")
+    out = np.zeros(message_nbytes(payload, ctx), dtype=np.uint8)
+    buf = out.data
+    _HEAD.pack_into(buf, 0, _MAGIC, len(payload), len(ctx.meta), 0, ctx.numel, float(count))
+    pos = _HEAD.size
+    for part in payload:
+        _PART.pack_into(buf, pos, _CODES[part.dtype], part.nbytes)
+        pos += _PART.size
+    if ctx.meta:
+        out[pos : pos + 8 * len(ctx.meta)] = np.asarray(ctx.meta, dtype="<f8").view(np.uint8)
+        pos += 8 * len(ctx.meta)
+    for part in payload:
+        raw = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+        out[pos : pos + raw.size] = raw
+        pos += _pad8(raw.size)
+    return out
+
+
+def decode_message(
+    blob: np.ndarray | bytes, numel: int | None = None
+) -> tuple[Payload, Ctx, float]:
+    """Inverse of :func:`encode_message`; checks every length against the buffer (and
+    ``ctx.numel`` against ``numel`` if given). Raises FrameError, never crashes."""
+    data = np.frombuffer(blob, dtype=np.uint8) if isinstance(blob, bytes | bytearray) else blob
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
+        raise bad("a message must be a 1-D uint8 buffer")
+    if data.size < _HEAD.size:
+        raise bad(f"{data.size} bytes is shorter than the {_HEAD.size}-byte header")
+    view = np.ascontiguousarray(data).data
+    magic, nparts, nmeta, _, got_numel, count = _HEAD.unpack_from(view, 0)
+    if magic != _MAGIC:
+        raise bad(f"bad magic {magic!r}")
+    if nparts > MAX_PARTS or nmeta > MAX_META:
+        raise bad(f"{nparts} parts / {nmeta} ctx numbers exceed the limits")
+    if got_numel < 0 or (numel is not None and got_numel != numel):
+        raise bad(f"it describes {got_numel} elements, expected {numel}")
+    if not (math.isfinite(count) and count >= 0 and count == int(count)):
+        raise bad(f"sample count {count!r} is not a whole number >= 0")
+    pos = _HEAD.size
+    table = []
+    if data.size < pos + _PART.size * nparts + 8 * nmeta:
+        raise bad("truncated part table")
+    for _ in range(nparts):
+        code, nbytes = _PART.unpack_from(view, pos)
+        pos += _PART.size
+        dt = _DTYPES.get(code)
+        if dt is None or nbytes % dt.itemsize:
+            raise bad(f"part of dtype code {code} with {nbytes} bytes")
+        table.append((dt, nbytes))
+    meta = tuple(float(v) for v in data[pos : pos + 8 * nmeta].view("<f8"))
+    pos += 8 * nmeta
+    if pos + sum(_pad8(n) for _, n in table) != data.size:
+        raise bad(f"{data.size} bytes do not match the part table")
+    parts = []
+    for dt, nbytes in table:
+        parts.append(data[pos : pos + nbytes].view(dt))
+        pos += _pad8(nbytes)
+    return tuple(parts), Ctx(int(got_numel), meta), float(count)
+
+
+# ---------------------------------------------------------------------- spec parsing
+@dataclass(frozen=True)
+class Stage:
+    """One ``name:args`` element of a spec."""
+
+    name: str
+    args: tuple[str, ...] = ()
+    options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, key: str, default: str | None = None) -> str | None:
+        for k, v in self.options:
+            if k == key:
+                return v
+        return default
+
+
+Factory = Callable[[Stage], Any]
+_REGISTRY: dict[str, Factory] = {}
+_WRAPPERS = ("delta", "ef")
+FORMS = (
+    "none, fp16, bf16, int8[:chunk=N,stochastic], topk:R[,sampled][,sample=S], randomk:R, "
+    "sign, powersgd:R[,cold], optionally prefixed by delta+ and/or suffixed by +ef[:reset=N] "
+    "(e.g. topk:0.01+ef, int8+ef, powersgd:2+ef, delta+int8)"
+)
+
+
+def register(name: str, factory: Factory) -> None:
+    """Make ``name`` usable in specs; ``factory(stage)`` builds the compressor."""
+    _REGISTRY[name] = factory
+
+
+def registered() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def _parse_stage(text: str, spec: str) -> Stage:
+    name, _, rest = text.partition(":")
+    name = name.strip().lower()
+    if not name:
+        raise ConfigError(f"compression={spec!r}: empty element; allowed values: {FORMS}")
+    args: list[str] = []
+    options: list[tuple[str, str]] = []
+    if rest.strip():
+        for item in rest.split(","):
+            item = item.strip()
+            if not item:
+                raise ConfigError(f"compression={spec!r}: empty option in {text!r}")
+            key, eq, value = item.partition("=")
+            if eq:
+                options.append((key.strip().lower(), value.strip()))
+            else:
+                args.append(item.lower())
+    return Stage(name, tuple(args), tuple(options))
+
+
+def parse_spec(spec: str) -> list[Stage]:
+    """Split and check a spec; raises ConfigError naming the allowed forms."""
+    _load_builtins()
+    if not isinstance(spec, str):
+        raise ConfigError(f"compression must be a string spec; allowed values: {FORMS}")
+    text = "".join(spec.split())
+    if text.lower() == "none":
+        return []
+    stages = [_parse_stage(part, spec) for part in text.split("+")]
+    names = [s.name for s in stages]
+    for s in stages:
+        if s.name not in _REGISTRY and s.name not in _WRAPPERS:
+            raise ConfigError(
+                f"compression={spec!r}: unknown compressor {s.name!r}; allowed values: {FORMS}"
+            )
+    core = [n for n in names if n not in _WRAPPERS]
+    ok = (
+        len(core) <= 1
+        and names.count("delta") <= 1
+        and names.count("ef") <= 1
+        and ("delta" not in names or names[0] == "delta")
+        and ("ef" not in names or names[-1] == "ef")
+        and (core or "delta" in names)
+    )
+    if not ok:
+        raise ConfigError(
+            f"compression={spec!r}: use at most one compressor, delta+ only in front and "
+            f"+ef only at the end; allowed values: {FORMS}"
+        )
+    return stages
+
+
+def build(spec: str) -> Compressor | None:
+    """The compressor for ``spec`` (None for ``"none"``); ConfigError if invalid."""
+    stages = parse_spec(spec)
+    if not stages:
+        return None
+    from sparktrain.compress.cast import Identity
+    from sparktrain.compress.delta import Delta
+    from sparktrain.compress.feedback import ErrorFeedback
+
+    for s in stages:
+        if s.name == "ef":
+            check_options(s, 0, ("reset",), ())
+        elif s.name == "delta":
+            check_options(s, 0, (), ())
+    core = [s for s in stages if s.name not in _WRAPPERS]
+    comp: Compressor = _REGISTRY[core[0].name](core[0]) if core else Identity()
+    if stages[0].name == "delta":
+        comp = Delta(comp)
+    if stages[-1].name == "ef":
+        comp = ErrorFeedback(comp, reset=int_option(stages[-1], "reset", 0, low=0))
+    return comp
+
+
+def validate_spec(spec: str) -> None:
+    """Raise ConfigError unless ``spec`` builds."""
+    build(spec)
+
+
+# option helpers for factories
+def _fail(stage: Stage, detail: str) -> ConfigError:
+    return ConfigError(f"compression {stage.name}: {detail}; allowed values: {FORMS}")
+
+
+def check_options(
+    stage: Stage, positional: int, keys: tuple[str, ...], flags: tuple[str, ...]
+) -> None:
+    plain = [a for a in stage.args if a not in flags]
+    if len(plain) > positional:
+        raise _fail(stage, f"unexpected argument(s) {plain[positional:]}")
+    for k, _ in stage.options:
+        if k not in keys:
+            raise _fail(stage, f"unknown option {k!r} (known: {', '.join(keys) or 'none'})")
+
+
+def positional(stage: Stage, flags: tuple[str, ...] = ()) -> str | None:
+    plain = [a for a in stage.args if a not in flags]
+    return plain[0] if plain else None
+
+
+def float_option(stage: Stage, key: str, default: float | None, low: float, high: float) -> float:
+    raw = stage.option(key)
+    if raw is None and key in ("ratio", "rank") and positional(stage, _FLAGS) is not None:
+        raw = positional(stage, _FLAGS)
+    if raw is None:
+        if default is None:
+            raise _fail(stage, f"needs {key}, e.g. {stage.name}:0.01")
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _fail(stage, f"{key}={raw!r} is not a number") from None
+    if not (low < value <= high):
+        raise _fail(stage, f"{key}={raw} must be in ({low}, {high}]")
+    return value
+
+
+def int_option(stage: Stage, key: str, default: int, low: int) -> int:
+    raw = stage.option(key)
+    if raw is None and key == "rank" and positional(stage, _FLAGS) is not None:
+        raw = positional(stage, _FLAGS)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _fail(stage, f"{key}={raw!r} is not an integer") from None
+    if value < low:
+        raise _fail(stage, f"{key}={value} must be >= {low}")
+    return value
+
+
+_FLAGS = ("stochastic", "sampled", "exact", "cold", "warm")
+_loaded = False
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from sparktrain.compress import cast, int8, powersgd, sign, topk
+
+    for module in (cast, int8, topk, sign, powersgd):
+        module.register_all(register)

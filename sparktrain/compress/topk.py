@@ -1,0 +1,183 @@
+"""Sparsifiers: ``topk:R`` (exact or sampled-threshold) and ``randomk:R``.
+
+``topk``: keep the ``k = ceil(R * n)`` values of largest magnitude. Payload: float32
+values and int32 indices (int64 past 2**31 elements): 8 bytes per kept value, so
+``topk:0.01`` is 50x smaller than fp32, not 100x. The exact variant uses
+``torch.topk``; ``sampled`` estimates the magnitude threshold from a random sample of
+``sample * n`` values (default 1 %, at least 4096) and keeps everything above it —
+about ``k`` values (trimmed to at most ``1.25 k`` by an exact top-k of the survivors).
+Error: dropped values are returned exactly (``x - x'`` is ``x`` off the kept set, 0 on it).
+
+Path: top-k payloads are not summable (different index sets); they are all-gathered
+(``n - 1`` payloads per rank) and every rank scatter-adds them in rank order. That is
+the cheapest exact path: the union of index sets grows along a ring, so a
+decompress-add-recompress ring would carry as much unless it re-sparsified partial
+sums (losing mass that no error feedback sees).
+
+``randomk``: keep ``k`` values at positions drawn from a generator seeded by
+(seed, bucket, step) — the same positions on every rank, so only the values travel
+(4 bytes per kept value) and payloads are *summable*: they reduce inside the ring.
+Not rescaled (biased); use it with ``+ef``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from sparktrain.compress.base import (
+    BaseCompressor,
+    BucketState,
+    Ctx,
+    Payload,
+    Stage,
+    SumFn,
+    as_tensor,
+    bad,
+    check_options,
+    expect_meta,
+    expect_parts,
+    float_option,
+    summable_allreduce,
+)
+
+
+def keep_count(ratio: float, numel: int) -> int:
+    return 0 if numel == 0 else min(numel, max(1, math.ceil(ratio * numel)))
+
+
+def step_seed(state: BucketState, salt: int) -> int:
+    """A 52-bit seed from (seed, bucket, step): exact in a float64 ctx number."""
+    h = (state.seed * 1_000_003 + state.key * 7919 + state.step * 104_729 + salt) & ((1 << 52) - 1)
+    return int(h)
+
+
+class TopK(BaseCompressor):
+    summable = False
+
+    def __init__(self, ratio: float, sampled: bool = False, sample: float = 0.01) -> None:
+        self.ratio = float(ratio)
+        self.sampled = bool(sampled)
+        self.sample = float(sample)
+        extra = ",sampled" if sampled else ""
+        if sampled and sample != 0.01:
+            extra += f",sample={sample:g}"
+        self.spec = f"topk:{self.ratio:g}{extra}"
+
+    def _indices(self, mag: torch.Tensor, k: int, state: BucketState) -> torch.Tensor:
+        n = mag.numel()
+        if not self.sampled or k * 4 >= n:
+            return torch.topk(mag, k, sorted=False).indices
+        gen = torch.Generator().manual_seed(step_seed(state, 17))
+        s = min(n, max(4096, math.ceil(self.sample * n)))
+        sample = mag[torch.randint(0, n, (s,), generator=gen)]
+        ks = keep_count(self.ratio, s)
+        threshold = torch.topk(sample, ks, sorted=False).values.min()
+        idx = torch.nonzero(mag >= threshold).squeeze(1)
+        limit = math.ceil(1.25 * k)
+        if idx.numel() > limit:
+            idx = idx[torch.topk(mag[idx], limit, sorted=False).indices]
+        return idx
+
+    def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
+        t = tensor.detach().reshape(-1).to(torch.float32)
+        n = t.numel()
+        k = keep_count(self.ratio, n)
+        idx = self._indices(t.abs(), k, state) if k else torch.zeros(0, dtype=torch.int64)
+        itype = torch.int32 if n < 2**31 else torch.int64
+        vals = t[idx].contiguous()
+        return (vals.numpy(), idx.to(itype).numpy()), Ctx(n)
+
+    def _parts(self, payload: Payload, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        expect_meta(ctx, 0, self.spec)
+        itype = np.int32 if ctx.numel < 2**31 else np.int64
+        expect_parts(payload, (np.float32, itype), self.spec)
+        vals, idx = payload
+        if vals.size != idx.size or vals.size > ctx.numel:
+            raise bad(f"{vals.size} values with {idx.size} indices for {ctx.numel} elements")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= ctx.numel):
+            raise bad(f"indices out of range 0..{ctx.numel - 1}")
+        return as_tensor(vals), as_tensor(idx).to(torch.int64)
+
+    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
+        vals, idx = self._parts(payload, ctx)
+        out = torch.zeros(ctx.numel, dtype=torch.float32)
+        out[idx] = vals
+        return out
+
+    def add_into(self, out: torch.Tensor, payload: Payload, ctx: Ctx) -> None:
+        vals, idx = self._parts(payload, ctx)
+        if out.numel() != ctx.numel:
+            raise bad(f"{ctx.numel} elements do not fit a bucket of {out.numel()}")
+        out.index_add_(0, idx, vals.to(out.dtype))
+
+    def payload_nbytes(self, numel: int) -> int:
+        return keep_count(self.ratio, numel) * (4 + (4 if numel < 2**31 else 8))
+
+
+class RandomK(BaseCompressor):
+    summable = True
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = float(ratio)
+        self.spec = f"randomk:{self.ratio:g}"
+
+    def _positions(self, seed: int, n: int) -> torch.Tensor:
+        """About k distinct positions (k draws, duplicates dropped): O(k log k), where a
+        permutation of n would be O(n). Equal on every rank for the same seed."""
+        k = keep_count(self.ratio, n)
+        gen = torch.Generator().manual_seed(seed)
+        return torch.unique(torch.randint(0, n, (k,), generator=gen))
+
+    def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
+        t = tensor.detach().reshape(-1).to(torch.float32)
+        seed = step_seed(state, 29)
+        vals = t[self._positions(seed, t.numel())].contiguous()
+        return (vals.numpy(),), Ctx(t.numel(), (float(seed),))
+
+    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
+        expect_meta(ctx, 1, self.spec)
+        expect_parts(payload, (np.float32,), self.spec)
+        seed = ctx.meta[0]
+        if seed != int(seed) or not 0 <= seed < 2**52:
+            raise bad(f"randomk seed {seed!r}")
+        if payload[0].size > keep_count(self.ratio, ctx.numel):
+            raise bad(f"{payload[0].size} values, expected {keep_count(self.ratio, ctx.numel)}")
+        positions = self._positions(int(seed), ctx.numel)
+        if positions.numel() != payload[0].size:
+            raise bad(f"{payload[0].size} values for {positions.numel()} positions")
+        out = torch.zeros(ctx.numel, dtype=torch.float32)
+        out[positions] = as_tensor(payload[0])
+        return out
+
+    def payload_nbytes(self, numel: int) -> int:
+        return 4 * keep_count(self.ratio, numel)
+
+    def allreduce(
+        self, tensor: torch.Tensor, state: BucketState, sum_: SumFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return summable_allreduce(self, tensor, state, sum_)
+
+
+_TOPK_FLAGS = ("sampled", "exact")
+
+
+def register_all(register: Callable[[str, Callable[[Stage], Any]], None]) -> None:
+    def topk(stage: Stage) -> Any:
+        check_options(stage, 1, ("ratio", "sample"), _TOPK_FLAGS)
+        return TopK(
+            float_option(stage, "ratio", None, 0.0, 1.0),
+            sampled="sampled" in stage.args,
+            sample=float_option(stage, "sample", 0.01, 0.0, 1.0),
+        )
+
+    def randomk(stage: Stage) -> Any:
+        check_options(stage, 1, ("ratio",), ())
+        return RandomK(float_option(stage, "ratio", None, 0.0, 1.0))
+
+    register("topk", topk)
+    register("randomk", randomk)

@@ -1,0 +1,332 @@
+"""The worker's side of the parameter server: ``StepSync`` for ``strategy="ps"``.
+
+Each step, :class:`ParameterServerSync` flattens the gradients, and for every shard at
+once (one thread per shard connection) pushes its slice and pulls the shard's delta
+back into the flat parameter vector, then copies that into the model. The first pull,
+in the constructor, fetches the server's values, so every rank starts from the
+server's parameters whatever its own initialisation.
+
+Connections count their bytes into the mesh's :class:`~sparktrain.comm.wire.CommStats`,
+so the run summary's byte totals include the PS traffic.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from sparktrain.comm.wire import DRIVER_RANK, KIND_DATA, CommStats, Connection, Mesh, connect
+from sparktrain.errors import CommError, ConfigError, PeerLostError
+from sparktrain.ps import protocol as P
+from sparktrain.ps.layout import (
+    NUMPY_DTYPES,
+    flat_dtype,
+    flatten,
+    shard_ranges,
+    trainable,
+    unflatten,
+)
+from sparktrain.worker.context import WorkerContext
+
+log = logging.getLogger(__name__)
+
+REPLY_GRACE_S = 5.0
+"""Extra read time beyond ``comm_timeout``: a shard waits at most ``comm_timeout`` for a
+laggard and then answers with the laggard's name, which must arrive before this side's
+own timeout blames the server."""
+BYE_TIMEOUT_S = 1.0
+
+
+class ShardClient:
+    """One worker's connection to one shard: push, pull and goodbye messages.
+
+    ``version`` is the shard version the worker's copy of ``[lo, hi)`` corresponds to
+    (-1 before the first pull). Not thread-safe: one request at a time per shard.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        *,
+        index: int,
+        lo: int,
+        hi: int,
+        dtype: np.dtype[Any],
+        job_id: str,
+        attempt: int,
+        rank: int,
+    ) -> None:
+        self.conn = conn
+        self.index = index
+        self.lo, self.hi = lo, hi
+        self.job_tag = P.job_tag(job_id)
+        self.attempt = attempt
+        self.rank = rank
+        self.version = -1
+        self._delta = np.empty(hi - lo, dtype=dtype)
+        self.unchanged_pulls = 0
+        self.payload_pulls = 0
+
+    def _fail(self, status: int, lost: int, what: str) -> CommError:
+        """Read the reason that follows an error status and build the error to raise."""
+        try:
+            _, text = self.conn.recv_bytes(P.KIND_TEXT, max_bytes=P.MAX_TEXT_BYTES)
+            reason = text.decode("utf-8", "replace")
+        except CommError:
+            reason = P.STATUS_NAMES.get(status, f"status {status}")
+        if status == P.LOST and lost >= 0:
+            return PeerLostError(lost, f"the parameter server reports: {reason}")
+        return CommError(
+            f"parameter-server shard {self.index} refused the {what} of rank {self.rank} "
+            f"({P.STATUS_NAMES.get(status, status)}): {reason}"
+        )
+
+    def push(
+        self, step: int, count: int, grad: np.ndarray | None, *, attempt: int | None = None
+    ) -> int:
+        """Push the gradient of ``step`` (``count`` samples; ``grad`` None when 0).
+
+        Returns ``OK`` or ``DUPLICATE`` (acknowledged, not applied again); raises for
+        every other status. ``attempt`` overrides the stage attempt (tests only).
+        """
+        has = count > 0 and grad is not None
+        header = P.PUSH.pack(
+            self.job_tag,
+            self.attempt if attempt is None else attempt,
+            self.rank,
+            step,
+            count if has else 0,
+            self.version,
+            1 if has else 0,
+        )
+        self.conn.send_bytes(header, P.KIND_PUSH)
+        if has:
+            assert grad is not None
+            self.conn.send_array(grad, KIND_DATA)
+        _, reply = self.conn.recv_bytes(P.KIND_ACK, max_bytes=P.MAX_HEADER_BYTES)
+        status, lost, _version = P.ACK.unpack(reply)
+        if status not in (P.OK, P.DUPLICATE):
+            raise self._fail(status, lost, f"push of step {step}")
+        return int(status)
+
+    def pull(self, step: int, out: np.ndarray) -> int:
+        """Bring ``out`` (this shard's slice of the flat parameters) up to date.
+
+        ``step`` is the step just pushed (-1 for the first pull); the shard answers
+        when the mode allows (sync: step applied; ssp: within the staleness bound).
+        Returns the encoding received (``UNCHANGED``, ``DELTA`` or ``FULL``).
+        """
+        self.conn.send_bytes(P.PULL.pack(self.attempt, self.rank, step, self.version), P.KIND_PULL)
+        _, reply = self.conn.recv_bytes(P.KIND_REPLY, max_bytes=P.MAX_HEADER_BYTES)
+        status, lost, version, encoding, elements = P.REPLY.unpack(reply)
+        if status != P.OK:
+            raise self._fail(status, lost, f"pull after step {step}")
+        if elements != self.hi - self.lo:
+            raise ConfigError(
+                f"parameter-server shard {self.index} holds {elements} elements, this worker "
+                f"expects {self.hi - self.lo}: the workers' model differs from the driver's"
+            )
+        if encoding == P.DELTA:
+            self.conn.recv_into(self._delta, KIND_DATA)
+            out += self._delta  # the same float ops as the server's mirror
+            self.payload_pulls += 1
+        elif encoding == P.FULL:
+            self.conn.recv_into(out, KIND_DATA)
+            self.payload_pulls += 1
+        elif encoding == P.UNCHANGED:
+            self.unchanged_pulls += 1
+        else:
+            raise CommError(f"parameter-server shard {self.index} sent unknown encoding {encoding}")
+        self.version = int(version)
+        return int(encoding)
+
+    def bye(self, clean: bool) -> None:
+        """Tell the shard this rank is done (``clean``) or failed; best effort."""
+        with contextlib.suppress(CommError, OSError):
+            self.conn.set_timeout(BYE_TIMEOUT_S)
+            self.conn.send_bytes(P.BYE.pack(self.attempt, self.rank, int(clean)), P.KIND_BYE)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def connect_shards(
+    addresses: tuple[str, ...] | list[str],
+    *,
+    rank: int,
+    secret: bytes,
+    job_id: str,
+    attempt: int,
+    timeout: float,
+    stats: CommStats,
+    num_elements: int,
+    dtype: np.dtype[Any],
+) -> list[ShardClient]:
+    """Dial every shard in parallel and authenticate; all or nothing."""
+    ranges = shard_ranges(num_elements, len(addresses))
+    clients: list[ShardClient | None] = [None] * len(addresses)
+    errors: list[BaseException] = []
+
+    def dial(i: int) -> None:
+        try:
+            conn = connect(
+                addresses[i],
+                secret=secret,
+                job_id=job_id,
+                attempt=attempt,
+                my_rank=rank,
+                peer_rank=DRIVER_RANK,
+                timeout=timeout,
+                stats=stats,
+            )
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+            return
+        conn.set_timeout(timeout + REPLY_GRACE_S)
+        lo, hi = ranges[i]
+        clients[i] = ShardClient(
+            conn, index=i, lo=lo, hi=hi, dtype=dtype, job_id=job_id, attempt=attempt, rank=rank
+        )
+
+    threads = [threading.Thread(target=dial, args=(i,), daemon=True) for i in range(len(addresses))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 1.0)
+    made = [c for c in clients if c is not None]
+    if errors or len(made) != len(addresses):
+        for c in made:
+            c.close()
+        if errors:
+            raise errors[0]
+        raise PeerLostError(DRIVER_RANK, "the parameter server did not answer in time")
+    return made
+
+
+class ParameterServerSync:
+    """``StepSync`` for ``strategy="ps"``: push gradients, pull parameters, every step."""
+
+    def __init__(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> None:
+        spec, cfg = ctx.job, ctx.job.config
+        if not spec.ps_addresses:
+            raise ConfigError(
+                "strategy='ps' but the job carries no parameter-server addresses; "
+                "start the job through Trainer.fit"
+            )
+        P.make_codec(cfg.compression)  # fails clearly for a compressor PS cannot use yet
+        self.rank = ctx.rank
+        self.params = trainable(model)
+        dtype = np.dtype(NUMPY_DTYPES[flat_dtype(self.params)])
+        n = sum(p.numel() for p in self.params)
+        self.flat = np.empty(n, dtype=dtype)
+        self.grad = np.empty(n, dtype=dtype)
+        self.timeout = cfg.comm_timeout
+        self.step_index = 0
+        self._failed = False
+        self._closed = False
+        self._step_s = 0.0
+        self.clients = connect_shards(
+            spec.ps_addresses,
+            rank=ctx.rank,
+            secret=spec.secret,
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            timeout=cfg.comm_timeout,
+            stats=mesh.stats,
+            num_elements=n,
+            dtype=dtype,
+        )
+        k = len(self.clients)
+        self._pool = (
+            cf.ThreadPoolExecutor(k, thread_name_prefix=f"sparktrain-ps-r{ctx.rank}")
+            if k > 1
+            else None
+        )
+        try:
+            flatten(self.params, self.flat)
+            self._each(lambda c: c.pull(-1, self.flat[c.lo : c.hi]))
+            unflatten(self.flat, self.params)
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, count: int) -> None:
+        """Push this rank's gradient slices, pull the shards' new parameters."""
+        started = time.perf_counter()
+        flatten(self.params, self.grad, grads=True)
+        step = self.step_index
+
+        def exchange(c: ShardClient) -> None:
+            c.push(step, count, self.grad[c.lo : c.hi] if count > 0 else None)
+            c.pull(step, self.flat[c.lo : c.hi])
+
+        self._each(exchange)
+        unflatten(self.flat, self.params)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+        self.step_index += 1
+        self._step_s += time.perf_counter() - started
+
+    def _each(self, fn: Callable[[ShardClient], object]) -> None:
+        """Run ``fn`` on every shard concurrently; on the first error close all and raise it."""
+        if self._closed:
+            raise CommError(f"rank {self.rank}: the parameter-server connections are closed")
+        try:
+            if self._pool is None:
+                fn(self.clients[0])
+                return
+            futures = [self._pool.submit(fn, c) for c in self.clients]
+            # Every request is bounded by the socket timeouts; this bound is a backstop.
+            done, pending = cf.wait(
+                futures, timeout=2 * (self.timeout + REPLY_GRACE_S), return_when=cf.FIRST_EXCEPTION
+            )
+            first = next((f.exception() for f in futures if f in done and f.exception()), None)
+            if first is not None:
+                raise first
+            if pending:
+                raise PeerLostError(
+                    DRIVER_RANK, "a parameter-server request did not finish in time"
+                )
+        except BaseException:
+            self._failed = True
+            for c in self.clients:  # wakes requests still waiting on other shards
+                c.close()
+            raise
+
+    @property
+    def optimizer(self) -> None:
+        """None: the optimizer (and its state) lives on the parameter server."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for this rank's stats record."""
+        return {
+            "ps_steps": self.step_index,
+            "ps_step_s": self._step_s,
+            "ps_unchanged_pulls": sum(c.unchanged_pulls for c in self.clients),
+            "ps_payload_pulls": sum(c.payload_pulls for c in self.clients),
+        }
+
+    def close(self) -> None:
+        """Say goodbye to every shard (clean unless a step or the loop failed) and close."""
+        if self._closed:
+            return
+        self._closed = True
+        # Called from the loop's ``finally``: an exception in flight means the loop failed.
+        clean = not self._failed and sys.exc_info()[0] is None
+        for c in self.clients:
+            if not c.conn.closed:
+                c.bye(clean)
+            c.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,735 @@
+"""The parameter server, hosted in the driver process.
+
+:func:`start_parameter_server` splits the model's flat parameter vector into
+``ps_shards`` byte-balanced shards (:mod:`sparktrain.ps.layout`). Each :class:`Shard`
+owns its slice, an optimizer built with the job's optimizer name and hyper-parameters
+on that slice, a listener on the driver host and one handler thread per worker
+connection.
+
+Why threads and not processes: the work per request is socket I/O plus a few numpy /
+torch vector operations, which release the GIL; threads share the parameters with the
+driver, so :meth:`ParameterServer.finish` reads them without another round of IPC, and
+:meth:`ParameterServer.stop` can close every socket and join every thread directly. A
+shard is still an independent unit (own listener, lock, optimizer and counters), so
+moving shards to processes or hosts later changes only how they are started.
+
+Modes (``ps_mode``):
+
+* ``sync`` — a shard accumulates ``sum(n_r * g_r)`` and ``sum(n_r)`` for the current
+  step; once every live rank has pushed for it (count 0 included) it applies the
+  optimizer to the sample-weighted mean, exactly the ring's rule (worker/buckets.py).
+  A pull for step ``t`` waits until step ``t`` is applied.
+* ``async`` — every push with samples is applied at once (Downpour/Hogwild); its
+  staleness is the shard's version minus the version the worker computed on.
+* ``ssp`` — as async, but a rank that has pushed ``c`` steps waits on its pull until
+  the slowest live rank has pushed at least ``c - staleness`` steps.
+
+With ``staleness_lr`` a push of staleness ``k`` is applied with the learning rate
+scaled by ``1/(1 + k)`` (the step is scaled, whatever the optimizer).
+
+Failures: a rank whose connection drops without a clean goodbye, or that keeps others
+waiting longer than ``comm_timeout``, is *lost*. The first loss is recorded for the
+whole server and every waiting or later request is answered with a ``LOST`` status
+naming that rank, so every other worker fails with a :class:`PeerLostError` within
+``comm_timeout`` (plus a few seconds), never hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from sparktrain.comm.wire import (
+    DRIVER_RANK,
+    KIND_DATA,
+    AcceptTimeout,
+    CommStats,
+    Connection,
+    accept,
+    address_of,
+    open_listener,
+)
+from sparktrain.config import TrainConfig
+from sparktrain.errors import CommError, ConfigError, HandshakeError
+from sparktrain.modeling import build_optimizer
+from sparktrain.ps import protocol as P
+from sparktrain.ps.layout import (
+    NUMPY_DTYPES,
+    flat_dtype,
+    flatten,
+    shard_ranges,
+    trainable,
+    unflatten,
+)
+
+if TYPE_CHECKING:
+    from sparktrain.trainer import TrainResult
+
+log = logging.getLogger(__name__)
+
+ACCEPT_POLL_S = 0.2  # how often an accept loop looks at the stop flag
+WAIT_SLICE_S = 0.5  # waits re-check the stop flag and the failure at least this often
+HANDSHAKE_TIMEOUT_S = 10.0  # a silent client may hold an accept loop at most this long
+JOIN_TIMEOUT_S = 2.0
+STALENESS_BINS = 32  # the histogram keeps staleness 0..31 exactly, the rest as "32+"
+
+
+@dataclass
+class _RankState:
+    """What one shard knows about one rank."""
+
+    last_step: int = -1  # highest step pushed (and accepted) in this attempt
+    done: bool = False  # said a clean goodbye: no longer expected to push
+    mirror: np.ndarray | None = None  # exact copy of the rank's parameters for this shard
+    mirror_version: int = -1
+    send_buf: np.ndarray | None = None  # delta being sent (only its handler touches it)
+    wait_s: float = 0.0
+    connected: bool = False
+
+    @property
+    def clock(self) -> int:
+        """Steps pushed."""
+        return self.last_step + 1
+
+
+@dataclass
+class _Counters:
+    pushes: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    pulls: int = 0
+    unchanged_pulls: int = 0
+    full_pulls: int = 0
+    updates: int = 0
+    staleness: Counter[int] = field(default_factory=Counter)
+    max_ssp_gap: int = 0
+
+
+class Shard:
+    """One slice ``[lo, hi)`` of the flat parameter vector, served on its own listener."""
+
+    def __init__(self, server: ParameterServer, index: int, lo: int, hi: int, initial: np.ndarray):
+        cfg = server.cfg
+        self.server = server
+        self.index = index
+        self.lo, self.hi = lo, hi
+        self.param = nn.Parameter(torch.from_numpy(initial[lo:hi].copy()))
+        self.values: np.ndarray = self.param.data.numpy()  # shares memory with the parameter
+        self.optimizer = build_optimizer(
+            cfg.optimizer, [self.param], cfg.lr, dict(cfg.optimizer_kwargs)
+        )
+        self._base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self._acc = np.zeros_like(self.values)  # sync: sum of n_r * g_r for this step
+        self._acc_count = 0.0
+        self._pushed: set[int] = set()
+        self.param.grad = torch.from_numpy(self._acc)  # the optimizer reads the mean here
+        self._grad = self.param.grad
+        self.version = 0  # sync: steps applied; async/ssp: updates applied
+        self.base_version = 0  # the version at the start of the current stage attempt
+        self.cond = threading.Condition()
+        self.ranks = {r: _RankState() for r in range(server.world_size)}
+        self.counters = _Counters()
+        self.stats = CommStats()  # every byte of this shard's connections
+        self._conns: dict[int, Connection] = {}
+        self._threads: list[threading.Thread] = []
+        self.listener = open_listener(server.host)
+        self.listener.settimeout(ACCEPT_POLL_S)
+        self.address = address_of(self.listener)
+        self.armed_attempt = server.attempt
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"sparktrain-ps-accept-{index}", daemon=True
+        )
+
+    @property
+    def elements(self) -> int:
+        return self.hi - self.lo
+
+    def start(self) -> None:
+        self._acceptor.start()
+
+    # ------------------------------------------------------------------ accepting
+
+    def _accept_loop(self) -> None:
+        srv = self.server
+        while not srv.stopping:
+            attempt = srv.attempt
+            self.armed_attempt = attempt  # begin_attempt() waits for this
+            try:
+                conn = accept(
+                    self.listener,
+                    secret=srv.secret,
+                    job_id=srv.job_id,
+                    attempt=attempt,
+                    my_rank=DRIVER_RANK,
+                    timeout=min(srv.timeout, HANDSHAKE_TIMEOUT_S),
+                    stats=self.stats,
+                )
+            except (AcceptTimeout, TimeoutError):
+                continue
+            except HandshakeError as exc:
+                log.warning("ps shard %d: %s", self.index, exc)
+                continue
+            except (CommError, OSError) as exc:
+                if srv.stopping:
+                    return
+                log.warning("ps shard %d: accept failed: %s", self.index, exc)
+                time.sleep(0.05)
+                continue
+            rank = conn.peer_rank
+            with self.cond:
+                refuse = (
+                    srv.stopping
+                    or attempt != srv.attempt
+                    or rank not in self.ranks
+                    or rank in self._conns
+                )
+                if not refuse:
+                    self._conns[rank] = conn
+                    self.ranks[rank].connected = True
+            if refuse:
+                log.warning("ps shard %d: refused a second or unknown rank %d", self.index, rank)
+                conn.close()
+                continue
+            conn.set_timeout(srv.timeout)  # a worker silent for this long is lost
+            t = threading.Thread(
+                target=self._serve,
+                args=(conn,),
+                name=f"sparktrain-ps-{self.index}-rank-{rank}",
+                daemon=True,
+            )
+            self._threads.append(t)
+            t.start()
+
+    # ------------------------------------------------------------------ serving
+
+    def _serve(self, conn: Connection) -> None:
+        srv = self.server
+        rank = conn.peer_rank
+        attempt = srv.attempt  # the handshake proved it
+        grad = np.empty_like(self.values)  # receive buffer of this rank's pushes
+        try:
+            while not srv.stopping and srv.attempt == attempt:
+                kind, header = conn.recv_bytes(None, max_bytes=P.MAX_HEADER_BYTES)
+                if kind == P.KIND_PUSH and len(header) == P.PUSH.size:
+                    self._push(conn, header, grad)
+                elif kind == P.KIND_PULL and len(header) == P.PULL.size:
+                    self._pull(conn, header)
+                elif kind == P.KIND_BYE and len(header) == P.BYE.size:
+                    self._bye(conn, header)
+                    return
+                else:
+                    raise CommError(f"unexpected message kind {kind} ({len(header)} bytes)")
+        except (CommError, OSError) as exc:
+            if not srv.stopping and srv.attempt == attempt:  # not a connection we closed
+                cause = str(exc).split(". The peer's task")[0]  # its advice once, not twice
+                srv.lose(
+                    rank, f"its connection to parameter-server shard {self.index} broke: {cause}"
+                )
+        finally:
+            conn.close()
+
+    def _check(self, attempt: int, rank: int, conn: Connection) -> tuple[int, str]:
+        """Status and reason for a request's (attempt, rank) fields."""
+        srv = self.server
+        if attempt < srv.attempt:
+            return P.STALE_ATTEMPT, (
+                f"rank {rank} sent a request of stage attempt {attempt}, the server is at "
+                f"attempt {srv.attempt}: requests of earlier attempts are rejected"
+            )
+        if attempt != srv.attempt or rank != conn.peer_rank:
+            return P.PROTOCOL, (
+                f"a request claims attempt {attempt} and rank {rank} on the connection "
+                f"of rank {conn.peer_rank} (attempt {srv.attempt})"
+            )
+        return P.OK, ""
+
+    def _push(self, conn: Connection, header: bytes, grad: np.ndarray) -> None:
+        srv = self.server
+        tag, attempt, rank, step, count, version, has_payload = P.PUSH.unpack(header)
+        if has_payload:
+            conn.recv_into(grad)  # always read it: the stream must stay in step
+        status, reason = self._check(attempt, rank, conn)
+        if status == P.OK and tag != srv.job_tag:
+            status, reason = P.WRONG_JOB, "the push names another job"
+        if status == P.OK and (count < 0 or (count > 0) != bool(has_payload)):
+            status, reason = P.PROTOCOL, f"a push with count {count} and payload {has_payload}"
+        lost = P.NO_RANK
+        with self.cond:
+            failure = srv.failure
+            if status == P.OK and failure is not None:
+                status, lost, reason = P.LOST, failure[0], failure[1]
+            state = self.ranks[conn.peer_rank]
+            if status == P.OK:
+                if step <= state.last_step:
+                    status = P.DUPLICATE
+                    self.counters.duplicates += 1
+                elif step != state.last_step + 1:
+                    status, reason = (
+                        P.PROTOCOL,
+                        (f"rank {rank} pushed step {step} after step {state.last_step}"),
+                    )
+                elif srv.mode == "sync" and step != self.version - self.base_version:
+                    status, reason = (
+                        P.PROTOCOL,
+                        (
+                            f"rank {rank} pushed step {step} while shard {self.index} is at "
+                            f"step {self.version - self.base_version}"
+                        ),
+                    )
+                else:
+                    state.last_step = step
+                    self.counters.pushes += 1
+                    if srv.mode == "sync":
+                        if count > 0:
+                            self._acc += grad * count  # float32 ops as the ring's buckets
+                            self._acc_count += count
+                        self._pushed.add(rank)
+                        self._maybe_apply_sync()
+                    else:
+                        if count > 0:
+                            self._apply_async(grad, version)
+                        self.cond.notify_all()  # ssp: this rank's clock moved
+            if status not in (P.OK, P.DUPLICATE):
+                self.counters.rejected += 1
+            reply_version = self.version
+        conn.send_bytes(P.ACK.pack(status, lost, reply_version), P.KIND_ACK)
+        if status not in (P.OK, P.DUPLICATE):
+            conn.send_bytes(reason.encode()[: P.MAX_TEXT_BYTES], P.KIND_TEXT)
+
+    def _maybe_apply_sync(self) -> None:
+        """Apply the current step once every live rank pushed for it (holding ``cond``)."""
+        live = {r for r, s in self.ranks.items() if not s.done}
+        if not self._pushed or not live <= self._pushed:
+            return
+        if self._acc_count > 0:
+            self._grad.div_(self._acc_count)  # the sample-weighted mean, as buckets.py
+            self.optimizer.step()
+            self.counters.updates += 1
+        self._acc.fill(0.0)
+        self._acc_count = 0.0
+        self._pushed.clear()
+        self.version += 1
+        self.cond.notify_all()
+
+    def _apply_async(self, grad: np.ndarray, version: int) -> None:
+        """Apply one rank's gradient at once, recording its staleness (holding ``cond``)."""
+        stale = max(0, self.version - version)
+        self.counters.staleness[min(stale, STALENESS_BINS)] += 1
+        np.copyto(self._acc, grad)
+        scale = 1.0 / (1 + stale) if self.server.cfg.staleness_lr else 1.0
+        groups = self.optimizer.param_groups
+        if scale != 1.0:
+            for g, base in zip(groups, self._base_lrs, strict=True):
+                g["lr"] = base * scale
+        try:
+            self.optimizer.step()
+        finally:
+            if scale != 1.0:
+                for g, base in zip(groups, self._base_lrs, strict=True):
+                    g["lr"] = base
+        self.version += 1
+        self.counters.updates += 1
+
+    def _ready(self, rank: int, step: int) -> tuple[bool, int, str]:
+        """May a pull by ``rank`` after pushing ``step`` be answered? (ready, laggard, why)."""
+        srv = self.server
+        if step < 0 or srv.mode == "async":
+            return True, P.NO_RANK, ""
+        live = [r for r, s in self.ranks.items() if not s.done]
+        if srv.mode == "sync":
+            if self.version - self.base_version > step:
+                return True, P.NO_RANK, ""
+            missing = sorted(set(live) - self._pushed)
+            laggard = missing[0] if missing else P.NO_RANK
+            return False, laggard, f"it did not push step {step}"
+        # ssp
+        if not live:
+            return True, P.NO_RANK, ""
+        slowest = min(live, key=lambda r: self.ranks[r].clock)
+        need = step + 1 - srv.staleness
+        if self.ranks[slowest].clock >= need:
+            return True, P.NO_RANK, ""
+        return False, slowest, f"it stayed more than {srv.staleness} steps behind (step {step})"
+
+    def _pull(self, conn: Connection, header: bytes) -> None:
+        srv = self.server
+        attempt, rank, step, have = P.PULL.unpack(header)
+        status, reason = self._check(attempt, rank, conn)
+        lost = P.NO_RANK
+        encoding, version = P.UNCHANGED, -1
+        payload: np.ndarray | None = None
+        timed_out: tuple[int, str] | None = None
+        with self.cond:
+            state = self.ranks[conn.peer_rank]
+            if status == P.OK:
+                started = time.monotonic()
+                deadline = started + srv.timeout
+                while True:
+                    if srv.failure is not None:
+                        status, (lost, reason) = P.LOST, srv.failure
+                        break
+                    if srv.stopping:
+                        status, reason = P.STOPPED, "the parameter server is shutting down"
+                        break
+                    if srv.attempt != attempt:
+                        status, reason = P.STALE_ATTEMPT, "a newer stage attempt has started"
+                        break
+                    ready, laggard, why = self._ready(rank, step)
+                    if ready:
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        timed_out = (laggard, f"{why} within comm_timeout={srv.timeout:g} s")
+                        break
+                    self.cond.wait(min(remaining, WAIT_SLICE_S))
+                state.wait_s += time.monotonic() - started
+            if status == P.OK and timed_out is None:
+                self.counters.pulls += 1
+                if srv.mode == "ssp" and step >= 0:
+                    live = [s.clock for s in self.ranks.values() if not s.done]
+                    gap = step + 1 - min(live, default=step + 1)
+                    self.counters.max_ssp_gap = max(self.counters.max_ssp_gap, gap)
+                encoding, version, payload = self._delta(state, have)
+        if timed_out is not None:
+            srv.lose(*timed_out)  # outside our lock: lose() wakes every shard
+            status, lost, reason = P.LOST, *timed_out
+        conn.send_bytes(P.REPLY.pack(status, lost, version, encoding, self.elements), P.KIND_REPLY)
+        if payload is not None:
+            conn.send_array(payload, KIND_DATA)
+        if status != P.OK:
+            conn.send_bytes(reason.encode()[: P.MAX_TEXT_BYTES], P.KIND_TEXT)
+
+    def _delta(self, state: _RankState, have: int) -> tuple[int, int, np.ndarray | None]:
+        """What a pull sends (holding ``cond``); keeps the rank's mirror exact."""
+        if state.mirror is None or have != state.mirror_version:
+            # first pull (or the worker lost track): the values themselves
+            state.mirror = self.values.copy()
+            state.mirror_version = self.version
+            state.send_buf = np.empty_like(self.values)
+            np.copyto(state.send_buf, state.mirror)
+            self.counters.full_pulls += 1
+            return P.FULL, self.version, state.send_buf
+        if have == self.version:
+            self.counters.unchanged_pulls += 1
+            return P.UNCHANGED, self.version, None
+        assert state.send_buf is not None
+        np.subtract(self.values, state.mirror, out=state.send_buf)
+        state.mirror += state.send_buf  # the same float ops the worker does
+        state.mirror_version = self.version
+        return P.DELTA, self.version, state.send_buf
+
+    def _bye(self, conn: Connection, header: bytes) -> None:
+        attempt, claimed, clean = P.BYE.unpack(header)
+        rank = conn.peer_rank
+        status, reason = self._check(attempt, claimed, conn)
+        if status != P.OK:
+            log.warning("ps shard %d: ignored a goodbye: %s", self.index, reason)
+            return
+        if not clean:
+            self.server.lose(rank, "its training loop failed")
+            return
+        with self.cond:
+            self.ranks[rank].done = True
+            if self.server.mode == "sync":
+                self._maybe_apply_sync()
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def reset_for_attempt(self) -> None:
+        """Forget the previous attempt's connections and progress; keep the parameters,
+        the optimizer state and the version (the server's model survives a stage retry)."""
+        with self.cond:
+            conns = list(self._conns.values())
+            self._conns.clear()
+            self.ranks = {r: _RankState() for r in range(self.server.world_size)}
+            self._acc.fill(0.0)
+            self._acc_count = 0.0
+            self._pushed.clear()
+            self.base_version = self.version
+            self.cond.notify_all()
+        for conn in conns:
+            conn.close()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """Close the listener and every connection (wakes blocked handlers)."""
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        with self.cond:
+            conns = list(self._conns.values())
+            self.cond.notify_all()
+        for conn in conns:
+            conn.close()
+
+    def join(self, deadline: float) -> None:
+        for t in [self._acceptor, *self._threads]:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+
+    def snapshot(self) -> dict[str, Any]:
+        """This shard's figures for the summary."""
+        with self.cond:
+            c = self.counters
+            comm = self.stats.as_dict()
+            return {
+                "index": self.index,
+                "address": self.address,
+                "elements": self.elements,
+                "bytes": int(self.values.nbytes),
+                "version": self.version,
+                "updates": c.updates,
+                "pushes": c.pushes,
+                "duplicates": c.duplicates,
+                "rejected": c.rejected,
+                "pulls": c.pulls,
+                "unchanged_pulls": c.unchanged_pulls,
+                "full_pulls": c.full_pulls,
+                "bytes_in": comm["wire_bytes_recv"],
+                "bytes_out": comm["wire_bytes_sent"],
+                "raw_bytes_out": comm["raw_bytes_sent"],
+                "staleness_hist": dict(sorted(c.staleness.items())),
+                "max_ssp_gap": c.max_ssp_gap,
+                "wait_s": {r: s.wait_s for r, s in self.ranks.items()},
+            }
+
+
+class ParameterServer:
+    """``ps_shards`` shards of the model's parameters, served from the driver.
+
+    Made by :func:`start_parameter_server`. ``addresses`` (one ``"host:port"`` per
+    shard, in shard order) go to the workers in the job spec. :meth:`stop` closes every
+    listener, connection and thread (idempotent, bounded); :meth:`finish` loads the
+    final parameters into the trained model and adds ``summary["ps"]``.
+    """
+
+    def __init__(
+        self,
+        initial: np.ndarray,
+        cfg: TrainConfig,
+        *,
+        host: str,
+        secret: bytes,
+        job_id: str,
+        attempt: int,
+        world_size: int | None = None,
+    ) -> None:
+        if cfg.compression != "none":
+            P.make_codec(cfg.compression)  # raises the "not supported yet" ConfigError
+        self.cfg = cfg
+        self.mode = cfg.ps_mode
+        self.staleness = cfg.staleness
+        self.timeout = cfg.comm_timeout
+        self.world_size = world_size if world_size is not None else cfg.num_workers
+        self.host = host
+        self.secret = bytes(secret)
+        self.job_id = job_id
+        self.job_tag = P.job_tag(job_id)
+        self.attempt = attempt
+        self.stopping = False
+        self._failure: tuple[int, str] | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.ranges = shard_ranges(int(initial.size), cfg.ps_shards)
+        self.dtype = initial.dtype
+        self.shards: list[Shard] = []
+        try:
+            for i, (lo, hi) in enumerate(self.ranges):
+                self.shards.append(Shard(self, i, lo, hi, initial))
+        except BaseException:
+            self.stop()
+            raise
+        for shard in self.shards:
+            shard.start()
+        log.info(
+            "parameter server (%s, %d shards, %d elements) at %s",
+            self.mode,
+            len(self.shards),
+            initial.size,
+            ", ".join(self.addresses),
+        )
+
+    def __enter__(self) -> ParameterServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def addresses(self) -> list[str]:
+        """One ``"host:port"`` per shard, in shard order."""
+        return [s.address for s in self.shards]
+
+    @property
+    def failure(self) -> tuple[int, str] | None:
+        """``(lost rank, why)`` once a rank was lost, else None."""
+        return self._failure
+
+    def lose(self, rank: int, detail: str) -> None:
+        """Record that ``rank`` was lost (the first loss wins) and wake every waiter."""
+        with self._lock:
+            if self._failure is None and not self.stopping:
+                self._failure = (rank, detail)
+                log.warning("parameter server: lost rank %d: %s", rank, detail)
+        for shard in self.shards:
+            shard.wake()
+
+    def begin_attempt(self, attempt: int) -> None:
+        """Serve stage attempt ``attempt`` from now on (no-op if it is the current one).
+
+        Connections and requests of earlier attempts are closed and rejected; the lost-rank
+        record and every rank's progress are cleared; the parameters, optimizer state and
+        versions carry over, so a resubmitted stage continues from the server's model.
+        """
+        with self._lock:
+            if attempt == self.attempt:
+                return
+            if attempt < self.attempt:
+                raise ConfigError(f"attempt {attempt} is older than the current {self.attempt}")
+            self.attempt = attempt
+            self._failure = None
+        for shard in self.shards:
+            shard.reset_for_attempt()
+        # Each accept loop handshakes with the attempt it read before waiting; let them all
+        # re-arm with the new one so that the new attempt's first dials are not refused.
+        deadline = time.monotonic() + ACCEPT_POLL_S + HANDSHAKE_TIMEOUT_S
+        while time.monotonic() < deadline and any(s.armed_attempt != attempt for s in self.shards):
+            time.sleep(0.01)
+        log.info("parameter server: serving stage attempt %d", attempt)
+
+    def parameters(self) -> np.ndarray:
+        """The current flat parameter vector (a copy)."""
+        out = np.empty(self.ranges[-1][1] if self.ranges else 0, dtype=self.dtype)
+        for shard in self.shards:
+            with shard.cond:
+                out[shard.lo : shard.hi] = shard.values
+        return out
+
+    def stop(self) -> None:
+        """Close every listener and connection and join the threads; idempotent.
+
+        Bounded: waiting pulls are woken (and answered ``STOPPED``), blocked reads are
+        interrupted by closing their sockets; threads get ``JOIN_TIMEOUT_S`` in total.
+        """
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self.stopping = True
+        for shard in self.shards:
+            shard.close()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for shard in self.shards:
+            shard.join(deadline)
+
+    def stats(self) -> dict[str, Any]:
+        """Per-shard and total figures: pushes, bytes in/out, staleness, waiting."""
+        shards = [s.snapshot() for s in self.shards]
+        hist: Counter[int] = Counter()
+        for s in shards:
+            hist.update(s["staleness_hist"])
+        waits: dict[int, float] = {}
+        for s in shards:
+            for r, w in s["wait_s"].items():
+                waits[r] = waits.get(r, 0.0) + w
+        n = sum(hist.values())
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "shards": len(shards),
+            "staleness_bound": self.staleness if self.mode == "ssp" else None,
+            "staleness_lr": self.cfg.staleness_lr,
+            "pushes": sum(s["pushes"] for s in shards),
+            "duplicates": sum(s["duplicates"] for s in shards),
+            "rejected": sum(s["rejected"] for s in shards),
+            "pulls": sum(s["pulls"] for s in shards),
+            "unchanged_pulls": sum(s["unchanged_pulls"] for s in shards),
+            "bytes_in": sum(s["bytes_in"] for s in shards),
+            "bytes_out": sum(s["bytes_out"] for s in shards),
+            "raw_bytes_out": sum(s["raw_bytes_out"] for s in shards),
+            "staleness_hist": {
+                str(k) if k < STALENESS_BINS else f"{k}+": v for k, v in sorted(hist.items())
+            },
+            "mean_staleness": sum(k * v for k, v in hist.items()) / n if n else 0.0,
+            "max_staleness": max(hist, default=0),
+            "max_ssp_gap": max((s["max_ssp_gap"] for s in shards), default=0),
+            "wait_s_per_rank": [waits.get(r, 0.0) for r in range(self.world_size)],
+            "failure": None
+            if self._failure is None
+            else {"rank": self._failure[0], "detail": self._failure[1]},
+            "per_shard": [
+                {k: v for k, v in s.items() if k not in ("wait_s", "staleness_hist")}
+                | {"wait_s": sum(s["wait_s"].values())}
+                for s in shards
+            ],
+        }
+        out["wait_s_total"] = sum(out["wait_s_per_rank"])
+        return out
+
+    def finish(self, result: TrainResult) -> None:
+        """Make ``result`` describe the server's model.
+
+        Loads the server's parameters (the authoritative ones: in async mode rank 0's copy
+        may lag the last pushes of others) into ``result.model``, adds ``summary["ps"]``
+        (:meth:`stats`), and adds the server's sent bytes to ``bytes_sent``/``wire_bytes``:
+        workers count what they push, the server what it sends back, so the totals cover
+        both directions, as the ring's cover every rank's sends.
+        """
+        params = trainable(result.model)
+        flat = self.parameters()
+        if sum(p.numel() for p in params) != flat.size:
+            raise ConfigError(
+                f"the result's model has {sum(p.numel() for p in params)} trainable elements, "
+                f"the parameter server {flat.size}: not the model the server was started with"
+            )
+        unflatten(flat, params)
+        stats = self.stats()
+        summary = result.summary
+        summary["ps"] = stats
+        summary["bytes_sent"] = summary.get("bytes_sent", 0) + stats["raw_bytes_out"]
+        summary["wire_bytes"] = summary.get("wire_bytes", 0) + stats["bytes_out"]
+        if summary["wire_bytes"]:
+            summary["compression_ratio"] = summary["bytes_sent"] / summary["wire_bytes"]
+
+
+def start_parameter_server(
+    model: nn.Module,
+    cfg: TrainConfig,
+    *,
+    host: str,
+    secret: bytes,
+    job_id: str,
+    attempt: int,
+    world_size: int | None = None,
+) -> ParameterServer:
+    """Start a server holding ``model``'s trainable parameters, listening on ``host``.
+
+    ``model`` is the driver's freshly built model (same seed, same initial weights as the
+    workers'; workers still take the server's values on their first pull). Raises
+    :class:`ConfigError` for a model the PS cannot shard (mixed dtypes, more shards than
+    elements). ``world_size`` defaults to ``cfg.num_workers``.
+    """
+    params = trainable(model)
+    dtype = flat_dtype(params)
+    flat = np.empty(sum(p.numel() for p in params), dtype=NUMPY_DTYPES[dtype])
+    flatten(params, flat)
+    return ParameterServer(
+        flat,
+        cfg,
+        host=host,
+        secret=secret,
+        job_id=job_id,
+        attempt=attempt,
+        world_size=world_size,
+    )

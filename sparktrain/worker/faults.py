@@ -1,0 +1,42 @@
+"""Test-only fault injection: make rank r fail once at global step k.
+
+The plan travels in the JobSpec (never through the environment). It fires only if its
+marker file does not exist yet and creates the file first, so the resubmitted stage runs
+through: exactly one failure per marker, whatever the number of attempts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+KINDS = ("raise", "exit")
+
+
+class InjectedFaultError(RuntimeError):
+    """The failure a FaultPlan raises (kind="raise")."""
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    rank: int
+    step: int
+    marker: str  # a path on a filesystem every task can see
+    kind: str = "raise"  # "raise": an exception in the task; "exit": os._exit(137)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"FaultPlan.kind must be one of {KINDS}, got {self.kind!r}")
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        """Fail here if this is the planned rank and step and it has not failed yet."""
+        if rank != self.rank or step != self.step:
+            return
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        if self.kind == "exit":
+            os._exit(137)  # the Python worker dies as if killed by the OOM killer
+        raise InjectedFaultError(f"injected fault on rank {rank} at step {step}")

@@ -1,0 +1,105 @@
+"""A real standalone cluster (master + 2 workers from pyspark's bin/spark-class, on
+loopback): spark-submit the shipped job, then kill an executor JVM mid-training."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .standalone import StandaloneCluster, spark_home
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with StandaloneCluster(tmp_path_factory.mktemp("standalone"), workers=2) as c:
+        yield c
+
+
+def _submit(cluster: StandaloneCluster, tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    args = [
+        str(spark_home() / "bin" / "spark-submit"),
+        "--master",
+        cluster.url,
+        "--conf",
+        "spark.driver.host=127.0.0.1",
+        "--conf",
+        "spark.driver.bindAddress=127.0.0.1",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        "spark.executor.cores=1",
+        "--conf",
+        "spark.cores.max=2",
+        "--conf",
+        "spark.executor.memory=768m",
+        str(ROOT / "jobs" / "train.py"),
+        str(ROOT / "conf" / "digits_mlp.toml"),
+        "--set",
+        "progress=false",
+        "--summary-json",
+        str(tmp_path / "summary.json"),
+    ]
+    for item in overrides:
+        args += ["--set", item]
+    log = open(tmp_path / "submit.log", "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**cluster.env, "PYSPARK_DRIVER_PYTHON": sys.executable},
+    )
+
+
+def _finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 400) -> dict:
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "submit.log").read_text(errors="replace")
+    assert code == 0, log[-4000:]
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_submit_then_kill_an_executor_mid_training(cluster, tmp_path):
+    """spark-submit jobs/train.py to the cluster; SIGKILL one executor JVM after the first
+    checkpoint: the worker starts a new executor, the driver resubmits the stage and the
+    workers resume from the checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    proc = _submit(
+        cluster,
+        tmp_path,
+        "epochs=40",
+        f"checkpoint_dir='{ckpt}'",
+        "checkpoint_every=0.5",
+        "comm_timeout=20.0",
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (ckpt.exists() and any(ckpt.glob("ckpt-*.pt"))):
+            assert proc.poll() is None, (tmp_path / "submit.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.2)
+        victims = cluster.executor_pids()
+        assert len(victims) == 2
+        os.kill(victims[0], signal.SIGKILL)
+        summary = _finish(proc, tmp_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert summary["world_size"] == 2 and summary["restarts"] >= 1
+    assert summary["metric_value"] >= 0.95 and summary["replicas_in_sync"]
+    log = (tmp_path / "submit.log").read_text(errors="replace")
+    assert "from the checkpoint of step" in log

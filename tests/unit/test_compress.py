@@ -1,0 +1,340 @@
+"""Compressors against numpy references: round trips, error feedback, summability,
+malformed payloads, the spec grammar and the wire message."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sparktrain.compress import BucketState, Ctx, build, decode_message, encode_message
+from sparktrain.compress.base import parse_spec
+from sparktrain.compress.collective import bytes_per_rank
+from sparktrain.compress.sign import pack_bits, unpack_bits
+from sparktrain.errors import ConfigError, FrameError
+
+SPECS = ["fp16", "bf16", "int8", "int8:chunk=7,stochastic", "topk:0.1", "topk:0.05,sampled",
+         "randomk:0.2", "sign", "powersgd:2", "powersgd:1,cold"]  # fmt: skip
+EF_SPECS = [s + "+ef" for s in SPECS]
+
+
+def _x(n: int = 5003, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def _roundtrip(spec: str, x: np.ndarray, state: BucketState | None = None) -> np.ndarray:
+    comp = build(spec)
+    assert comp is not None
+    payload, ctx = comp.compress(torch.from_numpy(x.copy()), state or BucketState())
+    # through the wire message, as between ranks
+    payload2, ctx2, count = decode_message(encode_message(payload, ctx, 3.0), x.size)
+    assert count == 3.0 and ctx2 == ctx
+    return comp.decompress(payload2, ctx2).numpy()
+
+
+# ---------------------------------------------------------------- error bounds
+def test_fp16_bf16_within_relative_rounding():
+    x = _x() * 100
+    np.testing.assert_allclose(_roundtrip("fp16", x), x.astype(np.float16), rtol=0, atol=0)
+    np.testing.assert_allclose(_roundtrip("fp16", x), x, rtol=2**-11, atol=1e-7)
+    np.testing.assert_allclose(_roundtrip("bf16", x), x, rtol=2**-8, atol=0)
+    assert np.isfinite(_roundtrip("fp16", np.array([1e6, -1e6], np.float32))).all()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1024])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_int8_per_chunk_bound(chunk, stochastic):
+    x = _x(3001)
+    x[:50] *= 1000  # one loud chunk must not wreck the others
+    spec = f"int8:chunk={chunk}" + (",stochastic" if stochastic else "")
+    got = _roundtrip(spec, x)
+    pad = np.pad(x, (0, -x.size % chunk)).reshape(-1, chunk)
+    scale = np.repeat(np.abs(pad).max(1) / 127, chunk)[: x.size]
+    bound = scale * (1.0 if stochastic else 0.5) * (1 + 1e-5) + 1e-30
+    assert (np.abs(got - x) <= bound).all()
+
+
+def test_int8_stochastic_is_unbiased():
+    x = np.full(20000, 0.3, np.float32)
+    x[0] = 1.0  # scale 1/127: 0.3 sits between two codes
+    got = _roundtrip("int8:chunk=20000,stochastic", x)
+    assert abs(got[1:].mean() - 0.3) < 2e-4
+    assert len(np.unique(got[1:])) == 2
+
+
+@pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.2", "topk:0.01,sampled"])
+def test_topk_keeps_the_largest_and_returns_them_exactly(spec):
+    x = _x(20000, seed=3)
+    got = _roundtrip(spec, x)
+    kept = got != 0
+    np.testing.assert_array_equal(got[kept], x[kept])
+    k = math.ceil(float(spec.split(":")[1].split(",")[0]) * x.size)
+    if "sampled" in spec:
+        assert 0.5 * k <= kept.sum() <= 1.25 * k + 1
+        # what was kept is (nearly) the top: the smallest kept beats most dropped values
+        assert np.abs(x[kept]).min() >= np.quantile(np.abs(x), 1 - 3 * k / x.size)
+    else:
+        assert kept.sum() == k
+        assert np.abs(x[kept]).min() >= np.abs(x[~kept]).max()
+
+
+def test_randomk_positions_are_shared_and_values_exact():
+    x = _x(1000)
+    state = BucketState(key=2, seed=5, step=7)
+    got = _roundtrip("randomk:0.1", x, state)
+    kept = got != 0
+    assert 90 <= kept.sum() <= 100  # k draws, duplicates dropped
+    np.testing.assert_array_equal(got[kept], x[kept])
+    again = _roundtrip("randomk:0.1", _x(1000, seed=1), BucketState(key=2, seed=5, step=7))
+    np.testing.assert_array_equal(again != 0, kept)  # same positions on every rank
+
+
+def test_sign_is_scaled_sign_and_bits_pack_8_per_byte():
+    x = _x(1001)
+    got = _roundtrip("sign", x)
+    scale = np.abs(x).mean()
+    np.testing.assert_allclose(got, np.where(x >= 0, scale, -scale), rtol=1e-6)
+    bits = torch.from_numpy(np.random.default_rng(0).random(77) > 0.5)
+    packed = pack_bits(bits)
+    assert packed.numel() == 10
+    assert torch.equal(unpack_bits(packed, 77), bits)
+    np.testing.assert_array_equal(packed.numpy(), np.packbits(bits.numpy()))
+
+
+def test_powersgd_is_exact_for_low_rank_matrices_and_passes_vectors():
+    rng = np.random.default_rng(0)
+    m = (rng.standard_normal((40, 2)) @ rng.standard_normal((2, 30))).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    x = np.concatenate([m.ravel(), b])
+    state = BucketState(shapes=((40, 30), (40,)))
+    got = _roundtrip("powersgd:2", x, state)
+    np.testing.assert_allclose(got, x, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(got[1200:], b)
+
+
+def test_powersgd_error_is_the_rank_r_truncation():
+    rng = np.random.default_rng(1)
+    m = rng.standard_normal((50, 40)).astype(np.float32)
+    state = BucketState(shapes=((50, 40),))
+    comp = build("powersgd:4")
+    assert comp is not None
+    for _ in range(30):  # warm start: power iteration converges to the top subspace
+        payload, ctx = comp.compress(torch.from_numpy(m.ravel().copy()), state)
+    got = comp.decompress(payload, ctx).numpy().reshape(50, 40)
+    u, s, vt = np.linalg.svd(m)
+    best = (u[:, :4] * s[:4]) @ vt[:4]
+    assert np.linalg.norm(m - got) <= 1.02 * np.linalg.norm(m - best)
+
+
+# ---------------------------------------------------------------- error feedback
+@pytest.mark.parametrize("spec", [*EF_SPECS, "topk:0.01+ef:reset=1000"])
+def test_error_feedback_sum_of_updates_equals_sum_of_inputs_minus_residual(spec):
+    comp = build(spec)
+    assert comp is not None
+    state = BucketState(shapes=((30, 40), (80,)))
+    rng = np.random.default_rng(2)
+    sent = np.zeros(1280, np.float64)
+    seen = np.zeros(1280, np.float64)
+    for step in range(25):
+        g = rng.standard_normal(1280).astype(np.float32)
+        seen += g
+        payload, ctx = comp.compress(torch.from_numpy(g), state)
+        sent += comp.decompress(payload, ctx).numpy()
+        state.step = step + 1
+    residual = state.slots["ef.residual"].numpy()
+    np.testing.assert_allclose(sent + residual, seen, rtol=1e-4, atol=1e-3)
+
+
+def test_error_feedback_reset_zeroes_the_residual():
+    comp = build("sign+ef:reset=3")
+    assert comp is not None
+    state = BucketState()
+    g = torch.from_numpy(_x(100))
+    comp.compress(g, state)
+    before = state.slots["ef.residual"].clone()
+    state.step = 3
+    comp.compress(g, state)
+    # with the residual zeroed, step 3 compresses g alone, as step 0 did
+    torch.testing.assert_close(state.slots["ef.residual"], before)
+
+
+# ---------------------------------------------------------------- summability
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "randomk:0.1", "powersgd:2", "fp16+ef"])
+def test_summable_payloads_reduce_like_decompress_then_sum(spec):
+    world = 3
+    xs = [_x(1200 + 40, seed=s) * (s + 1) for s in range(world)]
+    shapes = ((30, 40), (40,))
+    comps = [build(spec) for _ in range(world)]
+    states = [BucketState(shapes=shapes, seed=1) for _ in range(world)]
+    assert all(c is not None and c.summable for c in comps)
+    # powersgd is two rounds: run the ranks as threads so they can meet in the middle
+    import threading
+
+    barrier = threading.Barrier(world)
+    bufs: list[list[np.ndarray]] = [[] for _ in range(world)]
+    results: list = [None] * world
+
+    def sum_for(rank: int):
+        def sum_(buf: np.ndarray, add=None) -> None:
+            bufs[rank].append(buf)
+            barrier.wait()
+            if rank == 0:
+                k = len(bufs[0]) - 1
+                total = bufs[0][k].copy()
+                for r in range(1, world):
+                    (add or np.add)(total, bufs[r][k], total)
+                for r in range(world):
+                    bufs[r][k][...] = total
+            barrier.wait()
+
+        return sum_
+
+    def run(rank: int) -> None:
+        results[rank] = comps[rank].allreduce(
+            torch.from_numpy(xs[rank]), states[rank], sum_for(rank)
+        )
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    totals = [r[0].numpy() for r in results]
+    for t in totals[1:]:
+        np.testing.assert_array_equal(t, totals[0])  # identical bits everywhere
+    locals_ = sum(r[1].numpy().astype(np.float64) for r in results)
+    tol = {"fp16": 3e-3, "bf16": 2e-2}.get(spec.split("+")[0], 1e-4)
+    np.testing.assert_allclose(totals[0], locals_, rtol=tol, atol=tol * 10)
+    if spec == "randomk:0.1":
+        # and the same as decompressing each rank's payload and summing
+        ref = sum(
+            build(spec)
+            .decompress(
+                *build(spec).compress(torch.from_numpy(x), BucketState(shapes=shapes, seed=1))
+            )
+            .numpy()  # type: ignore[union-attr]
+            for x in xs
+        )
+        np.testing.assert_allclose(totals[0], ref, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- malformed input
+@pytest.mark.parametrize("spec", SPECS)
+def test_malformed_payloads_raise_frame_error(spec):
+    comp = build(spec)
+    assert comp is not None
+    x = torch.from_numpy(_x(1240))
+    state = BucketState(shapes=((30, 40), (40,)))
+    payload, ctx = comp.compress(x, state)
+    bad_inputs = [
+        (payload[:-1], ctx),
+        (tuple(p.astype(np.float64) for p in payload), ctx),
+        (payload, Ctx(ctx.numel, (*ctx.meta, 1.0))),
+        (payload, Ctx(-1, ctx.meta)),
+        ((payload[0][:-1], *payload[1:]), ctx),
+    ]
+    if not spec.startswith("topk"):  # top-k payloads vary in length legitimately
+        bad_inputs += [
+            (tuple(p[:-1] if p.size else np.zeros(3, p.dtype) for p in payload), ctx),
+            (payload, Ctx(ctx.numel + 5, ctx.meta)),
+        ]
+    for p, c in bad_inputs:
+        with pytest.raises(FrameError):
+            comp.decompress(p, c)
+    blob = encode_message(payload, ctx, 2.0)
+    for mutated in (blob[:-8], blob[:10], np.concatenate([blob, np.zeros(8, np.uint8)])):
+        with pytest.raises(FrameError):
+            decode_message(mutated, 1240)
+    with pytest.raises(FrameError):
+        decode_message(blob, 1241)
+
+
+def test_fuzzed_messages_never_crash():
+    comp = build("topk:0.1")
+    assert comp is not None
+    payload, ctx = comp.compress(torch.from_numpy(_x(500)), BucketState())
+    blob = encode_message(payload, ctx, 1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        b = blob.copy()
+        pos = rng.integers(0, b.size, 3)
+        b[pos] = rng.integers(0, 256, 3)
+        try:
+            p, c, _ = decode_message(b, 500)
+            out = torch.zeros(500)
+            comp.add_into(out, p, c)
+        except FrameError:
+            pass
+
+
+def test_bad_indices_and_scales_are_caught():
+    topk = build("topk:0.1")
+    int8 = build("int8")
+    assert topk is not None and int8 is not None
+    vals, idx = topk.compress(torch.from_numpy(_x(100)), BucketState())[0]
+    idx = idx.copy()
+    idx[0] = 100
+    with pytest.raises(FrameError, match="out of range"):
+        topk.decompress((vals, idx), Ctx(100))
+    codes, scales = int8.compress(torch.from_numpy(_x(100)), BucketState())[0]
+    with pytest.raises(FrameError, match="not finite"):
+        int8.decompress((codes, np.full_like(scales, np.nan)), Ctx(100))
+    with pytest.raises(FrameError, match="whole number"):
+        decode_message(encode_message((codes, scales), Ctx(100), 1.5), 100)
+
+
+# ---------------------------------------------------------------- spec grammar
+@pytest.mark.parametrize(
+    ("spec", "canonical"),
+    [
+        ("none", None),
+        ("fp16", "fp16"),
+        (" TopK:0.01 + EF ", "topk:0.01+ef"),
+        ("topk:ratio=0.01,sampled+ef:reset=100", "topk:0.01,sampled+ef:reset=100"),
+        ("int8:chunk=256,stochastic+ef", "int8:chunk=256,stochastic+ef"),
+        ("powersgd:2+ef", "powersgd:2+ef"),
+        ("delta+int8", "delta+int8"),
+        ("delta", "delta"),
+        ("sign+ef", "sign+ef"),
+    ],
+)
+def test_specs_parse_to_canonical_compressors(spec, canonical):
+    comp = build(spec)
+    assert (comp.spec if comp is not None else None) == canonical
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["zip", "topk", "topk:0", "topk:1.5", "topk:x", "int8:chunk=0", "int8:foo=1", "int8:fast",
+     "ef+int8", "int8+delta", "int8+sign", "fp16+ef+ef", "+ef", "int8+", "ef", "ef:x=1",
+     "delta:1+int8", "powersgd:0", "topk:0.1,0.2"],
+)  # fmt: skip
+def test_bad_specs_raise_config_error_naming_the_forms(spec):
+    with pytest.raises(ConfigError, match="allowed values: none, fp16"):
+        build(spec)
+
+
+def test_parse_spec_stages():
+    stages = parse_spec("delta+int8:chunk=64+ef")
+    assert [s.name for s in stages] == ["delta", "int8", "ef"]
+    assert stages[1].option("chunk") == "64"
+
+
+# ---------------------------------------------------------------- bytes
+def test_honest_byte_figures():
+    n = 1_000_000
+    topk = build("topk:0.01+ef")
+    assert topk is not None
+    assert topk.payload_nbytes(n) == n // 100 * 8  # 50x, not 100x
+    assert 4 * n / topk.payload_nbytes(n) == 50
+    # a sparse all-gather grows with the world; a summable reduce does not
+    assert bytes_per_rank(topk, n, 4) == 3 * bytes_per_rank(topk, n, 2)
+    fp16 = build("fp16")
+    assert fp16 is not None
+    assert bytes_per_rank(fp16, n, 4) == pytest.approx(1.5 * 2 * n)
+    sign, int8 = build("sign"), build("int8")
+    assert sign is not None and int8 is not None
+    assert sign.payload_nbytes(n) == n // 8
+    assert int8.payload_nbytes(n) == n + 4 * math.ceil(n / 1024)

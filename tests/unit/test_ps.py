@@ -1,0 +1,410 @@
+"""The parameter server without Spark: shards served in this process, workers in threads."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from sparktrain.comm.wire import DRIVER_RANK, HEADER_BYTES, CommStats, connect
+from sparktrain.config import TrainConfig
+from sparktrain.errors import CommError, ConfigError, HandshakeError, PeerLostError
+from sparktrain.models import mlp
+from sparktrain.ps import protocol as P
+from sparktrain.ps.client import ParameterServerSync, ShardClient, connect_shards
+from sparktrain.ps.layout import shard_ranges
+from sparktrain.ps.server import ParameterServer, start_parameter_server
+from sparktrain.trainer import _assemble
+from sparktrain.worker.context import JobSpec, WorkerContext
+from sparktrain.worker.data import PartitionData
+from sparktrain.worker.loop import train_partition
+
+from .threads import run_ranks
+
+SECRET = b"s" * 32
+HOST = "127.0.0.1"
+
+
+def _cfg(**overrides) -> TrainConfig:
+    base = {
+        "epochs": 2,
+        "batch_size": 4,
+        "lr": 0.1,
+        "shuffle": True,
+        "progress": False,
+        "comm_timeout": 10.0,
+        "num_workers": 2,
+        "strategy": "ps",
+    }
+    return TrainConfig(**{**base, **overrides})
+
+
+def _model() -> torch.nn.Module:
+    return mlp(4, (8,), 3)
+
+
+def _spec(cfg: TrainConfig, ps_addresses: tuple[str, ...] = ()) -> JobSpec:
+    return JobSpec(
+        job_id="job",
+        attempt=0,
+        secret=SECRET,
+        config=cfg,
+        model_fn=functools.partial(mlp, 4, (8,), 3),
+        model_kwargs={},
+        feature_width=4,
+        num_outputs=3,
+        ps_addresses=ps_addresses,
+    )
+
+
+def _parts(sizes: list[int], seed: int = 0) -> list[PartitionData]:
+    rng = np.random.default_rng(seed)
+    return [
+        PartitionData(
+            rng.standard_normal((n, 4)).astype(np.float32),
+            rng.integers(0, 3, n).astype(np.float64),
+            np.zeros(n, bool),
+        )
+        for n in sizes
+    ]
+
+
+def _seeded_model(cfg: TrainConfig) -> torch.nn.Module:
+    torch.manual_seed(cfg.seed)
+    return _model()
+
+
+def _train(cfg: TrainConfig, parts: list[PartitionData]):
+    """Train in threads; for ps, with a server in this process. Returns (result, server)."""
+    server = None
+    addresses: tuple[str, ...] = ()
+    if cfg.strategy == "ps":
+        server = start_parameter_server(
+            _seeded_model(cfg), cfg, host=HOST, secret=SECRET, job_id="job", attempt=0
+        )
+        addresses = tuple(server.addresses)
+    spec = _spec(cfg, addresses)
+    world = len(parts)
+
+    def rank_fn(rank, coll):
+        ctx = WorkerContext(
+            rank, world, HOST, functools.partial(coll.all_gather, rank), coll.barrier, spec
+        )
+        return train_partition(ctx, parts[rank])
+
+    try:
+        outputs = run_ranks(world, rank_fn, timeout=60)
+    finally:
+        if server is not None:
+            server.stop()
+    records = [r for out in outputs for r in out]
+    result = _assemble(_seeded_model(cfg), records, cfg, wall_s=1.0, stage_s=1.0)
+    if server is not None:
+        server.finish(result)
+    return result, server, records
+
+
+def _server(cfg: TrainConfig, world: int = 1, attempt: int = 0) -> ParameterServer:
+    return start_parameter_server(
+        _seeded_model(cfg),
+        cfg,
+        host=HOST,
+        secret=SECRET,
+        job_id="job",
+        attempt=attempt,
+        world_size=world,
+    )
+
+
+def _client(server: ParameterServer, rank: int = 0, attempt: int = 0, shard: int = 0):
+    """A client of one shard (connected to all: a dropped connection means a lost rank)."""
+    n = server.ranges[-1][1]
+    clients = connect_shards(
+        server.addresses,
+        rank=rank,
+        secret=SECRET,
+        job_id="job",
+        attempt=attempt,
+        timeout=5.0,
+        stats=CommStats(),
+        num_elements=n,
+        dtype=np.dtype(np.float32),
+    )
+    _KEEP.extend(clients)
+    return clients[shard], np.zeros(n, np.float32)
+
+
+_KEEP: list[ShardClient] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    yield
+    for c in _KEEP:
+        c.close()
+    _KEEP.clear()
+
+
+# ---------------------------------------------------------------------- layout
+
+
+@pytest.mark.timeout(10)
+def test_shards_are_balanced_by_bytes_and_cover_the_vector():
+    ranges = shard_ranges(10, 3)
+    assert ranges == [(0, 4), (4, 7), (7, 10)]
+    for n, k in [(1, 1), (67, 4), (8906, 2), (1000, 7)]:
+        rs = shard_ranges(n, k)
+        sizes = [hi - lo for lo, hi in rs]
+        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n and rs[0][0] == 0
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(rs))
+    with pytest.raises(ConfigError, match="ps_shards=5 is more than the model's 4"):
+        shard_ranges(4, 5)
+
+
+@pytest.mark.timeout(10)
+def test_too_many_shards_for_the_model_is_a_config_error():
+    with pytest.raises(ConfigError, match="parameter elements"):
+        _server(_cfg(ps_shards=10_000))
+
+
+# ---------------------------------------------------------------------- training
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("sizes", "optimizer", "kwargs", "shards"),
+    [
+        ([13, 2], "sgd", {"momentum": 0.9}, 2),  # rank 1 has count 0 in most steps
+        ([9, 7], "adam", {}, 3),
+        ([6, 10], "sgd", {"weight_decay": 0.01, "nesterov": True, "momentum": 0.5}, 1),
+    ],
+)
+def test_sync_ps_equals_the_ring(sizes, optimizer, kwargs, shards):
+    common = {"optimizer": optimizer, "optimizer_kwargs": kwargs, "lr": 0.05}
+    ring, _, _ = _train(_cfg(strategy="ring", **common), _parts(sizes))
+    ps, _, records = _train(_cfg(ps_shards=shards, ps_mode="sync", **common), _parts(sizes))
+    for got, want in zip(ps.model.parameters(), ring.model.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    s = ps.summary["ps"]
+    steps = 2 * ps.summary["steps_per_epoch"]
+    assert s["mode"] == "sync" and s["shards"] == shards
+    assert s["pushes"] == steps * len(sizes) * shards
+    assert all(sh["version"] == steps for sh in s["per_shard"])
+    assert s["duplicates"] == 0 and s["rejected"] == 0 and s["failure"] is None
+    assert ps.summary["replicas_in_sync"]
+    assert ps.summary["wire_bytes"] > ps.summary["bytes_sent"] > 0
+    stats = [json.loads(r.data) for r in records if r.kind == "stats"]
+    assert all(st["ps_steps"] == steps for st in stats)
+    assert all(st["comm"]["wire_bytes_sent"] > 0 for st in stats)  # counted in mesh.stats
+
+
+@pytest.mark.timeout(60)
+def test_async_trains_and_records_staleness():
+    parts = _parts([40, 40])
+    result, _, _ = _train(_cfg(ps_mode="async", epochs=3, lr=0.05), parts)
+    s = result.summary["ps"]
+    updates = sum(sh["updates"] for sh in s["per_shard"])
+    assert sum(s["staleness_hist"].values()) == updates > 0
+    assert s["mean_staleness"] >= 0 and s["failure"] is None
+    assert result.history[-1]["loss"] < result.history[0]["loss"] * 1.5
+    assert all(np.isfinite(p.detach().numpy()).all() for p in result.model.parameters())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bound", [0, 1, 3])
+def test_ssp_never_exceeds_the_staleness_bound_with_a_slow_worker(monkeypatch, bound):
+    original = ParameterServerSync.step
+
+    def slowed(self, count):
+        if self.rank == 1:
+            time.sleep(0.01)  # test-only: rank 1 is the straggler
+        original(self, count)
+
+    monkeypatch.setattr(ParameterServerSync, "step", slowed)
+    result, _, _ = _train(
+        _cfg(ps_mode="ssp", staleness=bound, staleness_lr=True, epochs=2, batch_size=2),
+        _parts([30, 30]),
+    )
+    s = result.summary["ps"]
+    assert s["staleness_bound"] == bound
+    assert 0 <= s["max_ssp_gap"] <= bound
+    assert s["pushes"] == 2 * 2 * 15 * 2  # ranks * epochs * steps * shards
+    assert s["failure"] is None
+
+
+# ---------------------------------------------------------------------- one shard, directly
+
+
+@pytest.mark.timeout(20)
+def test_a_duplicate_push_is_acknowledged_and_not_applied_twice():
+    cfg = _cfg(ps_mode="async", ps_shards=1, lr=0.5)
+    server = _server(cfg)
+    try:
+        client, flat = _client(server)
+        client.pull(-1, flat)
+        before = flat.copy()
+        grad = np.ones_like(flat)
+        assert client.push(0, 3, grad) == P.OK
+        assert client.push(0, 3, grad) == P.DUPLICATE
+        client.pull(0, flat)
+        np.testing.assert_allclose(flat, before - 0.5, rtol=1e-6)  # one SGD step, not two
+        s = server.stats()
+        assert s["pushes"] == 1 and s["duplicates"] == 1 and s["per_shard"][0]["version"] == 1
+        with pytest.raises(CommError, match="pushed step 5 after step 0"):
+            client.push(5, 3, grad)
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(20)
+def test_a_push_from_an_earlier_stage_attempt_is_rejected():
+    cfg = _cfg(ps_mode="async", ps_shards=1)
+    server = _server(cfg, attempt=1)
+    try:
+        # the handshake binds the attempt: an attempt-0 worker cannot even connect...
+        with pytest.raises(HandshakeError, match="older attempt"):
+            _client(server, attempt=0)
+        # ...and a push whose header names attempt 0 is rejected on a current connection
+        client, flat = _client(server, attempt=1)
+        client.pull(-1, flat)
+        with pytest.raises(CommError, match="earlier attempts are rejected"):
+            client.push(0, 1, np.ones_like(flat), attempt=0)
+        assert server.stats()["rejected"] == 1 and server.stats()["pushes"] == 0
+        assert client.push(0, 1, np.ones_like(flat)) == P.OK  # the connection still works
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(20)
+def test_a_wrong_secret_is_refused():
+    server = _server(_cfg(ps_shards=2))
+    try:
+        with pytest.raises(HandshakeError):
+            connect(
+                server.addresses[1],
+                secret=b"x" * 32,
+                job_id="job",
+                attempt=0,
+                my_rank=0,
+                peer_rank=DRIVER_RANK,
+                timeout=5.0,
+                stats=CommStats(),
+            )
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(20)
+def test_pulling_an_unchanged_shard_costs_a_header_only():
+    cfg = _cfg(ps_mode="async", ps_shards=2)
+    server = _server(cfg)
+    try:
+        client, flat = _client(server, shard=1)
+        part = flat[client.lo : client.hi]
+        assert client.pull(-1, part) == P.FULL
+        stats = client.conn.stats
+        before = stats.as_dict()
+        assert client.pull(-1, part) == P.UNCHANGED
+        after = stats.as_dict()
+        assert after["wire_bytes_recv"] - before["wire_bytes_recv"] == HEADER_BYTES + P.REPLY.size
+        # after an update, the delta brings the copy to the server's values exactly
+        client.push(0, 2, np.full_like(part, 0.25))
+        assert client.pull(0, part) == P.DELTA
+        np.testing.assert_array_equal(part, server.parameters()[client.lo : client.hi])
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(20)
+def test_stop_is_prompt_and_leaves_nothing_listening():
+    server = _server(_cfg(ps_mode="sync", ps_shards=3), world=2)
+    client, flat = _client(server)
+    client.pull(-1, flat[client.lo : client.hi])
+    client.push(0, 1, np.ones(client.hi - client.lo, np.float32))
+    waiting: list[BaseException] = []
+
+    def pull() -> None:  # blocks: rank 1 never pushes step 0
+        try:
+            client.pull(0, flat[client.lo : client.hi])
+        except BaseException as exc:
+            waiting.append(exc)
+
+    t = threading.Thread(target=pull)
+    t.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    server.stop()
+    server.stop()  # idempotent
+    assert time.monotonic() - started < 3.0
+    t.join(5)
+    assert not t.is_alive() and isinstance(waiting[0], CommError)
+    for address in server.addresses:
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+            s.connect((host, int(port)))
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("sparktrain-ps-")]
+    assert not alive
+
+
+@pytest.mark.timeout(20)
+def test_a_worker_that_disconnects_fails_the_others_naming_it():
+    server = _server(_cfg(ps_mode="sync", ps_shards=2, comm_timeout=30.0), world=2)
+    try:
+        c0, flat = _client(server, rank=0)
+        c1, _ = _client(server, rank=1)
+        c0.pull(-1, flat[c0.lo : c0.hi])
+        c0.push(0, 1, np.ones(c0.hi - c0.lo, np.float32))
+        c1.close()  # rank 1 dies without a goodbye
+        started = time.monotonic()
+        with pytest.raises(PeerLostError, match="lost contact with rank 1") as info:
+            c0.pull(0, flat[c0.lo : c0.hi])
+        assert info.value.rank == 1
+        assert time.monotonic() - started < 10.0  # not the 30 s timeout
+        assert server.stats()["failure"]["rank"] == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(20)
+def test_a_silent_worker_is_named_after_comm_timeout():
+    server = _server(_cfg(ps_mode="sync", ps_shards=1, comm_timeout=1.0), world=2)
+    try:
+        c0, flat = _client(server, rank=0)
+        c0.pull(-1, flat)
+        c0.push(0, 1, np.ones_like(flat))
+        with pytest.raises(PeerLostError, match="did not push step 0 within comm_timeout") as info:
+            c0.pull(0, flat)  # rank 1 never connects
+        assert info.value.rank == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(20)
+def test_a_new_stage_attempt_continues_from_the_servers_parameters():
+    cfg = _cfg(ps_mode="sync", ps_shards=2)
+    server = _server(cfg, world=1)
+    try:
+        c0, flat = _client(server)
+        c0.pull(-1, flat[c0.lo : c0.hi])
+        c0.push(0, 1, np.ones(c0.hi - c0.lo, np.float32))
+        c1 = _KEEP[-1]  # the same rank's connection to shard 1
+        c1.push(0, 1, np.ones(c1.hi - c1.lo, np.float32))
+        c0.pull(0, flat[c0.lo : c0.hi])
+        trained = server.parameters()
+        server.begin_attempt(1)
+        with pytest.raises(CommError):  # the old attempt's connection was closed
+            c0.push(1, 1, np.ones(c0.hi - c0.lo, np.float32))
+        fresh, flat1 = _client(server, attempt=1)
+        assert fresh.pull(-1, flat1[fresh.lo : fresh.hi]) == P.FULL
+        np.testing.assert_array_equal(flat1[fresh.lo : fresh.hi], trained[fresh.lo : fresh.hi])
+        assert fresh.push(0, 1, np.zeros(fresh.hi - fresh.lo, np.float32)) == P.OK  # steps restart
+        assert server.stats()["failure"] is None
+    finally:
+        server.stop()

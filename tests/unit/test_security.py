@@ -1,0 +1,159 @@
+"""Intruders and malformed input: our own errors only, promptly, nothing deserialized,
+no listener on a wildcard address."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparktrain.comm import wire
+from sparktrain.errors import CommError
+from sparktrain.worker import sync as sync_module
+from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.loop import train_partition
+
+from . import comm_harness as h
+from .test_loop import _parts, _spec
+from .threads import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------ fuzzing the decoder
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(junk=st.binary(min_size=0, max_size=300), via=st.sampled_from(["bytes", "array"]))
+def test_arbitrary_bytes_after_the_handshake_raise_only_our_errors(junk, via):
+    client, server = h.pair(1.0)
+    try:
+        client._sock.sendall(junk)
+        client._sock.shutdown(socket.SHUT_WR)  # then end of stream: the decoder must stop
+        started = time.monotonic()
+        try:
+            if via == "bytes":
+                server.recv_bytes(max_bytes=1 << 16)
+            else:
+                server.recv_into(np.empty(16, dtype=np.float32))
+        except CommError:
+            pass  # FrameError, PeerLostError: ours
+        assert time.monotonic() - started < 3.0
+    finally:
+        client.close()
+        server.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(junk=st.binary(min_size=0, max_size=200))
+def test_arbitrary_bytes_instead_of_a_handshake_are_refused(junk):
+    listener = wire.open_listener("127.0.0.1")
+    try:
+        with socket.create_connection(
+            socket.getaddrinfo(*wire.parse_address(wire.address_of(listener)), socket.AF_INET)[0][
+                4
+            ],
+            timeout=2,
+        ) as raw:
+            raw.sendall(junk)
+            raw.shutdown(socket.SHUT_WR)
+            with pytest.raises(CommError):
+                wire.accept(
+                    listener,
+                    secret=h.SECRET,
+                    job_id=h.JOB,
+                    attempt=0,
+                    my_rank=0,
+                    timeout=1.0,
+                    stats=wire.CommStats(),
+                )
+    finally:
+        listener.close()
+
+
+class _Gadget:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_gadget_on_the_wire_stays_bytes(tmp_path):
+    marker = tmp_path / "pwned"
+    gadget = pickle.dumps(_Gadget(str(marker)))
+    client, server = h.pair(2.0)
+    try:
+        client.send_bytes(gadget, wire.KIND_METRICS)
+        kind, payload = server.recv_bytes()
+        assert payload == gadget and kind == wire.KIND_METRICS
+        client._sock.sendall(gadget)  # and as a raw stream where a header should be
+        with pytest.raises(CommError):
+            server.recv_bytes()
+    finally:
+        client.close()
+        server.close()
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------ no wildcard listeners
+def _listening_sockets() -> list[tuple[str, int]]:
+    """(address, port) of this process's listening TCP sockets, from /proc/net/tcp{,6}."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in inodes:  # 0A = LISTEN
+                continue
+            addr_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(addr_hex)
+            if width == 8:
+                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            else:
+                addr = socket.inet_ntop(
+                    socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                )
+            found.append((addr, int(port_hex, 16)))
+    return found
+
+
+def test_no_listener_binds_a_wildcard_address_during_training(monkeypatch):
+    seen: list[list[tuple[str, int]]] = []
+    original = sync_module.AllreduceSync.step
+
+    def spying_step(self, count):  # type: ignore[no-untyped-def]
+        if not seen:
+            seen.append(_listening_sockets())
+        return original(self, count)
+
+    monkeypatch.setattr(sync_module.AllreduceSync, "step", spying_step)
+    spec = _spec(epochs=1, batch_size=2)
+    parts = _parts([6, 6])
+
+    def rank_fn(rank, coll):  # type: ignore[no-untyped-def]
+        ctx = WorkerContext(
+            rank, 2, "127.0.0.1", functools.partial(coll.all_gather, rank), coll.barrier, spec
+        )
+        return train_partition(ctx, parts[rank])
+
+    run_ranks(2, rank_fn)
+    listening = seen[0]
+    assert len(listening) >= 2  # both ranks' listeners were open mid-training
+    wildcards = [a for a in listening if a[0] in ("0.0.0.0", "::")]
+    assert not wildcards, wildcards
+    assert all(addr == "127.0.0.1" for addr, _ in listening)
