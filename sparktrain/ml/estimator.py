@@ -1,0 +1,519 @@
+"""sparktrain as pyspark.ml Estimators: ``fit`` runs the :class:`~sparktrain.Trainer`.
+
+``fit`` resolves everything on the driver first (as xgboost.spark does): the params become
+a validated :class:`~sparktrain.TrainConfig`, the model factory is imported and built once,
+and one aggregation job checks the features width and the labels, so a wrong column, an
+unimportable ``modelFn`` or a non-integral class label fails at once with a message that
+says what to change — before any barrier stage starts.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any, Self, TypeVar
+
+import torch
+from pyspark import keyword_only
+from pyspark.ml import Estimator
+from pyspark.ml.util import DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable
+
+from sparktrain.errors import ConfigError, DataError
+from sparktrain.ml.model import (
+    TorchClassificationModel,
+    TorchModel,
+    TorchRegressionModel,
+    _features_as_float_array,
+    build_module,
+)
+from sparktrain.ml.params import (
+    CLASSIFICATION_LOSSES,
+    REGRESSION_LOSSES,
+    _TorchClassifierParams,
+    _TorchParams,
+    _TorchRegressorParams,
+)
+from sparktrain.ml.persistence import state_to_bytes
+from sparktrain.trainer import Trainer
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, Row
+
+__all__ = ["TorchClassifier", "TorchEstimator", "TorchRegressor"]
+
+M = TypeVar("M", bound=TorchModel)
+
+
+class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultParamsReadable[Any]):
+    """Base of the sparktrain estimators (see :class:`TorchClassifier` and
+    :class:`TorchRegressor`): ``fit`` trains ``modelFn`` with the Trainer on the
+    ``featuresCol`` / ``labelCol`` of a DataFrame and returns the fitted model."""
+
+    _input_kwargs: dict[str, Any]
+    _allowed_losses: tuple[str, ...] = ()
+
+    @abstractmethod
+    def _create_model(self) -> M:
+        """An empty model of the matching class."""
+
+    # ------------------------------------------------------------------ fit
+    def _fit(self, dataset: DataFrame) -> M:
+        cfg, model_fn, model_kwargs = self._resolve()
+        features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
+        features = _features_as_float_array(dataset, features_col, "fit")
+        _check_label_column(dataset, label_col)
+
+        # Import and build the model once here: an unimportable modelFn fails before Spark.
+        torch.manual_seed(cfg.seed)
+        module = build_module(model_fn, model_kwargs)
+        stats = _column_stats(dataset, features, label_col)
+        width = _check_stats(stats, features_col, label_col)
+        num_outputs = _num_outputs(module, width)
+        self._check_targets(stats, num_outputs)
+
+        trainer = Trainer(model_fn, cfg, model_kwargs=model_kwargs, spark=dataset.sparkSession)
+        result = trainer.fit(dataset, features_col=features_col, label_col=label_col)
+        model = self._create_model()._set_state(
+            state_to_bytes(result.model.state_dict()),
+            num_features=width,
+            num_outputs=num_outputs,
+            summary=result.summary,
+        )
+        return self._copyValues(model)
+
+    def _resolve(self) -> tuple[Any, str, dict[str, Any]]:
+        """(TrainConfig, modelFn, modelKwargs), or a ConfigError saying which param to set."""
+        if not self.isDefined(self.modelFn) or not self.getModelFn():
+            raise ConfigError(
+                f"{type(self).__name__}: set modelFn to an importable 'package.module:function' "
+                "model factory, e.g. modelFn='sparktrain.models:mlp'"
+            )
+        if self.isDefined(self.weightCol) and self.getWeightCol():
+            raise ConfigError(
+                f"weightCol={self.getWeightCol()!r}: sample weights are not supported yet (the "
+                "Trainer's losses are unweighted means); unset weightCol, or replicate/sample "
+                "rows by weight before fit"
+            )
+        if self.getLoss() not in self._allowed_losses:
+            raise ConfigError(
+                f"{type(self).__name__} does not train with loss={self.getLoss()!r}; allowed: "
+                f"{', '.join(self._allowed_losses)}"
+            )
+        return self._train_config(), self.getModelFn(), self.getModelKwargsDict()
+
+    def _check_targets(self, stats: Row, num_outputs: int) -> None:
+        """Labels against the model's outputs (classifiers and regressors differ)."""
+
+    # ------------------------------------------------------------------ setters
+    def setFeaturesCol(self, value: str) -> Self:
+        """Sets the value of :py:attr:`featuresCol`."""
+        return self._set(featuresCol=value)
+
+    def setLabelCol(self, value: str) -> Self:
+        """Sets the value of :py:attr:`labelCol`."""
+        return self._set(labelCol=value)
+
+    def setPredictionCol(self, value: str) -> Self:
+        """Sets the value of :py:attr:`predictionCol`."""
+        return self._set(predictionCol=value)
+
+    def setWeightCol(self, value: str) -> Self:
+        """Sets the value of :py:attr:`weightCol` (not supported yet: ``fit`` refuses it)."""
+        return self._set(weightCol=value)
+
+    def setModelFn(self, value: str) -> Self:
+        """Sets the value of :py:attr:`modelFn`."""
+        return self._set(modelFn=value)
+
+    def setModelKwargs(self, value: str | dict[str, Any]) -> Self:
+        """Sets the value of :py:attr:`modelKwargs` (a dict or JSON object text)."""
+        return self._set(modelKwargs=value)
+
+    def setLoss(self, value: str) -> Self:
+        """Sets the value of :py:attr:`loss`."""
+        return self._set(loss=value)
+
+    def setOptimizer(self, value: str) -> Self:
+        """Sets the value of :py:attr:`optimizer`."""
+        return self._set(optimizer=value)
+
+    def setOptimizerKwargs(self, value: str | dict[str, Any]) -> Self:
+        """Sets the value of :py:attr:`optimizerKwargs` (a dict or JSON object text)."""
+        return self._set(optimizerKwargs=value)
+
+    def setLearningRate(self, value: float) -> Self:
+        """Sets the value of :py:attr:`learningRate`."""
+        return self._set(learningRate=value)
+
+    def setBatchSize(self, value: int) -> Self:
+        """Sets the value of :py:attr:`batchSize`."""
+        return self._set(batchSize=value)
+
+    def setMaxEpochs(self, value: int) -> Self:
+        """Sets the value of :py:attr:`maxEpochs`."""
+        return self._set(maxEpochs=value)
+
+    def setNumWorkers(self, value: int) -> Self:
+        """Sets the value of :py:attr:`numWorkers`."""
+        return self._set(numWorkers=value)
+
+    def setStrategy(self, value: str) -> Self:
+        """Sets the value of :py:attr:`strategy`."""
+        return self._set(strategy=value)
+
+    def setCompression(self, value: str) -> Self:
+        """Sets the value of :py:attr:`compression`."""
+        return self._set(compression=value)
+
+    def setPsMode(self, value: str) -> Self:
+        """Sets the value of :py:attr:`psMode`."""
+        return self._set(psMode=value)
+
+    def setSeed(self, value: int) -> Self:
+        """Sets the value of :py:attr:`seed`."""
+        return self._set(seed=value)
+
+    def setValidationFraction(self, value: float) -> Self:
+        """Sets the value of :py:attr:`validationFraction`."""
+        return self._set(validationFraction=value)
+
+    # ------------------------------------------------------------------ persistence
+    @classmethod
+    def read(cls) -> DefaultParamsReader[Self]:
+        """An MLReader for this class (params only: an estimator holds no data)."""
+        return DefaultParamsReader(cls)
+
+    @classmethod
+    def load(cls, path: str) -> Self:
+        """Load an estimator saved with :meth:`save`."""
+        return cls.read().load(path)
+
+
+class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifierParams):
+    """Train a torch classifier on a Spark DataFrame, as a pyspark.ml Estimator.
+
+    ``modelFn`` builds a module mapping ``(n, numFeatures)`` float32 features to ``(n, C)``
+    logits (``loss="cross_entropy"``) or ``(n, 1)`` logits (``loss="bce_with_logits"``,
+    binary). Labels must be integral class indices ``0..C-1`` (index other labels with
+    ``StringIndexer``). Features come from an ml Vector column (dense or sparse, e.g. from
+    ``VectorAssembler``) or an ``array<float|double>`` column.
+
+    Parameters
+    ----------
+    featuresCol, labelCol, predictionCol, probabilityCol, rawPredictionCol : str
+        Input and output columns, as in MLlib; an empty output name leaves it out.
+    weightCol : str, optional
+        Not supported yet (the training losses are unweighted): ``fit`` raises if set.
+    modelFn : str
+        Importable model factory ``"package.module:function"`` (required). It must be
+        importable on the driver and on every executor.
+    modelKwargs : str or dict
+        Keyword arguments for ``modelFn``, as JSON text or a dict.
+    loss : {"cross_entropy", "bce_with_logits"}
+    optimizer : {"sgd", "adam", "adamw"}
+    optimizerKwargs : str or dict
+        Extra optimizer arguments, e.g. ``{"momentum": 0.9}``.
+    learningRate : float
+    batchSize : int
+        Samples per worker per step.
+    maxEpochs : int
+        Passes over the training data.
+    numWorkers : int
+        Training tasks; each needs a free task slot at once (except for
+        ``strategy="tree_aggregate"``).
+    strategy : {"ring", "tree", "ps", "tree_aggregate"}
+        How the workers combine their gradients.
+    compression : str
+        Gradient compression spec (``"none"``).
+    psMode : {"sync", "async", "ssp"}
+        Parameter server consistency, for ``strategy="ps"``.
+    seed : int
+        Seeds initialisation, shuffling and the validation split.
+    validationFraction : float
+        Share of each partition held out to report a validation metric per epoch.
+
+    Examples
+    --------
+    >>> from pyspark.ml import Pipeline
+    >>> from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    >>> from pyspark.ml.feature import StandardScaler, VectorAssembler
+    >>> from sparktrain.ml import TorchClassifier
+    >>> clf = TorchClassifier(modelFn="sparktrain.models:mlp",
+    ...                       modelKwargs={"in_features": 64, "out_features": 10},
+    ...                       optimizer="adam", learningRate=0.01, maxEpochs=10,
+    ...                       featuresCol="scaled")
+    >>> pipeline = Pipeline(stages=[
+    ...     VectorAssembler(inputCols=pixel_columns, outputCol="raw"),
+    ...     StandardScaler(inputCol="raw", outputCol="scaled"),
+    ...     clf])  # doctest: +SKIP
+    >>> model = pipeline.fit(train)  # doctest: +SKIP
+    >>> MulticlassClassificationEvaluator(metricName="accuracy").evaluate(
+    ...     model.transform(test))  # doctest: +SKIP
+    0.97...
+    """
+
+    _allowed_losses = CLASSIFICATION_LOSSES
+
+    @keyword_only
+    def __init__(
+        self,
+        *,
+        featuresCol: str = "features",
+        labelCol: str = "label",
+        predictionCol: str = "prediction",
+        probabilityCol: str = "probability",
+        rawPredictionCol: str = "rawPrediction",
+        weightCol: str | None = None,
+        modelFn: str | None = None,
+        modelKwargs: str | dict[str, Any] = "{}",
+        loss: str = "cross_entropy",
+        optimizer: str = "sgd",
+        optimizerKwargs: str | dict[str, Any] = "{}",
+        learningRate: float = 0.01,
+        batchSize: int = 32,
+        maxEpochs: int = 10,
+        numWorkers: int = 2,
+        strategy: str = "ring",
+        compression: str = "none",
+        psMode: str = "sync",
+        seed: int = 0,
+        validationFraction: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self._set(**self._input_kwargs)
+
+    @keyword_only
+    def setParams(
+        self,
+        *,
+        featuresCol: str = "features",
+        labelCol: str = "label",
+        predictionCol: str = "prediction",
+        probabilityCol: str = "probability",
+        rawPredictionCol: str = "rawPrediction",
+        weightCol: str | None = None,
+        modelFn: str | None = None,
+        modelKwargs: str | dict[str, Any] = "{}",
+        loss: str = "cross_entropy",
+        optimizer: str = "sgd",
+        optimizerKwargs: str | dict[str, Any] = "{}",
+        learningRate: float = 0.01,
+        batchSize: int = 32,
+        maxEpochs: int = 10,
+        numWorkers: int = 2,
+        strategy: str = "ring",
+        compression: str = "none",
+        psMode: str = "sync",
+        seed: int = 0,
+        validationFraction: float = 0.0,
+    ) -> Self:
+        """Sets params for this TorchClassifier (only the ones passed)."""
+        return self._set(**self._input_kwargs)
+
+    def setProbabilityCol(self, value: str) -> Self:
+        """Sets the value of :py:attr:`probabilityCol`."""
+        return self._set(probabilityCol=value)
+
+    def setRawPredictionCol(self, value: str) -> Self:
+        """Sets the value of :py:attr:`rawPredictionCol`."""
+        return self._set(rawPredictionCol=value)
+
+    def _create_model(self) -> TorchClassificationModel:
+        return TorchClassificationModel()
+
+    def _check_targets(self, stats: Row, num_outputs: int) -> None:
+        label = self.getLabelCol()
+        if self.getLoss() == "bce_with_logits" and num_outputs != 1:
+            raise ConfigError(
+                f"loss='bce_with_logits' is binary: the model must have one output, it has "
+                f"{num_outputs}; use loss='cross_entropy' for {num_outputs} classes"
+            )
+        if self.getLoss() == "cross_entropy" and num_outputs < 2:
+            raise ConfigError(
+                f"loss='cross_entropy' needs one output per class, the model has {num_outputs}; "
+                "use loss='bce_with_logits' for a single logit"
+            )
+        classes = max(2, num_outputs)
+        fix = (
+            f"labels in {label!r} (labelCol) must be integral class indices 0..{classes - 1} "
+            f"for the model's {classes} classes"
+        )
+        if stats["fractional"]:
+            raise DataError(
+                f"{fix}; {stats['fractional']} rows are not whole numbers (e.g. "
+                f"{stats['fractional_example']}). Index labels with "
+                "pyspark.ml.feature.StringIndexer"
+            )
+        if stats["min_label"] < 0 or stats["max_label"] > classes - 1:
+            raise DataError(
+                f"{fix}; found labels in [{stats['min_label']:g}, {stats['max_label']:g}]. Give "
+                "the model one output per class (e.g. modelKwargs out_features) or re-index "
+                "the labels with pyspark.ml.feature.StringIndexer"
+            )
+
+
+class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams):
+    """Train a torch regressor on a Spark DataFrame, as a pyspark.ml Estimator.
+
+    ``modelFn`` builds a module mapping ``(n, numFeatures)`` float32 features to ``(n, 1)``
+    (or ``(n,)``) predictions, trained with ``loss="mse"``. The params are those of
+    :class:`TorchClassifier` without the probability and raw prediction columns.
+
+    Examples
+    --------
+    >>> from pyspark.ml.evaluation import RegressionEvaluator
+    >>> from sparktrain.ml import TorchRegressor
+    >>> reg = TorchRegressor(modelFn="sparktrain.models:mlp",
+    ...                      modelKwargs={"in_features": 10, "hidden": [32], "out_features": 1},
+    ...                      optimizer="adam", learningRate=0.01, maxEpochs=50)
+    >>> model = reg.fit(train)  # doctest: +SKIP
+    >>> RegressionEvaluator(metricName="rmse").evaluate(model.transform(test))  # doctest: +SKIP
+    """
+
+    _allowed_losses = REGRESSION_LOSSES
+
+    @keyword_only
+    def __init__(
+        self,
+        *,
+        featuresCol: str = "features",
+        labelCol: str = "label",
+        predictionCol: str = "prediction",
+        weightCol: str | None = None,
+        modelFn: str | None = None,
+        modelKwargs: str | dict[str, Any] = "{}",
+        loss: str = "mse",
+        optimizer: str = "sgd",
+        optimizerKwargs: str | dict[str, Any] = "{}",
+        learningRate: float = 0.01,
+        batchSize: int = 32,
+        maxEpochs: int = 10,
+        numWorkers: int = 2,
+        strategy: str = "ring",
+        compression: str = "none",
+        psMode: str = "sync",
+        seed: int = 0,
+        validationFraction: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self._set(**self._input_kwargs)
+
+    @keyword_only
+    def setParams(
+        self,
+        *,
+        featuresCol: str = "features",
+        labelCol: str = "label",
+        predictionCol: str = "prediction",
+        weightCol: str | None = None,
+        modelFn: str | None = None,
+        modelKwargs: str | dict[str, Any] = "{}",
+        loss: str = "mse",
+        optimizer: str = "sgd",
+        optimizerKwargs: str | dict[str, Any] = "{}",
+        learningRate: float = 0.01,
+        batchSize: int = 32,
+        maxEpochs: int = 10,
+        numWorkers: int = 2,
+        strategy: str = "ring",
+        compression: str = "none",
+        psMode: str = "sync",
+        seed: int = 0,
+        validationFraction: float = 0.0,
+    ) -> Self:
+        """Sets params for this TorchRegressor (only the ones passed)."""
+        return self._set(**self._input_kwargs)
+
+    def _create_model(self) -> TorchRegressionModel:
+        return TorchRegressionModel()
+
+    def _check_targets(self, stats: Row, num_outputs: int) -> None:
+        if num_outputs != 1:
+            raise ConfigError(
+                f"TorchRegressor needs a model with one output per row; modelFn="
+                f"{self.getModelFn()!r} has {num_outputs} (e.g. set modelKwargs out_features=1)"
+            )
+
+
+# ---------------------------------------------------------------------- driver checks
+def _check_label_column(dataset: DataFrame, label_col: str) -> None:
+    from pyspark.sql.types import NumericType
+
+    if label_col not in dataset.columns:
+        raise DataError(
+            f"fit: the input has no label column {label_col!r} (labelCol); its columns are "
+            f"{dataset.columns}. Call setLabelCol(...)"
+        )
+    ltype = dataset.schema[label_col].dataType
+    if not isinstance(ltype, NumericType):
+        raise DataError(
+            f"fit: column {label_col!r} (labelCol) has type {ltype.simpleString()}; labels must "
+            "be numeric (index string labels with pyspark.ml.feature.StringIndexer)"
+        )
+
+
+def _column_stats(dataset: DataFrame, features: Any, label_col: str) -> Row:
+    """One Spark job: row count, feature widths, null/non-finite/fractional labels."""
+    from pyspark.sql import functions as F
+
+    y = F.col("y")
+    not_finite = F.isnan(y) | (F.abs(y) == float("inf"))
+    fractional = ~not_finite & (y != F.floor(y))
+    row = (
+        dataset.select(
+            F.size(features).alias("w"),
+            features.isNull().alias("no_x"),
+            F.col(label_col).cast("double").alias("y"),
+        )
+        .agg(
+            F.count(F.lit(1)).alias("rows"),
+            F.count(F.when(F.col("no_x"), 1)).alias("null_features"),
+            F.min(F.when(~F.col("no_x"), F.col("w"))).alias("min_width"),
+            F.max(F.when(~F.col("no_x"), F.col("w"))).alias("max_width"),
+            F.count(F.when(y.isNull(), 1)).alias("null_labels"),
+            F.count(F.when(not_finite, 1)).alias("not_finite"),
+            F.count(F.when(fractional, 1)).alias("fractional"),
+            F.first(F.when(fractional, y), ignorenulls=True).alias("fractional_example"),
+            F.min(F.when(~not_finite, y)).alias("min_label"),
+            F.max(F.when(~not_finite, y)).alias("max_label"),
+        )
+        .first()
+    )
+    assert row is not None  # a global aggregate always has one row
+    return row
+
+
+def _check_stats(stats: Row, features_col: str, label_col: str) -> int:
+    """The feature width, after the checks every estimator shares."""
+    if not stats["rows"]:
+        raise DataError("fit: the training data is empty: nothing to train on")
+    if stats["null_features"]:
+        raise DataError(
+            f"fit: {stats['null_features']} rows have a null {features_col!r} (featuresCol); "
+            "drop or impute them before fit"
+        )
+    if stats["min_width"] != stats["max_width"]:
+        raise DataError(
+            f"fit: {features_col!r} (featuresCol) holds vectors of different sizes "
+            f"({stats['min_width']}..{stats['max_width']}); every row needs the same width"
+        )
+    if not stats["min_width"]:
+        raise DataError(f"fit: {features_col!r} (featuresCol) holds empty vectors")
+    if stats["null_labels"] or stats["not_finite"]:
+        raise DataError(
+            f"fit: {stats['null_labels'] + stats['not_finite']} rows have a null, NaN or "
+            f"infinite {label_col!r} (labelCol); drop them before fit"
+        )
+    return int(stats["min_width"])
+
+
+def _num_outputs(module: torch.nn.Module, width: int) -> int:
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros(2, width))
+    except Exception as exc:
+        raise DataError(
+            f"the model does not accept features of width {width} ({exc}); check featuresCol "
+            "or the model's input size (modelKwargs)"
+        ) from exc
+    return int(out[0].numel())

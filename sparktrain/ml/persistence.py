@@ -1,0 +1,144 @@
+"""Saving and loading sparktrain ml models the MLlib way.
+
+A saved model is a directory::
+
+    PATH/metadata/part-00000     MLlib metadata JSON (DefaultParamsWriter): class, uid,
+                                 params, plus numFeatures / numClasses / weights file
+    PATH/data/weights.pt         the state_dict, written by torch.save
+
+The weights file is read back with ``torch.load(weights_only=True)``, which only rebuilds
+tensors and plain containers, and the architecture is rebuilt by calling ``modelFn`` with
+``modelKwargs`` — nothing unpickles user bytes. Both files go through Hadoop's FileSystem
+(the one Spark uses for the metadata), so a model can live wherever Spark can write:
+a local path, ``file:``, ``hdfs:``, ``s3a:``...
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+
+from sparktrain.errors import DataError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from sparktrain.ml.model import TorchModel
+
+WEIGHTS_FILE = "data/weights.pt"
+WEIGHTS_FORMAT = "torch.save(state_dict); load with weights_only=True"
+_CHUNK = 4 << 20  # bytes per Py4J call
+
+M = TypeVar("M", bound="TorchModel")
+
+
+def state_to_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """A state_dict as ``torch.save`` bytes (tensors detached, on the CPU, contiguous)."""
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()}, buffer)
+    return buffer.getvalue()
+
+
+def state_from_bytes(blob: bytes, where: str = "the model state") -> dict[str, torch.Tensor]:
+    """Inverse of :func:`state_to_bytes`, with ``weights_only=True``: no user code runs."""
+    try:
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise DataError(f"{where} is not a readable torch weights file: {exc}") from exc
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise DataError(f"{where} does not hold a state_dict (names -> tensors)")
+    return state
+
+
+class TorchModelWriter(MLWriter):
+    """Writes metadata JSON and the weights file of a :class:`TorchModel`."""
+
+    def __init__(self, instance: TorchModel) -> None:
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:
+        extra = {
+            "numFeatures": self.instance.numFeatures,
+            "numClasses": self.instance._num_outputs_meta(),
+            "weightsFile": WEIGHTS_FILE,
+            "weightsFormat": WEIGHTS_FORMAT,
+        }
+        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession, extra)
+        write_bytes(self.sparkSession, _join(path, WEIGHTS_FILE), self.instance._state_bytes)
+
+
+class TorchModelReader(MLReader[M], Generic[M]):
+    """Reads what :class:`TorchModelWriter` wrote and checks that the architecture built
+    from ``modelFn`` + ``modelKwargs`` takes the saved weights."""
+
+    def __init__(self, cls: type[M]) -> None:
+        super().__init__()
+        self.cls = cls
+
+    def load(self, path: str) -> M:
+        spark = self.sparkSession
+        expected = f"{self.cls.__module__}.{self.cls.__name__}"
+        metadata = DefaultParamsReader.loadMetadata(path, spark, expected)
+        instance = self.cls()
+        instance._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(instance, metadata)
+        weights = _join(path, str(metadata.get("weightsFile", WEIGHTS_FILE)))
+        blob = read_bytes(spark, weights)
+        state = state_from_bytes(blob, where=weights)
+        instance._set_state(
+            blob, num_features=int(metadata["numFeatures"]), num_outputs=metadata["numClasses"]
+        )
+        instance._check_state(state)  # the factory still builds a module these weights fit
+        return instance
+
+
+# ---------------------------------------------------------------------- Hadoop FS
+def _join(path: str, child: str) -> str:
+    return path.rstrip("/") + "/" + child
+
+
+def _hadoop(spark: SparkSession, path: str) -> tuple[Any, Any]:
+    sc = spark.sparkContext
+    jvm: Any = sc._jvm
+    jpath = jvm.org.apache.hadoop.fs.Path(path)
+    return jpath.getFileSystem(sc._jsc.hadoopConfiguration()), jpath
+
+
+def write_bytes(spark: SparkSession, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through the Hadoop FileSystem Spark uses (overwrites)."""
+    fs, jpath = _hadoop(spark, path)
+    out = fs.create(jpath, True)
+    try:
+        view = memoryview(data)
+        for start in range(0, len(view), _CHUNK):
+            out.write(bytes(view[start : start + _CHUNK]))
+    finally:
+        out.close()
+
+
+def read_bytes(spark: SparkSession, path: str) -> bytes:
+    """Read the whole file at ``path`` through the Hadoop FileSystem Spark uses."""
+    fs, jpath = _hadoop(spark, path)
+    if not fs.exists(jpath):
+        raise DataError(f"{path} does not exist: is this a saved sparktrain model?")
+    size = int(fs.getFileStatus(jpath).getLen())
+    jvm: Any = spark.sparkContext._jvm
+    stream = fs.open(jpath)
+    try:
+        parts: list[bytes] = []
+        remaining = size
+        while remaining > 0:
+            chunk = bytes(
+                jvm.org.apache.commons.io.IOUtils.toByteArray(stream, min(_CHUNK, remaining))
+            )
+            parts.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(parts)
+    finally:
+        stream.close()

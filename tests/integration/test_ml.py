@@ -1,0 +1,341 @@
+"""sparktrain.ml on local[2]: Pipelines, evaluators, tuning, persistence and errors."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml.evaluation import (
+    BinaryClassificationEvaluator,
+    MulticlassClassificationEvaluator,
+    RegressionEvaluator,
+)
+from pyspark.ml.feature import StandardScaler, VectorAssembler
+from pyspark.ml.linalg import SparseVector, Vectors, VectorUDT
+from pyspark.ml.tuning import CrossValidator, ParamGridBuilder, TrainValidationSplit
+from pyspark.sql.types import DoubleType
+
+from sparktrain.errors import ConfigError, DataError
+from sparktrain.ml import (
+    TorchClassificationModel,
+    TorchClassifier,
+    TorchRegressionModel,
+    TorchRegressor,
+)
+
+from .helpers import DIGITS_MODEL, digits
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+
+PIXELS = [f"p{i}" for i in range(64)]
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None and bool(
+            importlib.import_module(module)
+        )
+    except Exception:
+        return False
+
+
+def pixel_frames(spark):  # type: ignore[no-untyped-def]
+    """Digits as DataFrames with an id, 64 double pixel columns and a double label."""
+    import pandas as pd
+
+    split = digits()
+
+    def frame(x: np.ndarray, y: np.ndarray, offset: int):  # type: ignore[no-untyped-def]
+        pdf = pd.DataFrame(x.astype(np.float64), columns=PIXELS)
+        pdf.insert(0, "id", np.arange(offset, offset + len(y)))
+        pdf["label"] = y.astype(np.float64)
+        return spark.createDataFrame(pdf).repartition(2)
+
+    return frame(split.x_train, split.y_train, 0), frame(split.x_test, split.y_test, 10**6)
+
+
+def assembled(frame):  # type: ignore[no-untyped-def]
+    return VectorAssembler(inputCols=PIXELS, outputCol="features").transform(frame)
+
+
+@pytest.fixture(scope="module")
+def digits_pipeline(_sessions):  # type: ignore[no-untyped-def]
+    """VectorAssembler -> StandardScaler -> TorchClassifier, fitted once for the module."""
+    spark = _sessions.get("local[2]")
+    train, test = pixel_frames(spark)
+    clf = TorchClassifier(
+        modelFn=DIGITS_MODEL,
+        featuresCol="scaled",
+        optimizer="adam",
+        learningRate=0.003,
+        maxEpochs=10,
+        batchSize=32,
+        strategy="ring",
+    )
+    pipeline = Pipeline(
+        stages=[
+            VectorAssembler(inputCols=PIXELS, outputCol="raw"),
+            StandardScaler(inputCol="raw", outputCol="scaled"),
+            clf,
+        ]
+    )
+    return pipeline, pipeline.fit(train), train, test
+
+
+def test_pipeline_on_digits_reaches_95_percent(spark, digits_pipeline):  # type: ignore[no-untyped-def]
+    _, model, _, test = digits_pipeline
+    out = model.transform(test)
+    assert MulticlassClassificationEvaluator(metricName="accuracy").evaluate(out) >= 0.95
+    assert MulticlassClassificationEvaluator(metricName="f1").evaluate(out) >= 0.9
+    # MLlib's output types, every input column kept, one output row per input row
+    schema = out.schema
+    assert isinstance(schema["prediction"].dataType, DoubleType)
+    assert isinstance(schema["probability"].dataType, VectorUDT)
+    assert isinstance(schema["rawPrediction"].dataType, VectorUDT)
+    assert out.columns[: len(test.columns)] == test.columns
+    assert out.count() == test.count()
+    row = out.select("probability", "rawPrediction", "prediction").first()
+    assert row is not None
+    assert len(row.probability) == 10 and sum(row.probability) == pytest.approx(1.0)
+    assert row.prediction == float(np.argmax(row.rawPrediction.toArray()))
+    torch_model = model.stages[-1]
+    assert isinstance(torch_model, TorchClassificationModel)
+    assert torch_model.numClasses == 10 and torch_model.numFeatures == 64
+    assert torch_model.hasSummary and torch_model.summary["strategy"] == "ring"
+    # output columns can be switched off, as in MLlib
+    slim = torch_model.copy({torch_model.rawPredictionCol: "", torch_model.probabilityCol: ""})
+    assert (
+        "rawPrediction"
+        not in slim.transform(model.stages[1].transform(model.stages[0].transform(test))).columns
+    )
+
+
+def test_pipeline_model_save_load_gives_identical_predictions(  # type: ignore[no-untyped-def]
+    spark, digits_pipeline, tmp_path
+):
+    pipeline, model, _, test = digits_pipeline
+    before = model.transform(test).select("id", "prediction", "probability").orderBy("id")
+    model.write().overwrite().save(str(tmp_path / "pipeline_model"))
+    loaded = PipelineModel.load(str(tmp_path / "pipeline_model"))
+    assert isinstance(loaded.stages[-1], TorchClassificationModel)
+    after = loaded.transform(test).select("id", "prediction", "probability").orderBy("id")
+    a, b = before.collect(), after.collect()
+    assert [r.prediction for r in a] == [r.prediction for r in b]
+    assert all(np.array_equal(x.probability, y.probability) for x, y in zip(a, b, strict=True))
+
+    # the model alone: MLlib metadata + a weights file torch reads with weights_only=True
+    torch_model = model.stages[-1]
+    path = tmp_path / "model"
+    torch_model.save(str(path))
+    meta = json.loads(next((path / "metadata").glob("part-*")).read_text())
+    assert meta["class"] == "sparktrain.ml.model.TorchClassificationModel"
+    assert meta["paramMap"]["modelFn"] == DIGITS_MODEL and meta["numClasses"] == 10
+    import torch
+
+    state = torch.load(path / "data" / "weights.pt", weights_only=True)
+    assert set(state) == set(torch_model.getModule().state_dict())
+    reloaded = TorchClassificationModel.load(str(path))
+    assert reloaded.uid == torch_model.uid and not reloaded.hasSummary
+    assert reloaded.getLearningRate() == 0.003 and reloaded.getFeaturesCol() == "scaled"
+    scaled = model.stages[1].transform(model.stages[0].transform(test))
+    x = reloaded.transform(scaled).select("id", "rawPrediction").orderBy("id").collect()
+    y = torch_model.transform(scaled).select("id", "rawPrediction").orderBy("id").collect()
+    assert all(np.array_equal(p.rawPrediction, q.rawPrediction) for p, q in zip(x, y, strict=True))
+
+    # the estimator and the unfitted pipeline: params only
+    pipeline.write().overwrite().save(str(tmp_path / "pipeline"))
+    clf = Pipeline.load(str(tmp_path / "pipeline")).getStages()[-1]
+    assert isinstance(clf, TorchClassifier)
+    assert clf.getModelFn() == DIGITS_MODEL and clf.getOptimizer() == "adam"
+    assert clf.getMaxEpochs() == 10 and clf.getFeaturesCol() == "scaled"
+
+
+def test_binary_classifier_on_sparse_vectors(spark):  # type: ignore[no-untyped-def]
+    """One logit with bce_with_logits, sparse input vectors, the tree strategy."""
+    split = digits()
+
+    def sparse_frame(x: np.ndarray, y: np.ndarray):  # type: ignore[no-untyped-def]
+        rows = []
+        for features, digit in zip(x, y, strict=True):
+            nz = np.flatnonzero(features)
+            rows.append((Vectors.sparse(64, nz.tolist(), features[nz].tolist()), float(digit >= 5)))
+        return spark.createDataFrame(rows, ["features", "label"]).repartition(2)
+
+    train, test = (
+        sparse_frame(split.x_train, split.y_train),
+        sparse_frame(split.x_test, split.y_test),
+    )
+    first = train.first()
+    assert first is not None and isinstance(first.features, SparseVector)
+    clf = TorchClassifier(
+        modelFn="sparktrain.models:mlp",
+        modelKwargs={"in_features": 64, "hidden": [32], "out_features": 1},
+        loss="bce_with_logits",
+        optimizer="adam",
+        learningRate=0.01,
+        maxEpochs=5,
+        strategy="tree",
+    )
+    model = clf.fit(train)
+    assert model.numClasses == 2
+    out = model.transform(test)
+    assert BinaryClassificationEvaluator(metricName="areaUnderROC").evaluate(out) >= 0.95
+    assert MulticlassClassificationEvaluator(metricName="accuracy").evaluate(out) >= 0.85
+    row = out.first()
+    assert row is not None and len(row.probability) == 2 and len(row.rawPrediction) == 2
+
+
+def test_regressor_on_diabetes_beats_the_mean(spark, tmp_path):  # type: ignore[no-untyped-def]
+    """array<double> features; RMSE below predicting the training mean."""
+    from sklearn.datasets import load_diabetes
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_diabetes(return_X_y=True)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0)
+
+    def frame(xs: np.ndarray, ys: np.ndarray):  # type: ignore[no-untyped-def]
+        rows = [(r.tolist(), float(t)) for r, t in zip(xs, ys, strict=True)]
+        return spark.createDataFrame(rows, "features array<double>, label double").repartition(2)
+
+    train, test = frame(xtr, ytr), frame(xte, yte)
+    reg = TorchRegressor(
+        modelFn="sparktrain.models:mlp",
+        modelKwargs={"in_features": 10, "hidden": [32], "out_features": 1},
+        optimizer="adam",
+        learningRate=0.1,
+        maxEpochs=10,
+    )
+    model = reg.fit(train)
+    assert isinstance(model, TorchRegressionModel)
+    out = model.transform(test)
+    assert isinstance(out.schema["prediction"].dataType, DoubleType)
+    rmse = RegressionEvaluator(metricName="rmse").evaluate(out)
+    baseline = float(np.sqrt(np.mean((yte - ytr.mean()) ** 2)))
+    assert rmse < 0.9 * baseline, (rmse, baseline)
+    model.save(str(tmp_path / "reg"))
+    again = TorchRegressionModel.load(str(tmp_path / "reg")).transform(test)
+    assert RegressionEvaluator(metricName="rmse").evaluate(again) == rmse
+
+
+def test_cross_validator_over_learning_rate_and_strategy(spark):  # type: ignore[no-untyped-def]
+    train, test = pixel_frames(spark)
+    train, test = assembled(train), assembled(test)
+    clf = TorchClassifier(modelFn=DIGITS_MODEL, optimizer="adam", maxEpochs=3, batchSize=64)
+    grid = (
+        ParamGridBuilder()
+        .addGrid(clf.learningRate, [0.0003, 0.01])
+        .addGrid(clf.strategy, ["ring", "tree"])
+        .build()
+    )
+    evaluator = MulticlassClassificationEvaluator(metricName="accuracy")
+    cv = CrossValidator(
+        estimator=clf, estimatorParamMaps=grid, evaluator=evaluator, numFolds=2, seed=1
+    )
+    cv_model = cv.fit(train)
+    assert len(cv_model.avgMetrics) == 4
+    best = cv_model.bestModel
+    assert isinstance(best, TorchClassificationModel)
+    winner = grid[int(np.argmax(cv_model.avgMetrics))]
+    assert best.getLearningRate() == winner[clf.learningRate] == 0.01
+    assert best.getStrategy() == winner[clf.strategy]
+    assert clf.getLearningRate() == 0.01 and clf.getStrategy() == "ring"  # defaults untouched
+    assert evaluator.evaluate(cv_model.transform(test)) >= 0.85
+
+
+def test_train_validation_split_over_compression(spark):  # type: ignore[no-untyped-def]
+    train, _ = pixel_frames(spark)
+    train = assembled(train)
+    clf = TorchClassifier(modelFn=DIGITS_MODEL, optimizer="adam", maxEpochs=2, batchSize=64)
+    grid = (
+        ParamGridBuilder()
+        .addGrid(clf.compression, ["none"])
+        .addGrid(clf.learningRate, [0.01])
+        .build()
+    )
+    tvs = TrainValidationSplit(
+        estimator=clf,
+        estimatorParamMaps=grid,
+        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+        trainRatio=0.75,
+        seed=3,
+    )
+    model = tvs.fit(train)
+    assert len(model.validationMetrics) == 1 and model.validationMetrics[0] > 0.5
+    assert model.bestModel.getCompression() == "none"
+
+
+def test_clear_errors(spark):  # type: ignore[no-untyped-def]
+    train, _ = pixel_frames(spark)
+    vectors = assembled(train)
+    clf = TorchClassifier(modelFn=DIGITS_MODEL, maxEpochs=1)
+    with pytest.raises(DataError, match="no features column 'features' \\(featuresCol\\)"):
+        clf.fit(train)
+    with pytest.raises(DataError, match="no label column 'target' \\(labelCol\\)"):
+        clf.copy({clf.labelCol: "target"}).fit(vectors)
+    halves = vectors.withColumn("label", vectors["label"] / 2)
+    with pytest.raises(DataError, match="integral class indices 0..9.*not whole numbers"):
+        clf.fit(halves)
+    shifted = vectors.withColumn("label", vectors["label"] + 5)
+    with pytest.raises(DataError, match="found labels in \\[5, 14\\]"):
+        clf.fit(shifted)
+    with pytest.raises(ConfigError, match="modelFn 'no_such_package.models:net': cannot import"):
+        TorchClassifier(modelFn="no_such_package.models:net").fit(vectors)
+    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+        TorchClassifier(modelFn="sparktrain.models:nope").fit(vectors)
+    with pytest.raises(DataError, match="does not accept features of width 64"):
+        TorchClassifier(modelFn="sparktrain.models:mlp", modelKwargs={"in_features": 3}).fit(
+            vectors
+        )
+    with pytest.raises(ConfigError, match="weightCol"):
+        clf.copy({clf.weightCol: "w"}).fit(vectors)
+    model = TorchClassificationModel()._set_state(b"x", num_features=64, num_outputs=10)
+    model._set(modelFn=DIGITS_MODEL)
+    with pytest.raises(DataError, match="no features column 'features'"):
+        model.transform(train)
+    with pytest.raises(DataError, match="'label' already exists"):
+        model.setPredictionCol("label").transform(vectors)
+
+
+@pytest.mark.skipif(
+    not _importable("sparktrain.ps.server"), reason="sparktrain.ps is not available yet"
+)
+def test_parameter_server_strategy(spark):  # type: ignore[no-untyped-def]
+    train, test = pixel_frames(spark)
+    clf = TorchClassifier(
+        modelFn=DIGITS_MODEL,
+        strategy="ps",
+        psMode="sync",
+        optimizer="adam",
+        learningRate=0.003,
+        maxEpochs=3,
+    )
+    model = clf.fit(assembled(train))
+    accuracy = MulticlassClassificationEvaluator(metricName="accuracy").evaluate(
+        model.transform(assembled(test))
+    )
+    assert accuracy >= 0.85 and model.summary["strategy"] == "ps"
+
+
+@pytest.mark.skipif(
+    not _importable("sparktrain.launch.rounds"),
+    reason="strategy='tree_aggregate' is not available yet",
+)
+def test_tree_aggregate_strategy(spark):  # type: ignore[no-untyped-def]
+    train, test = pixel_frames(spark)
+    clf = TorchClassifier(
+        modelFn=DIGITS_MODEL,
+        strategy="tree_aggregate",
+        optimizer="adam",
+        learningRate=0.003,
+        maxEpochs=3,
+        batchSize=64,
+    )
+    model = clf.fit(assembled(train))
+    accuracy = MulticlassClassificationEvaluator(metricName="accuracy").evaluate(
+        model.transform(assembled(test))
+    )
+    assert accuracy >= 0.85 and model.summary["strategy"] == "tree_aggregate"
