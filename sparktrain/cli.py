@@ -4,6 +4,7 @@
     sparktrain bench allreduce --world 2 4 --sizes 4K 1M 16M 64M --algos ring tree gloo --json PATH
     sparktrain bench ps --world 2 --epochs 10 --json PATH
     sparktrain bench compression --json PATH
+    sparktrain bench mllib --json PATH
 
 A training config is a TrainConfig (top-level keys) plus a ``[job]`` table that says what
 to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`` and
@@ -88,7 +89,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from sparktrain.bench.compression import main as bench_compression
 
         return bench_compression(args)
-    raise SparkTrainError(f"unknown benchmark {args.what!r}; available: allreduce, ps, compression")
+    if args.what == "mllib":
+        from sparktrain.bench.mllib import main as bench_mllib
+
+        return bench_mllib(args)
+    raise SparkTrainError(
+        f"unknown benchmark {args.what!r}; available: allreduce, ps, compression, mllib"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compression_arguments(
         bench_sub.add_parser("compression", help="compressor speed (GB/s) and ratio")
+    )
+    from sparktrain.bench.mllib import add_arguments as add_mllib_arguments
+
+    add_mllib_arguments(
+        bench_sub.add_parser("mllib", help="tree_aggregate vs MLlib's MLP (L-BFGS) on digits")
     )
     bench.set_defaults(func=cmd_bench)
     return parser

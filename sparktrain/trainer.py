@@ -120,7 +120,10 @@ class Trainer:
         if cfg.strategy == "tree_aggregate":
             from sparktrain.launch.rounds import run_rounds
 
-            return run_rounds(prepared, model, cfg, num_outputs=num_outputs, started=started)
+            hook = self._fault_plan.maybe_fire if self._fault_plan else None
+            return run_rounds(
+                prepared, model, cfg, num_outputs=num_outputs, started=started, task_hook=hook
+            )
 
         base = JobSpec(
             job_id=uuid.uuid4().hex[:12],

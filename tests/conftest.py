@@ -64,6 +64,12 @@ def spark(_sessions: _Sessions):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture()
+def spark_retry(_sessions: _Sessions):  # type: ignore[no-untyped-def]
+    """local[2,4]: local mode with up to 4 attempts per task (local[N] never retries)."""
+    return _sessions.get("local[2,4]")
+
+
+@pytest.fixture()
 def spark_cluster(_sessions: _Sessions):  # type: ignore[no-untyped-def]
     """Two executor processes with one core each: local-cluster[2,1,1024]."""
     return _sessions.get("local-cluster[2,1,1024]")
@@ -75,6 +81,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def order(item: pytest.Item) -> int:
         fixtures = getattr(item, "fixturenames", ())
         if "spark_cluster" in fixtures:
+            return 3
+        if "spark_retry" in fixtures:
             return 2
         return 1 if "spark" in fixtures else 0
 

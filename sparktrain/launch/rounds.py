@@ -1,0 +1,539 @@
+"""``strategy="tree_aggregate"``: the MLlib way. The driver holds the model and the
+optimizer; every round is one ordinary Spark job.
+
+1. **Cache** (once): each partition is converted to numpy (Arrow -> numpy for a DataFrame,
+   tuples -> numpy for an RDD, with the same checks as the barrier path), validation rows
+   split off, and kept as one :class:`~sparktrain.launch.rounds_worker.Block` per
+   partition with ``persist(MEMORY_AND_DISK)``. No round converts or validates again.
+2. **Round** (many): the weights are broadcast as one flat float32 numpy buffer; each
+   partition computes its contribution (``local_steps=1``: ``n_p`` times its mean-loss
+   gradient over one mini-batch of ``batch_size``; ``local_steps=k``: ``n_p`` times its
+   model delta after ``k`` local optimizer steps); ``RDD.treeAggregate(depth=
+   aggregation_depth)`` sums them; the driver divides by ``N = sum(n_p)`` and either steps
+   its optimizer with the gradient of the mean loss over the round's global mini-batch (the
+   ring's semantics) or adds the sample-weighted mean delta to the weights (FedAvg, server
+   learning rate 1). The broadcast is destroyed after its round.
+
+An **epoch** is one pass of every partition over its own training rows: each partition
+shuffles its rows with the seed ``(seed, partition, epoch)`` (as a ring rank does) and
+consumes ``local_steps`` mini-batches per round, so an epoch is
+``rounds_per_epoch = ceil(max partition train rows / (batch_size * local_steps))`` rounds;
+a partition that runs out early contributes nothing (its weight is 0) to the epoch's last
+rounds.
+
+The epoch's metric is measured on the weights after the epoch; to save a Spark job per
+epoch, that evaluation rides on the first round of the next epoch (which starts from the
+same broadcast weights), and only the last epoch's needs a job of its own.
+
+The model reaches the executors once per job: the driver's module is cloudpickled into a
+broadcast (Spark's own closure serialization, so models defined in a notebook work too),
+and every Python worker builds it once and caches it by job id. After that only flat
+weights travel.
+
+Tasks are ordinary (non-barrier): rounds run with fewer free slots than partitions, under
+dynamic allocation, and a failed task is simply retried by Spark. A retried task
+recomputes exactly the same contribution (its batches come from the seeded order, its
+local optimizer starts fresh each round), so the round's result does not change.
+
+Spark's own view of the traffic (shuffle write/read and task result bytes per stage) is
+read from the driver's ``AppStatusStore`` through Py4J; it works with the UI disabled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+from torch import nn
+
+from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
+from sparktrain.launch.prepare import PreparedData
+from sparktrain.launch.resources import task_cpus
+from sparktrain.launch.rounds_worker import (
+    COMPUTE_S,
+    EVAL_ROWS,
+    EVAL_TOTAL,
+    LOSS_SUM,
+    RAW_BYTES,
+    SAMPLES,
+    WIRE_BYTES,
+    Block,
+    RoundSpec,
+    assign,
+    assign_grads,
+    flatten,
+    make_comb_op,
+    make_seq_op,
+    num_elements,
+    zero_stats,
+)
+from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
+from sparktrain.modeling import build_optimizer
+from sparktrain.trainer import TrainResult
+from sparktrain.worker.data import PartitionData, check_labels, from_arrow, from_rows
+from sparktrain.worker.evaluate import finish_metric, metric_name
+
+if TYPE_CHECKING:
+    from pyspark import RDD, SparkContext
+
+log = logging.getLogger(__name__)
+
+# Spark's status store keeps the last spark.ui.retainedStages (1000) stages: read it often.
+VOLUME_POLL_ROUNDS = 100
+_ENCODED_DDL = "part int, x binary, y binary, v binary"
+
+
+# ---------------------------------------------------------------------- data, cached once
+def cache_blocks(prepared: PreparedData, cfg: TrainConfig, num_outputs: int) -> RDD[Block]:
+    """One validated numpy :class:`Block` per partition, persisted MEMORY_AND_DISK (lazy:
+    the first action materialises it)."""
+    from pyspark import StorageLevel
+
+    width = prepared.feature_width
+    check = _block_builder(cfg, num_outputs)
+    if prepared.frame is not None:
+        encoded = prepared.frame.mapInArrow(_arrow_encoder(width), _ENCODED_DDL)
+
+        def assemble(index: int, rows: Iterable[Any]) -> Iterator[Block]:
+            parts = [
+                PartitionData(
+                    np.frombuffer(r.x, dtype=np.float32).reshape(-1, width),
+                    np.frombuffer(r.y, dtype=np.float64),
+                    np.frombuffer(r.v, dtype=np.bool_),
+                )
+                for r in rows
+            ]
+            yield check(index, _concat(parts, width))
+
+        blocks = encoded.rdd.mapPartitionsWithIndex(assemble)
+    else:
+        assert prepared.rdd is not None
+
+        def convert(index: int, rows: Iterable[tuple[object, ...]]) -> Iterator[Block]:
+            yield check(index, from_rows(rows, width, index))
+
+        blocks = prepared.rdd.mapPartitionsWithIndex(convert)
+    return blocks.persist(StorageLevel.MEMORY_AND_DISK)
+
+
+def _arrow_encoder(width: int) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """mapInArrow function: each Arrow batch -> validated numpy -> one row of raw buffers."""
+
+    def encode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        rank = ctx.partitionId() if ctx is not None else 0
+        for batch in batches:
+            data = from_arrow([batch], width, rank)
+            if data.size == 0:
+                continue
+            yield pa.RecordBatch.from_pydict(
+                {
+                    "part": pa.array([rank], pa.int32()),
+                    "x": pa.array([data.x.tobytes()], pa.binary()),
+                    "y": pa.array([data.y.tobytes()], pa.binary()),
+                    "v": pa.array([data.is_val.tobytes()], pa.binary()),
+                }
+            )
+
+    return encode
+
+
+def _concat(parts: list[PartitionData], width: int) -> PartitionData:
+    if not parts:
+        return PartitionData(
+            np.zeros((0, width), np.float32), np.zeros(0, np.float64), np.zeros(0, bool)
+        )
+    if len(parts) == 1:
+        return parts[0]
+    return PartitionData(
+        np.concatenate([p.x for p in parts]),
+        np.concatenate([p.y for p in parts]),
+        np.concatenate([p.is_val for p in parts]),
+    )
+
+
+def _block_builder(cfg: TrainConfig, num_outputs: int) -> Callable[[int, PartitionData], Block]:
+    loss, fraction, seed = cfg.loss, cfg.validation_fraction, cfg.seed
+
+    def build(index: int, data: PartitionData) -> Block:
+        if loss == "cross_entropy":
+            check_labels(data.y, num_outputs, index)
+        train, val = data.split(fraction, seed, index)
+        return Block(index, train, val)
+
+    return build
+
+
+# ---------------------------------------------------------------------- Spark's own counts
+class SparkVolume:
+    """Shuffle and task-result bytes of a job group's stages, from the driver's
+    ``AppStatusStore`` (the data behind the UI and the REST API; it is kept even with
+    ``spark.ui.enabled=false``). Best effort: any Py4J surprise turns it off, not the run."""
+
+    def __init__(self, sc: SparkContext, group: str) -> None:
+        self.group = group
+        self.shuffle_write = 0
+        self.shuffle_read = 0
+        self.result_bytes = 0
+        self.failed_tasks = 0
+        self.stages = 0
+        self.available = True
+        self._done: set[int] = set()
+        self._sc = sc
+
+    def poll(self, final: bool = False) -> None:
+        if not self.available:
+            return
+        try:
+            self._poll(final)
+        except Exception as exc:  # Spark Connect, another Spark version...
+            log.info("Spark's stage metrics are unavailable (%s); spark_* bytes not reported", exc)
+            self.available = False
+
+    def _poll(self, final: bool) -> None:
+        sc = self._sc
+        jsc = sc._jsc.sc()
+        if final:
+            jsc.listenerBus().waitUntilEmpty(10_000)
+        tracker = sc.statusTracker()
+        store = jsc.statusStore()
+        no_tasks = sc._jvm.java.util.ArrayList()  # type: ignore[union-attr]
+        no_quantiles = sc._gateway.new_array(sc._jvm.double, 0)  # type: ignore[union-attr]
+        for job in tracker.getJobIdsForGroup(self.group):
+            if job in self._done:
+                continue
+            info = tracker.getJobInfo(job)
+            if info is None or info.status not in ("SUCCEEDED", "FAILED"):
+                continue
+            self._done.add(job)
+            for stage in info.stageIds:
+                try:
+                    attempts = store.stageData(stage, False, no_tasks, False, no_quantiles)
+                except Exception:  # skipped or evicted stage
+                    continue
+                for i in range(attempts.size()):
+                    data = attempts.apply(i)
+                    self.shuffle_write += int(data.shuffleWriteBytes())
+                    self.shuffle_read += int(data.shuffleReadBytes())
+                    self.result_bytes += int(data.resultSize())
+                    self.failed_tasks += int(data.numFailedTasks())
+                    self.stages += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        if not self.available:
+            return {
+                "spark_shuffle_bytes": None,
+                "spark_shuffle_read_bytes": None,
+                "spark_result_bytes": None,
+                "spark_failed_tasks": None,
+                "spark_stages": None,
+            }
+        return {
+            "spark_shuffle_bytes": self.shuffle_write,
+            "spark_shuffle_read_bytes": self.shuffle_read,
+            "spark_result_bytes": self.result_bytes,
+            "spark_failed_tasks": self.failed_tasks,
+            "spark_stages": self.stages,
+        }
+
+
+# ---------------------------------------------------------------------- one round
+class RoundRunner:
+    """Runs rounds over the cached blocks: broadcast weights, treeAggregate, unbroadcast."""
+
+    def __init__(self, sc: SparkContext, blocks: RDD[Block], spec: RoundSpec) -> None:
+        self.sc = sc
+        self.blocks = blocks
+        self.spec = spec
+        self.broadcast_bytes = 0
+        self.rounds = 0
+
+    def run(
+        self, weights: np.ndarray, round_index: int, train: bool = True, evaluate: bool = False
+    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """The summed contribution of every partition: (decoded vector or None, stats)."""
+        handle = self.sc.broadcast(weights)
+        self.broadcast_bytes += weights.nbytes
+        spec = self.spec
+        try:
+            out = self.blocks.treeAggregate(
+                None,
+                make_seq_op(spec, handle, round_index, train, evaluate),
+                make_comb_op(spec.codec),
+                depth=spec.config.aggregation_depth,
+            )
+        finally:
+            handle.destroy(blocking=False)
+        self.rounds += 1
+        if out is None:
+            return None, zero_stats()
+        payload, stats = out
+        return (spec.codec.decode(payload) if payload is not None else None), stats
+
+
+# ---------------------------------------------------------------------- the driver loop
+def run_rounds(
+    prepared: PreparedData,
+    model: nn.Module,
+    cfg: TrainConfig,
+    *,
+    num_outputs: int,
+    started: float,
+    task_hook: Callable[[int, int], None] | None = None,
+) -> TrainResult:
+    """Train ``model`` (built and seeded on the driver) with one Spark job per round."""
+    from pyspark.cloudpickle import dumps
+
+    if cfg.compression != "none":  # the seam: rounds_worker.make_codec / PayloadCodec
+        raise ConfigError(
+            f"compression={cfg.compression!r}: strategy='tree_aggregate' does not compress its "
+            "treeAggregate payloads yet; use compression='none' with it"
+        )
+    sc = _spark_context(prepared)
+    job_id = uuid.uuid4().hex[:12]
+    group = f"sparktrain-{job_id}"
+    previous_group = sc.getLocalProperty("spark.jobGroup.id")
+    previous_description = sc.getLocalProperty("spark.job.description")
+    display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
+    launched = time.perf_counter()
+    blocks = cache_blocks(prepared, cfg, num_outputs)
+    model_handle = None
+    try:
+        sc.setJobGroup(f"{group}-cache", "sparktrain tree_aggregate: convert and cache the data")
+        try:
+            sizes = sorted(blocks.map(lambda b: (b.index, b.train.size, b.val.size)).collect())
+        except SparkTrainError:
+            raise
+        except Exception as exc:
+            raise WorkerError.from_spark(exc) from exc
+        cache_s = time.perf_counter() - launched
+        train_rows = [s[1] for s in sizes]
+        world_train, world_val = sum(train_rows), sum(s[2] for s in sizes)
+        if world_train == 0:
+            raise DataError("the training data is empty on every partition")
+        k = cfg.local_steps
+        rounds_per_epoch = max(1, math.ceil(max(train_rows) / (cfg.batch_size * k)))
+
+        model_handle = sc.broadcast(dumps(model))
+        spec = RoundSpec(
+            job_id=job_id,
+            config=cfg,
+            model=model_handle,
+            rounds_per_epoch=rounds_per_epoch,
+            evaluate_on_validation=world_val > 0,
+            threads=cfg.threads_per_worker or task_cpus(sc),
+            task_hook=task_hook,
+        )
+        sc.setJobGroup(group, f"sparktrain tree_aggregate {job_id}: rounds")
+        volume = SparkVolume(sc, group)
+        runner = RoundRunner(sc, blocks, spec)
+        loop = _Loop(
+            model, cfg, runner, display, volume, world_train, len(sizes), world_val > 0, started
+        )
+        train_s = loop.train()
+        volume.poll(final=True)
+    finally:
+        display.close()
+        blocks.unpersist(blocking=False)
+        if model_handle is not None:
+            model_handle.destroy(blocking=False)
+        sc.setLocalProperty("spark.jobGroup.id", previous_group)  # type: ignore[arg-type]
+        sc.setLocalProperty("spark.job.description", previous_description)  # type: ignore[arg-type]
+
+    history = loop.history
+    last = history[-1]
+    rounds = runner.rounds
+    summary: dict[str, Any] = {
+        "strategy": cfg.strategy,
+        "compression": cfg.compression,
+        "world_size": len(sizes),
+        "epochs": cfg.epochs,
+        "train_samples": world_train,
+        "train_rows_per_worker": train_rows,
+        "steps_per_epoch": rounds_per_epoch * k,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": last["loss"],
+        "metric_name": last["metric_name"],
+        "metric_value": last["metric"],
+        "wall_s": time.perf_counter() - started,
+        "stage_s": time.perf_counter() - launched,
+        "train_s": train_s,
+        "comm_s": loop.overhead_s,
+        "samples_per_s": world_train * cfg.epochs / train_s if train_s > 0 else 0.0,
+        "bytes_sent": int(loop.raw_bytes),
+        "wire_bytes": int(loop.wire_bytes),
+        "restarts": 0,
+        "replicas_in_sync": True,  # one model, on the driver
+        "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
+        "config": cfg.to_dict(),
+        # tree_aggregate's own figures
+        "rounds": rounds,
+        "rounds_per_epoch": rounds_per_epoch,
+        "local_steps": k,
+        "aggregation_depth": cfg.aggregation_depth,
+        "rounds_per_s": rounds / train_s if train_s > 0 else 0.0,
+        "round_overhead_s": loop.overhead_s / rounds if rounds else 0.0,
+        "broadcast_bytes": runner.broadcast_bytes,
+        "cache_s": cache_s,
+        **volume.as_dict(),
+    }
+    summary["compression_ratio"] = (
+        summary["bytes_sent"] / summary["wire_bytes"] if summary["wire_bytes"] else 1.0
+    )
+    return TrainResult(model=model, history=summary["history"], summary=summary)
+
+
+def _spark_context(prepared: PreparedData) -> SparkContext:
+    """The classic SparkContext behind the data; tree_aggregate needs RDDs and broadcasts."""
+    try:
+        if prepared.rdd is not None:
+            return prepared.rdd.context
+        assert prepared.frame is not None
+        return prepared.frame.sparkSession.sparkContext
+    except Exception as exc:  # Spark Connect has no SparkContext
+        raise ConfigError(
+            "strategy='tree_aggregate' needs the classic PySpark API (RDDs, broadcasts), "
+            f"which this session does not offer ({exc}); use a non-Connect session or a "
+            "barrier strategy (ring, tree, ps)"
+        ) from exc
+
+
+class _Loop:
+    """Epochs of rounds on the driver: optimizer steps, progress, per-epoch history."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        runner: RoundRunner,
+        display: ProgressDisplay,
+        volume: SparkVolume,
+        world_train: int,
+        world_size: int,
+        has_validation: bool,
+        started: float | None = None,
+    ) -> None:
+        self.started = time.perf_counter() if started is None else started
+        self.model, self.cfg, self.runner = model, cfg, runner
+        self.display, self.volume = display, volume
+        self.world_train, self.world_size = world_train, world_size
+        self.metric = metric_name(cfg.loss, has_validation)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = (
+            build_optimizer(cfg.optimizer, self.params, cfg.lr, dict(cfg.optimizer_kwargs))
+            if cfg.local_steps == 1
+            else None
+        )
+        self.weights = np.empty(num_elements(self.params), dtype=np.float32)
+        self.history: list[dict[str, Any]] = []
+        self.overhead_s = 0.0
+        self.raw_bytes = 0.0
+        self.wire_bytes = 0.0
+        self._pending: dict[str, Any] | None = None  # last epoch, waiting for its metric
+        self._last_step_report = 0.0
+
+    def _round(self, index: int, train: bool, evaluate: bool) -> tuple[np.ndarray | None, Any]:
+        flatten(self.params, self.weights)
+        t = time.perf_counter()
+        try:
+            vec, stats = self.runner.run(self.weights, index, train=train, evaluate=evaluate)
+        except SparkTrainError:
+            raise
+        except Exception as exc:
+            raise WorkerError.from_spark(exc) from exc
+        self.overhead_s += max(0.0, time.perf_counter() - t - float(stats[COMPUTE_S]))
+        self.raw_bytes += float(stats[RAW_BYTES])
+        self.wire_bytes += float(stats[WIRE_BYTES])
+        if self.runner.rounds % VOLUME_POLL_ROUNDS == 0:
+            self.volume.poll()
+        if evaluate:
+            self._finish_epoch(float(stats[EVAL_TOTAL]), float(stats[EVAL_ROWS]))
+        return vec, stats
+
+    def _apply(self, vec: np.ndarray, samples: float) -> None:
+        if samples <= 0:
+            raise WorkerError("no partition contributed samples to a round; this is a bug")
+        vec /= samples
+        if self.optimizer is not None:  # the mean-loss gradient of the global mini-batch
+            assign_grads(self.params, vec)
+            self.optimizer.step()
+        else:  # FedAvg: add the sample-weighted mean delta
+            assign(self.params, self.weights + vec)
+
+    def train(self) -> float:
+        cfg = self.cfg
+        rpe = self.runner.spec.rounds_per_epoch
+        self.display(
+            {
+                "type": "start",
+                "epochs": cfg.epochs,
+                "steps_per_epoch": rpe,
+                "world_size": self.world_size,
+                "train_samples": self.world_train,
+            }
+        )
+        started = time.perf_counter()
+        index = 0
+        self.model.train()
+        for epoch in range(cfg.epochs):
+            epoch_started = time.perf_counter()
+            loss_sum = samples = 0.0
+            for r in range(rpe):
+                vec, stats = self._round(index, train=True, evaluate=epoch > 0 and r == 0)
+                index += 1
+                assert vec is not None
+                self._apply(vec, float(stats[SAMPLES]))
+                loss_sum += float(stats[LOSS_SUM])
+                samples += float(stats[SAMPLES])
+                self._report_step(epoch, r + 1, rpe, loss_sum, samples, epoch_started)
+            self._pending = {
+                "type": "epoch",
+                "epoch": epoch,
+                "loss": loss_sum / max(samples, 1.0),
+                "metric_name": self.metric,
+                "seconds": time.perf_counter() - epoch_started,
+            }
+        self._round(index, train=False, evaluate=True)  # the last epoch's metric
+        return time.perf_counter() - started
+
+    def _finish_epoch(self, total: float, rows: float) -> None:
+        assert self._pending is not None
+        record = {**self._pending, "metric": finish_metric(total, rows, self.cfg.loss)}
+        keys = ("type", "epoch", "loss", "metric_name", "metric", "seconds")
+        record = {k: record[k] for k in keys}
+        # seconds since fit() started, when this metric was known (time-to-accuracy)
+        record["elapsed_s"] = time.perf_counter() - self.started
+        self._pending = None
+        self.history.append(record)
+        self.display(record)
+
+    def _report_step(
+        self, epoch: int, step: int, rpe: int, loss_sum: float, samples: float, since: float
+    ) -> None:
+        now = time.monotonic()
+        if step != rpe and now - self._last_step_report < STEP_REPORT_INTERVAL_S:
+            return
+        self._last_step_report = now
+        elapsed = time.perf_counter() - since
+        self.display(
+            {
+                "type": "step",
+                "epoch": epoch,
+                "step": step,
+                "steps_per_epoch": rpe,
+                "loss": loss_sum / max(samples, 1.0),
+                "samples_per_s": samples / max(elapsed, 1e-9),
+            }
+        )
+
+
+__all__ = ["RoundRunner", "SparkVolume", "cache_blocks", "run_rounds"]

@@ -1,0 +1,380 @@
+"""Executor side of ``strategy="tree_aggregate"``: what one partition does in one round.
+
+Nothing here imports pyspark. A task sees a :class:`RoundSpec` (plain values plus two
+broadcast handles, or anything with a ``.value``), its cached :class:`Block` and the
+round number, and returns a *contribution* that ``RDD.treeAggregate`` sums:
+
+``(payload, stats)`` where ``payload`` is the encoded flat float32 vector
+
+* ``local_steps == 1``: ``n_p * g_p``, the partition's mean-loss gradient over its
+  ``n_p`` samples of the round times ``n_p`` (the ring's rule, see ``worker/buckets.py``):
+  summed and divided by ``N = sum(n_p)`` it is the gradient of the mean loss over the
+  round's global mini-batch;
+* ``local_steps == k > 1``: ``n_p * (w_p - w)``, the partition's model delta after ``k``
+  local optimizer steps times the samples it used; summed and divided by ``N`` it is the
+  sample-weighted mean delta (FedAvg),
+
+and ``stats`` a float64 vector ``[samples, loss sum, eval total, eval rows, raw bytes,
+encoded bytes, compute s]`` (all add up but the last, which is a max).
+
+The model is built once per Python worker process and job (a module-level cache keyed by
+the job id); every round only copies the broadcast weights into it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from sparktrain.config import TrainConfig
+from sparktrain.modeling import build_loss, build_optimizer, label_dtype
+from sparktrain.worker.data import PartitionData, epoch_batches
+from sparktrain.worker.evaluate import evaluate, target_like
+
+# Slots of a contribution's stats vector.
+SAMPLES, LOSS_SUM, EVAL_TOTAL, EVAL_ROWS, RAW_BYTES, WIRE_BYTES, COMPUTE_S = range(7)
+NUM_STATS = 7
+
+Contribution = tuple[Any, np.ndarray]  # (encoded payload or None, stats)
+
+
+# ---------------------------------------------------------------------- payload codec
+class PayloadCodec(Protocol):
+    """How a contribution's vector travels through treeAggregate (task results and
+    shuffle blocks). The compression issue plugs a compressor in here: ``encode`` runs
+    in the task after the partition's vector is computed, ``merge`` in every combOp."""
+
+    name: str
+
+    def encode(self, vec: np.ndarray) -> Any: ...
+
+    def decode(self, payload: Any) -> np.ndarray: ...
+
+    def merge(self, a: Any, b: Any) -> Any: ...
+
+    def nbytes(self, payload: Any) -> int: ...
+
+
+class IdentityCodec:
+    """``compression="none"``: the raw float32 vector; merge is an in-place sum."""
+
+    name = "none"
+
+    def encode(self, vec: np.ndarray) -> np.ndarray:
+        return vec
+
+    def decode(self, payload: Any) -> np.ndarray:
+        return np.asarray(payload)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        out = np.asarray(a)
+        out += np.asarray(b)  # Spark lets combOp reuse its first argument
+        return out
+
+    def nbytes(self, payload: Any) -> int:
+        return int(np.asarray(payload).nbytes)
+
+
+def make_codec(compression: str) -> PayloadCodec:
+    """The codec for a ``compression`` spec (only ``"none"`` exists so far)."""
+    if compression == "none":
+        return IdentityCodec()
+    raise ValueError(f"compression {compression!r} is not supported by tree_aggregate yet")
+
+
+# ---------------------------------------------------------------------- flat vectors
+def num_elements(params: Sequence[torch.Tensor]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def flatten(params: Sequence[torch.Tensor], out: np.ndarray | None = None) -> np.ndarray:
+    """Parameters (in order) as one contiguous float32 vector."""
+    if out is None:
+        out = np.empty(num_elements(params), dtype=np.float32)
+    flat = torch.from_numpy(out)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        flat[offset : offset + n].copy_(p.detach().reshape(-1))
+        offset += n
+    return out
+
+
+def assign(params: Sequence[torch.Tensor], vec: np.ndarray) -> None:
+    """Copy a flat vector (from :func:`flatten`) back into the parameters."""
+    if vec.size != num_elements(params):
+        raise ValueError(
+            f"flat vector has {vec.size} values, the parameters {num_elements(params)}"
+        )
+    flat = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+
+def flatten_grads(params: Sequence[torch.Tensor], out: np.ndarray | None = None) -> np.ndarray:
+    """Gradients as one float32 vector (zeros where a parameter has no gradient)."""
+    if out is None:
+        out = np.empty(num_elements(params), dtype=np.float32)
+    flat = torch.from_numpy(out)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            flat[offset : offset + n].zero_()
+        else:
+            flat[offset : offset + n].copy_(p.grad.reshape(-1))
+        offset += n
+    return out
+
+
+def assign_grads(params: Sequence[nn.Parameter], vec: np.ndarray) -> None:
+    """Set every parameter's ``.grad`` from a flat vector."""
+    flat = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
+    offset = 0
+    for p in params:
+        n = p.numel()
+        g = flat[offset : offset + n].view_as(p)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        offset += n
+
+
+# ---------------------------------------------------------------------- contributions
+def zero_stats() -> np.ndarray:
+    return np.zeros(NUM_STATS, dtype=np.float64)
+
+
+def merge(
+    a: Contribution | None, b: Contribution | None, codec: PayloadCodec
+) -> Contribution | None:
+    """treeAggregate's combOp: sum payloads and stats (compute time: max). ``None`` is the
+    zero value, so no zero vector is ever shipped with the closure."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    pa, sa = a
+    pb, sb = b
+    if pa is None:
+        payload = pb
+    elif pb is None:
+        payload = pa
+    else:
+        payload = codec.merge(pa, pb)
+    stats = sa + sb
+    stats[COMPUTE_S] = max(sa[COMPUTE_S], sb[COMPUTE_S])
+    return payload, stats
+
+
+@dataclass
+class Block:
+    """One partition's data, converted once and cached by Spark (``MEMORY_AND_DISK``)."""
+
+    index: int
+    train: PartitionData
+    val: PartitionData
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """The picklable view of a tree_aggregate job that every round's closure carries.
+
+    ``model`` holds the cloudpickled driver model (a broadcast, once per job);
+    ``task_hook(partition, round)`` is a test seam for fault injection, called at the start
+    of each partition's round.
+    """
+
+    job_id: str
+    config: TrainConfig
+    model: Any  # Broadcast[bytes] or bytes
+    rounds_per_epoch: int
+    evaluate_on_validation: bool
+    threads: int = 1
+    task_hook: Callable[[int, int], None] | None = field(default=None, compare=False)
+
+    @property
+    def codec(self) -> PayloadCodec:
+        return make_codec(self.config.compression)
+
+
+def _value(handle: Any) -> Any:
+    """A broadcast's value, or the object itself (unit tests pass plain values)."""
+    return (
+        handle.value if hasattr(handle, "value") and not isinstance(handle, np.ndarray) else handle
+    )
+
+
+class _WorkerState:
+    """A job's model and loss in one Python worker, plus the current epoch's batch order
+    per partition (cheap to rebuild, but not every round)."""
+
+    def __init__(self, spec: RoundSpec) -> None:
+        blob = _value(spec.model)
+        self.model: nn.Module = pickle.loads(blob) if isinstance(blob, bytes) else blob
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.loss_fn = build_loss(spec.config.loss, dict(spec.config.loss_kwargs))
+        self.orders: dict[int, tuple[int, list[np.ndarray]]] = {}
+        self.lock = threading.Lock()
+
+    def batches(self, spec: RoundSpec, block: Block, epoch: int) -> list[np.ndarray]:
+        cached = self.orders.get(block.index)
+        if cached is None or cached[0] != epoch:
+            cfg = spec.config
+            rng = np.random.default_rng([cfg.seed, block.index, epoch]) if cfg.shuffle else None
+            cached = (epoch, list(epoch_batches(block.train.size, cfg.batch_size, rng)))
+            self.orders[block.index] = cached
+        return cached[1]
+
+
+_STATES: dict[str, _WorkerState] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def worker_state(spec: RoundSpec) -> _WorkerState:
+    """This process's model for the job, built on first use; other jobs' models dropped."""
+    with _STATES_LOCK:
+        state = _STATES.get(spec.job_id)
+        if state is None:
+            _STATES.clear()
+            state = _STATES[spec.job_id] = _WorkerState(spec)
+        return state
+
+
+def partition_round(
+    spec: RoundSpec,
+    weights: np.ndarray,
+    block: Block,
+    round_index: int,
+    train: bool = True,
+    evaluate_first: bool = False,
+) -> Contribution:
+    """One partition's contribution to round ``round_index`` (global, from 0), starting
+    from ``weights``. With ``evaluate_first`` the metric sums of ``weights`` on the
+    partition's evaluation rows ride along (that is the previous epoch's metric)."""
+    if spec.task_hook is not None:
+        spec.task_hook(block.index, round_index)
+    torch.set_num_threads(max(1, spec.threads))
+    started = time.perf_counter()
+    cfg = spec.config
+    state = worker_state(spec)
+    stats = zero_stats()
+    with state.lock:  # tasks of one job may share a Python worker only one at a time
+        assign(state.params, weights)
+        if evaluate_first:
+            rows = block.val if spec.evaluate_on_validation else block.train
+            stats[EVAL_TOTAL], stats[EVAL_ROWS] = evaluate(state.model, rows, cfg.loss)
+        vec = None
+        if train:
+            epoch, r = divmod(round_index, spec.rounds_per_epoch)
+            batches = state.batches(spec, block, epoch)
+            mine = batches[r * cfg.local_steps : (r + 1) * cfg.local_steps]
+            if not mine:  # this partition's epoch is over: nothing to send
+                pass
+            elif cfg.local_steps == 1:
+                vec = _gradient_sum(state, cfg, block.train, mine, stats)
+            else:
+                vec = _delta_sum(state, cfg, block.train, mine, weights, stats)
+    payload = None
+    if vec is not None:
+        codec = spec.codec
+        payload = codec.encode(vec)
+        stats[RAW_BYTES] = vec.nbytes
+        stats[WIRE_BYTES] = codec.nbytes(payload)
+    stats[COMPUTE_S] = time.perf_counter() - started
+    return payload, stats
+
+
+def make_seq_op(
+    spec: RoundSpec, weights: Any, round_index: int, train: bool, evaluate_first: bool
+) -> Callable[[Contribution | None, Block], Contribution | None]:
+    """treeAggregate's seqOp for one round; closes over picklable values only (the spec,
+    the weights' broadcast handle and three plain values)."""
+    codec = spec.codec
+
+    def seq_op(acc: Contribution | None, block: Block) -> Contribution | None:
+        mine = partition_round(spec, _value(weights), block, round_index, train, evaluate_first)
+        return merge(acc, mine, codec)
+
+    return seq_op
+
+
+def make_comb_op(
+    codec: PayloadCodec,
+) -> Callable[[Contribution | None, Contribution | None], Contribution | None]:
+    """treeAggregate's combOp."""
+
+    def comb_op(a: Contribution | None, b: Contribution | None) -> Contribution | None:
+        return merge(a, b, codec)
+
+    return comb_op
+
+
+def _batch(state: _WorkerState, data: PartitionData, idx: np.ndarray, loss: Any) -> torch.Tensor:
+    x = torch.from_numpy(data.x[idx])
+    y = torch.from_numpy(data.y[idx]).to(label_dtype(loss))
+    out = state.model(x)
+    result: torch.Tensor = state.loss_fn(out, target_like(y, out))
+    return result
+
+
+def _gradient_sum(
+    state: _WorkerState,
+    cfg: TrainConfig,
+    data: PartitionData,
+    batches: list[np.ndarray],
+    stats: np.ndarray,
+) -> np.ndarray:
+    """``n * grad(mean loss over the n samples)``."""
+    for p in state.params:
+        p.grad = None
+    vec = np.zeros(num_elements(state.params), dtype=np.float32)
+    for idx in batches:  # at most one (local_steps == 1)
+        loss = _batch(state, data, idx, cfg.loss)
+        loss.backward()
+        n = len(idx)
+        flatten_grads(state.params, vec)
+        vec *= n
+        stats[SAMPLES] += n
+        stats[LOSS_SUM] += float(loss.detach()) * n
+    return vec
+
+
+def _delta_sum(
+    state: _WorkerState,
+    cfg: TrainConfig,
+    data: PartitionData,
+    batches: list[np.ndarray],
+    weights: np.ndarray,
+    stats: np.ndarray,
+) -> np.ndarray:
+    """``n * (w_after - w)`` after one local optimizer step per batch (fresh optimizer state
+    each round, so a retried task recomputes exactly the same delta)."""
+    optimizer = build_optimizer(cfg.optimizer, state.params, cfg.lr, dict(cfg.optimizer_kwargs))
+    n = 0
+    for idx in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = _batch(state, data, idx, cfg.loss)
+        loss.backward()
+        optimizer.step()
+        n += len(idx)
+        stats[LOSS_SUM] += float(loss.detach()) * len(idx)
+    stats[SAMPLES] += n
+    vec = flatten(state.params)
+    vec -= weights
+    vec *= n
+    return vec

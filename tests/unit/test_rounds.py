@@ -1,0 +1,290 @@
+"""tree_aggregate's pieces without Spark: flat vectors, the combOp's merge math, one
+partition's gradient / local-SGD delta against torch references, and the driver loop over
+an in-process stand-in for the cached RDD."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from sparktrain import TrainConfig
+from sparktrain.launch import rounds_worker as rw
+from sparktrain.launch.rounds import RoundRunner, _Loop
+from sparktrain.launch.rounds_worker import Block, RoundSpec
+from sparktrain.models import mlp
+from sparktrain.worker.data import PartitionData
+
+WIDTH, CLASSES = 6, 3
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return mlp(WIDTH, (5,), CLASSES)
+
+
+def _data(n: int, seed: int, val: bool = False) -> PartitionData:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, WIDTH)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.float64) + (x[:, 1] > 0.5)
+    return PartitionData(x, y, np.full(n, val))
+
+
+def _blocks(sizes: tuple[int, ...] = (37, 20)) -> list[Block]:
+    return [
+        Block(i, _data(n, seed=i), _data(10, seed=100 + i, val=True)) for i, n in enumerate(sizes)
+    ]
+
+
+def _spec(cfg: TrainConfig, model: torch.nn.Module, blocks: list[Block], job: str) -> RoundSpec:
+    rpe = max(1, -(-max(b.train.size for b in blocks) // (cfg.batch_size * cfg.local_steps)))
+    return RoundSpec(job, cfg, pickle.dumps(model), rpe, evaluate_on_validation=True)
+
+
+def _cfg(**kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(strategy="tree_aggregate", batch_size=8, lr=0.1, progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def _batch_indices(cfg: TrainConfig, block: Block, epoch: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([cfg.seed, block.index, epoch])
+    order = rng.permutation(block.train.size)
+    return [order[s : s + cfg.batch_size] for s in range(0, block.train.size, cfg.batch_size)]
+
+
+# ------------------------------------------------------------------ flat vectors
+def test_flatten_and_assign_round_trip() -> None:
+    model = _model()
+    params = list(model.parameters())
+    vec = rw.flatten(params)
+    assert vec.dtype == np.float32 and vec.size == sum(p.numel() for p in params)
+    expected = np.concatenate([p.detach().numpy().ravel() for p in params])
+    np.testing.assert_array_equal(vec, expected)
+    other = list(_model(seed=1).parameters())
+    rw.assign(other, vec)
+    for a, b in zip(params, other, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="flat vector has 3 values"):
+        rw.assign(other, np.zeros(3, np.float32))
+
+
+def test_grads_round_trip_and_missing_grads_are_zero() -> None:
+    params = list(_model().parameters())
+    params[0].grad = torch.ones_like(params[0])
+    vec = rw.flatten_grads(params)
+    n0 = params[0].numel()
+    assert (vec[:n0] == 1).all() and (vec[n0:] == 0).all()
+    vec[:] = np.arange(vec.size, dtype=np.float32)
+    rw.assign_grads(params, vec)
+    np.testing.assert_array_equal(rw.flatten_grads(params), vec)
+
+
+# ------------------------------------------------------------------ merge (combOp)
+def test_merge_sums_payloads_and_stats_in_any_tree_order() -> None:
+    rng = np.random.default_rng(0)
+    codec = rw.IdentityCodec()
+    parts: list[rw.Contribution] = []
+    for _ in range(7):
+        stats = rng.random(rw.NUM_STATS)
+        parts.append((rng.standard_normal(11).astype(np.float32), stats))
+    ref_vec = np.sum([p[0] for p in parts], axis=0, dtype=np.float64)
+    ref_stats = np.sum([p[1] for p in parts], axis=0)
+    ref_stats[rw.COMPUTE_S] = max(p[1][rw.COMPUTE_S] for p in parts)
+
+    def fresh() -> list[rw.Contribution]:  # merge reuses its first argument
+        return [(v.copy(), s.copy()) for v, s in parts]
+
+    left = functools.reduce(lambda a, b: rw.merge(a, b, codec), fresh(), None)
+    p = fresh()  # a depth-2 tree: ((0 1 2) (3 4) (5 6)), with a None zero in between
+    level = [
+        rw.merge(rw.merge(rw.merge(None, p[0], codec), p[1], codec), p[2], codec),
+        rw.merge(p[3], p[4], codec),
+        rw.merge(p[5], rw.merge(p[6], None, codec), codec),
+    ]
+    tree = rw.merge(rw.merge(level[0], level[1], codec), level[2], codec)
+    for got in (left, tree):
+        assert got is not None
+        np.testing.assert_allclose(got[0], ref_vec, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got[1], ref_stats, rtol=1e-12)
+    # an evaluation-only contribution has no payload
+    only_stats = rw.merge((None, np.ones(rw.NUM_STATS)), (None, np.ones(rw.NUM_STATS)), codec)
+    assert only_stats is not None and only_stats[0] is None and only_stats[1][0] == 2
+
+
+# ------------------------------------------------------------------ one partition's round
+def test_synchronous_round_is_the_gradient_of_the_global_mean_loss() -> None:
+    cfg = _cfg()
+    blocks = _blocks((37, 20))  # 20 rows: partition 1 runs out after 3 batches
+    model = _model()
+    spec = _spec(cfg, model, blocks, "sync")
+    weights = rw.flatten(list(model.parameters()))
+    codec = spec.codec
+    for round_index in (0, 3, 4 + 5):  # epoch 0 rounds 0 and 3 (p1 empty), epoch 1 round 4
+        parts = [rw.partition_round(spec, weights, b, round_index) for b in blocks]
+        total = functools.reduce(lambda a, b: rw.merge(a, b, codec), parts, None)
+        assert total is not None
+        vec, stats = codec.decode(total[0]), total[1]
+        # reference: one torch backward over the union of the round's batches
+        epoch, r = divmod(round_index, spec.rounds_per_epoch)
+        xs, ys = [], []
+        for b in blocks:
+            batches = _batch_indices(cfg, b, epoch)
+            if r < len(batches):
+                xs.append(b.train.x[batches[r]])
+                ys.append(b.train.y[batches[r]])
+        x, y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)).long()
+        ref_model = copy.deepcopy(model)
+        loss = torch.nn.functional.cross_entropy(ref_model(x), y)
+        loss.backward()
+        ref = rw.flatten_grads(list(ref_model.parameters()))
+        assert stats[rw.SAMPLES] == len(y)
+        np.testing.assert_allclose(vec / stats[rw.SAMPLES], ref, rtol=1e-5, atol=1e-6)
+        assert stats[rw.LOSS_SUM] / stats[rw.SAMPLES] == pytest.approx(loss.item(), rel=1e-5)
+        assert stats[rw.RAW_BYTES] == stats[rw.WIRE_BYTES] == 4 * vec.size * len(xs)
+
+
+def test_local_sgd_round_averages_deltas_weighted_by_samples() -> None:
+    cfg = _cfg(local_steps=3, optimizer_kwargs={"momentum": 0.9})
+    blocks = _blocks((37, 20))
+    model = _model()
+    spec = _spec(cfg, model, blocks, "local")
+    assert spec.rounds_per_epoch == 2  # ceil(37 / 24)
+    weights = rw.flatten(list(model.parameters()))
+    round_index = 1  # partition 0: batches 3..4 (8 + 5 rows); partition 1: none left
+    parts = [rw.partition_round(spec, weights, b, round_index) for b in blocks]
+    deltas, counts = [], []
+    for b in blocks:  # reference: k SGD steps on a copy, with fresh momentum
+        ref = copy.deepcopy(model)
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        n = 0
+        for idx in _batch_indices(cfg, b, 0)[3:6]:
+            opt.zero_grad()
+            out = ref(torch.from_numpy(b.train.x[idx]))
+            torch.nn.functional.cross_entropy(
+                out, torch.from_numpy(b.train.y[idx]).long()
+            ).backward()
+            opt.step()
+            n += len(idx)
+        deltas.append(rw.flatten(list(ref.parameters())) - weights)
+        counts.append(n)
+    assert counts == [13, 0]
+    assert parts[1][0] is None and parts[1][1][rw.SAMPLES] == 0  # ran out: sends nothing
+    payload, stats = parts[0]
+    assert stats[rw.SAMPLES] == 13
+    np.testing.assert_allclose(payload, deltas[0] * 13, rtol=1e-5, atol=1e-6)
+    total = functools.reduce(lambda a, b: rw.merge(a, b, spec.codec), parts, None)
+    assert total is not None
+    expected = sum(d * n for d, n in zip(deltas, counts, strict=True)) / sum(counts)
+    np.testing.assert_allclose(total[0] / total[1][rw.SAMPLES], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_recomputed_round_is_identical() -> None:
+    """What Spark's task retry relies on: same inputs, same contribution, whatever ran
+    in this Python worker before (the model cache is only a cache)."""
+    cfg = _cfg(local_steps=2, optimizer="adam", optimizer_kwargs={})
+    blocks = _blocks()
+    model = _model()
+    spec = _spec(cfg, model, blocks, "retry")
+    weights = rw.flatten(list(model.parameters()))
+    first = rw.partition_round(spec, weights, blocks[0], 1, evaluate_first=True)
+    rw.partition_round(spec, weights + 1, blocks[1], 0)  # disturb the cached model
+    rw._STATES.clear()
+    again = rw.partition_round(spec, weights, blocks[0], 1, evaluate_first=True)
+    np.testing.assert_array_equal(first[0], again[0])
+    np.testing.assert_array_equal(first[1][: rw.COMPUTE_S], again[1][: rw.COMPUTE_S])
+    assert first[1][rw.EVAL_ROWS] == 10
+
+
+def test_task_hook_runs_first() -> None:
+    seen: list[tuple[int, int]] = []
+    cfg = _cfg()
+    blocks = _blocks()
+    model = _model()
+    spec = _spec(cfg, model, blocks, "hook")
+    spec = RoundSpec(**{**spec.__dict__, "task_hook": lambda p, r: seen.append((p, r))})
+    rw.partition_round(spec, rw.flatten(list(model.parameters())), blocks[1], 2)
+    assert seen == [(1, 2)]
+
+
+# ------------------------------------------------------------------ the driver loop
+class _Handle:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.destroyed = False
+
+    def destroy(self, blocking: bool = False) -> None:
+        self.destroyed = True
+
+
+class _FakeContext:
+    def __init__(self) -> None:
+        self.handles: list[_Handle] = []
+
+    def broadcast(self, value: Any) -> _Handle:
+        self.handles.append(_Handle(value.copy()))
+        return self.handles[-1]
+
+
+class _FakeBlocks:
+    """treeAggregate over in-process blocks, through pickle like Spark's closures."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self.blocks = blocks
+
+    def treeAggregate(self, zero: Any, seq: Any, comb: Any, depth: int = 2) -> Any:
+        from pyspark.cloudpickle import dumps
+
+        seq, comb = pickle.loads(dumps((seq, comb)))  # closures must travel like Spark's
+        return functools.reduce(comb, [seq(zero, b) for b in self.blocks])
+
+
+class _NoVolume:
+    def poll(self, final: bool = False) -> None:
+        pass
+
+
+@pytest.mark.parametrize("local_steps", [1, 4])
+def test_driver_loop_learns_and_reports(local_steps: int) -> None:
+    cfg = _cfg(epochs=6, local_steps=local_steps, lr=0.2)
+    blocks = _blocks((90, 70))
+    model = _model()
+    spec = _spec(cfg, model, blocks, f"loop{local_steps}")
+    sc = _FakeContext()
+    runner = RoundRunner(sc, _FakeBlocks(blocks), spec)  # type: ignore[arg-type]
+    messages: list[dict[str, Any]] = []
+    loop = _Loop(model, cfg, runner, messages.append, _NoVolume(), 160, 2, True)  # type: ignore[arg-type]
+    loop.train()
+    rpe = spec.rounds_per_epoch
+    assert runner.rounds == cfg.epochs * rpe + 1 and len(sc.handles) == runner.rounds
+    assert all(h.destroyed for h in sc.handles)  # every round's broadcast is released
+    kinds = [m["type"] for m in messages]
+    assert kinds[0] == "start" and messages[0]["steps_per_epoch"] == rpe
+    assert kinds.count("epoch") == cfg.epochs and "step" in kinds
+    history = loop.history
+    assert [h["epoch"] for h in history] == list(range(cfg.epochs))
+    assert history[-1]["loss"] < history[0]["loss"]
+    # the last metric is the final model's accuracy on the validation rows
+    x = np.concatenate([b.val.x for b in blocks])
+    y = np.concatenate([b.val.y for b in blocks])
+    with torch.no_grad():
+        acc = float((model(torch.from_numpy(x)).argmax(1).numpy() == y).mean())
+    assert history[-1]["metric"] == pytest.approx(acc)
+    assert history[-1]["metric_name"] == "accuracy"
+
+
+def test_compressed_payloads_are_refused_on_the_driver_until_supported() -> None:
+    from sparktrain.errors import ConfigError
+    from sparktrain.launch.prepare import PreparedData
+    from sparktrain.launch.rounds import run_rounds
+
+    cfg = _cfg()
+    cfg.compression = "int8"  # bypasses validation on purpose: whatever config accepts
+    with pytest.raises(ConfigError, match="does not compress its treeAggregate payloads yet"):
+        run_rounds(PreparedData(None, None, WIDTH), _model(), cfg, num_outputs=3, started=0.0)
+    with pytest.raises(ValueError, match="not supported by tree_aggregate"):
+        rw.make_codec("int8")
