@@ -78,6 +78,10 @@ class TrainConfig:
         Where checkpoints go (a local path or any pyarrow.fs URI; empty = none), how
         often in epochs (fractions allowed, e.g. 0.5), how many to keep, whether to
         continue from the newest one, and how often a failed stage is resubmitted.
+    parallelism_pipeline, parallelism_data:
+        Keys ``parallelism.pipeline`` (P) and ``parallelism.data`` (D): split the model
+        into P pipeline stages, each replicated D times (world size P x D; D = 0 means
+        num_workers / P). P = 1 is plain data parallelism.
     aggregation_depth, local_steps:
         ``tree_aggregate``: depth of ``RDD.treeAggregate``, and local SGD steps per round
         (1 = synchronous mini-batch gradient; k > 1 averages model deltas, FedAvg-style).
@@ -111,6 +115,8 @@ class TrainConfig:
     staleness: int = 2
     ps_shards: int = 2
     staleness_lr: bool = False
+    parallelism_pipeline: int = 1
+    parallelism_data: int = 0
     aggregation_depth: int = 2
     local_steps: int = 1
 
@@ -140,6 +146,8 @@ class TrainConfig:
         _one_of("ps_mode", self.ps_mode, PS_MODES)
         _at_least("staleness", self.staleness, 0)
         _at_least("ps_shards", self.ps_shards, 1)
+        _at_least("parallelism.pipeline", self.parallelism_pipeline, 1)
+        _at_least("parallelism.data", self.parallelism_data, 0)
         _at_least("aggregation_depth", self.aggregation_depth, 1)
         _at_least("local_steps", self.local_steps, 1)
         _positive("lr", self.lr)
@@ -156,22 +164,25 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def keys(cls) -> list[str]:
-        """Every accepted key, in declaration order."""
-        return [f.name for f in fields(cls)]
+    def allowed_keys(cls) -> list[str]:
+        """Every accepted key, in declaration order; fields of a table are dotted
+        (``parallelism.pipeline`` is the field ``parallelism_pipeline``)."""
+        return [_dotted(f.name) for f in fields(cls)]
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
         """Build from a flat mapping (dotted keys for tables); unknown keys are errors."""
         flat = flatten(values)
-        known = set(cls.keys())
-        for key in flat:
-            if key not in known:
-                raise ConfigError(
-                    f"unknown config key {key!r}; allowed keys: {', '.join(cls.keys())}"
-                )
+        names = {f.name for f in fields(cls)}
         hints = get_type_hints(cls)
-        coerced = {k: _coerce(k, v, hints[k]) for k, v in flat.items()}
+        coerced = {}
+        for key, value in flat.items():
+            name = key.replace(".", "_") if _dotted(key.replace(".", "_")) == key else key
+            if name not in names:
+                raise ConfigError(
+                    f"unknown config key {key!r}; allowed keys: {', '.join(cls.allowed_keys())}"
+                )
+            coerced[name] = _coerce(key, value, hints[name])
         return cls(**coerced)
 
     @classmethod
@@ -288,6 +299,17 @@ def _check_compression(spec: Any, strategy: str) -> None:
             "already holds (parameter-server pulls); ring/tree exchange fresh gradients, "
             "so drop 'delta+' (e.g. use 'int8+ef')"
         )
+
+
+# Fields that live in a TOML table: the table name, then the key.
+_TABLES = ("parallelism",)
+
+
+def _dotted(name: str) -> str:
+    for table in _TABLES:
+        if name.startswith(f"{table}_"):
+            return f"{table}.{name.removeprefix(table + '_')}"
+    return name
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -117,6 +117,10 @@ class Trainer:
             check_can_launch(sc, cfg.num_workers)
         prepared = prepare(data, validation_data, features_col, label_col, cfg.num_workers)
         model, num_outputs = self._check_model(prepared.feature_width)
+        if cfg.parallelism_pipeline > 1:
+            from sparktrain.parallel.pipeline import run_pipeline
+
+            return run_pipeline(self, sc, prepared, model, num_outputs=num_outputs, started=started)
         if cfg.strategy == "tree_aggregate":
             from sparktrain.launch.rounds import run_rounds
 

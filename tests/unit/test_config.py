@@ -74,3 +74,15 @@ def test_missing_or_broken_toml(tmp_path):
     bad.write_text("epochs = = 3")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_toml(bad)
+
+
+def test_table_keys_are_dotted():
+    cfg = TrainConfig.from_dict(
+        apply_overrides({"parallelism": {"data": 1}}, ["parallelism.pipeline=2"])
+    )
+    assert (cfg.parallelism_pipeline, cfg.parallelism_data) == (2, 1)
+    assert "parallelism.pipeline" in TrainConfig.allowed_keys()
+    with pytest.raises(ConfigError, match="parallelism.pipeline=0 must be an integer >= 1"):
+        TrainConfig.from_dict({"parallelism.pipeline": 0})
+    with pytest.raises(ConfigError, match="unknown config key 'parallelism.tensor'"):
+        TrainConfig.from_dict({"parallelism.tensor": 2})
