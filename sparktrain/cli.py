@@ -5,6 +5,7 @@
     sparktrain bench ps --world 2 --epochs 10 --json PATH
     sparktrain bench compression --json PATH
     sparktrain bench mllib --json PATH
+    sparktrain bench pipeline --stages 2 4 --micro-batches 8 --json PATH
 
 A training config is a TrainConfig (top-level keys) plus a ``[job]`` table that says what
 to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`` and
@@ -89,12 +90,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from sparktrain.bench.compression import main as bench_compression
 
         return bench_compression(args)
+    if args.what == "pipeline":
+        from sparktrain.bench.pipeline import main as bench_pipeline
+
+        return bench_pipeline(args)
     if args.what == "mllib":
         from sparktrain.bench.mllib import main as bench_mllib
 
         return bench_mllib(args)
     raise SparkTrainError(
-        f"unknown benchmark {args.what!r}; available: allreduce, ps, compression, mllib"
+        f"unknown benchmark {args.what!r}; available: allreduce, ps, compression, mllib, pipeline"
     )
 
 
@@ -128,12 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     from sparktrain.bench.compression import add_arguments as add_compression_arguments
 
     add_compression_arguments(
-        bench_sub.add_parser("compression", help="compressor speed (GB/s) and ratio")
+        bench_sub.add_parser(
+            "compression", help="compressor speed (GB/s), ratio; --quality: accuracy vs bytes"
+        )
     )
     from sparktrain.bench.mllib import add_arguments as add_mllib_arguments
 
     add_mllib_arguments(
         bench_sub.add_parser("mllib", help="tree_aggregate vs MLlib's MLP (L-BFGS) on digits")
+    )
+    from sparktrain.bench.pipeline import add_arguments as add_pipeline_arguments
+
+    add_pipeline_arguments(
+        bench_sub.add_parser("pipeline", help="GPipe vs 1F1B: step time, activation memory")
     )
     bench.set_defaults(func=cmd_bench)
     return parser

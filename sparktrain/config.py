@@ -81,7 +81,13 @@ class TrainConfig:
     parallelism_pipeline, parallelism_data:
         Keys ``parallelism.pipeline`` (P) and ``parallelism.data`` (D): split the model
         into P pipeline stages, each replicated D times (world size P x D; D = 0 means
-        num_workers / P). P = 1 is plain data parallelism.
+        num_workers / P). P = 1 is plain data parallelism. Also ``parallelism.micro_batches``
+        per replica step, ``parallelism.schedule`` (``gpipe`` | ``1f1b``),
+        ``parallelism.activation_dtype`` on the wire, ``parallelism.balance`` (stages by
+        measured ``time`` or ``params``).
+    max_param_mb:
+        Per-worker parameter-memory cap in MiB (0 = none): data parallelism refuses a
+        larger model; with a pipeline every stage must fit.
     aggregation_depth, local_steps:
         ``tree_aggregate``: depth of ``RDD.treeAggregate``, and local SGD steps per round
         (1 = synchronous mini-batch gradient; k > 1 averages model deltas, FedAvg-style).
@@ -117,6 +123,11 @@ class TrainConfig:
     staleness_lr: bool = False
     parallelism_pipeline: int = 1
     parallelism_data: int = 0
+    parallelism_micro_batches: int = 4
+    parallelism_schedule: str = "1f1b"
+    parallelism_activation_dtype: str = "float32"
+    parallelism_balance: str = "time"
+    max_param_mb: float = 0.0
     aggregation_depth: int = 2
     local_steps: int = 1
 
@@ -127,7 +138,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first key whose value is not allowed."""
         _one_of("strategy", self.strategy, STRATEGIES)
-        _check_compression(self.compression, self.strategy)
+        _check_compression(self.compression, self.strategy, self.optimizer_kwargs)
         if isinstance(self.loss, str):
             _one_of("loss", self.loss, LOSSES)
         elif not callable(self.loss):
@@ -148,6 +159,16 @@ class TrainConfig:
         _at_least("ps_shards", self.ps_shards, 1)
         _at_least("parallelism.pipeline", self.parallelism_pipeline, 1)
         _at_least("parallelism.data", self.parallelism_data, 0)
+        _at_least("parallelism.micro_batches", self.parallelism_micro_batches, 1)
+        _one_of("parallelism.schedule", self.parallelism_schedule, ("gpipe", "1f1b"))
+        _one_of(
+            "parallelism.activation_dtype",
+            self.parallelism_activation_dtype,
+            ("float32", "float16", "bfloat16"),
+        )
+        _one_of("parallelism.balance", self.parallelism_balance, ("time", "params"))
+        if not isinstance(self.max_param_mb, int | float) or self.max_param_mb < 0:
+            raise ConfigError(f"max_param_mb={self.max_param_mb!r} must be >= 0 (0 = no cap)")
         _at_least("aggregation_depth", self.aggregation_depth, 1)
         _at_least("local_steps", self.local_steps, 1)
         _positive("lr", self.lr)
@@ -287,17 +308,33 @@ def _allowed_types(hint: Any) -> tuple[type, ...]:
     return (hint,) if isinstance(hint, type) else ()
 
 
-def _check_compression(spec: Any, strategy: str) -> None:
+def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -> None:
     if not isinstance(spec, str):
         raise ConfigError(f"compression must be a spec string such as 'topk:0.01+ef', got {spec!r}")
-    from sparktrain.compress.base import parse_spec, validate_spec
+    from sparktrain.compress.base import build, split_spec
 
-    validate_spec(spec)
-    if strategy in ("ring", "tree") and any(s.name == "delta" for s in parse_spec(spec)):
+    comp = build(spec)
+    parts = split_spec(spec)
+    if strategy in ("ring", "tree", "tree_aggregate") and parts.delta:
         raise ConfigError(
             f"compression={spec!r}: delta encodes repeated sends of a value the receiver "
-            "already holds (parameter-server pulls); ring/tree exchange fresh gradients, "
+            f"already holds (parameter-server pulls); {strategy} exchanges fresh gradients, "
             "so drop 'delta+' (e.g. use 'int8+ef')"
+        )
+    if strategy == "ps":
+        from sparktrain.ps.protocol import make_compression
+
+        make_compression(spec)  # e.g. refuses delta+powersgd
+    optimizer_momentum = (
+        float(optimizer_kwargs.get("momentum", 0.0) or 0.0)
+        if isinstance(optimizer_kwargs, dict)
+        else 0.0
+    )
+    if getattr(comp, "momentum", 0.0) and optimizer_momentum > 0.0:
+        raise ConfigError(
+            f"compression={spec!r} applies momentum before compressing (DGC momentum "
+            "correction), so the optimizer must not apply it again: set "
+            "optimizer_kwargs.momentum=0 (or drop momentum= from the spec)"
         )
 
 

@@ -207,6 +207,15 @@ class ProgressDisplay:
         elif self.enabled:
             log.info(line)
 
+    def history_before(self, step: int) -> tuple[dict[str, Any], ...]:
+        """Epoch records of the epochs completed by global ``step`` (the latest report of
+        each epoch, whatever attempt sent it)."""
+        if self._steps_per_epoch <= 0:
+            return ()
+        done = step // self._steps_per_epoch
+        latest = {int(m["epoch"]): m for m in self.epochs}
+        return tuple(latest[e] for e in range(done) if e in latest)
+
     def _advance(self, done: int) -> None:
         self._bar.update(max(0, done - self._bar.n))
 

@@ -61,6 +61,8 @@ def import_callable(path: str, what: str = "callable") -> Callable[..., Any]:
 def build_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
     """Call the factory and check that it returned a module with parameters."""
     model = model_fn()
+    if isinstance(model, list | tuple) and model and all(isinstance(m, nn.Module) for m in model):
+        model = nn.Sequential(*model)  # a list of pipeline stages
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model_fn returned {type(model).__name__}, expected a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):

@@ -28,3 +28,18 @@ def mlp(
 def digits_mlp() -> nn.Sequential:
     """The main job's model: 64 inputs (8x8 digits), 128 hidden, 10 classes."""
     return mlp(64, (128,), 10)
+
+
+def digits_cnn() -> nn.Sequential:
+    """A small CNN on digits as 1x8x8 images: two 3x3 convolutions (16, 32 channels), a
+    2x2 max-pool and a linear layer; 9,930 parameters."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 10),
+    )

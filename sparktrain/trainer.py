@@ -117,6 +117,9 @@ class Trainer:
             check_can_launch(sc, cfg.num_workers)
         prepared = prepare(data, validation_data, features_col, label_col, cfg.num_workers)
         model, num_outputs = self._check_model(prepared.feature_width)
+        from sparktrain.parallel.pipeline import check_param_cap
+
+        check_param_cap(model, cfg)  # no-op for pipelines (each stage is checked instead)
         if cfg.parallelism_pipeline > 1:
             from sparktrain.parallel.pipeline import run_pipeline
 
@@ -160,11 +163,14 @@ class Trainer:
         log.info("job %s: %s on %d workers", base.job_id, cfg.strategy, cfg.num_workers)
         launched = time.perf_counter()
         restarts = steps_redone = 0
+        history: tuple[dict[str, Any], ...] = ()
         try:
             for attempt in itertools.count():
                 if ps is not None:
                     ps.begin_attempt(attempt)  # keeps the server's model; rejects older attempts
-                spec = dataclasses.replace(base, attempt=attempt, resume_step=resume_step)
+                spec = dataclasses.replace(
+                    base, attempt=attempt, resume_step=resume_step, resume_history=history
+                )
                 try:
                     records = self._attempt(prepared, spec, host, display)
                     break
@@ -172,7 +178,11 @@ class Trainer:
                     if attempt >= cfg.max_restarts:
                         raise
                     reached = display.last_global_step
-                    resume_step = _resume_step(store, True)
+                    if ps is not None:
+                        resume_step = _ps_resume_step(ps)
+                        history = display.history_before(resume_step or 0)
+                    else:
+                        resume_step = _resume_step(store, True)
                     steps_redone += max(0, reached - (resume_step or 0))
                     restarts += 1
                     log.warning(
@@ -180,10 +190,7 @@ class Trainer:
                         exc,
                         restarts,
                         cfg.max_restarts,
-                        f"from the checkpoint of step {resume_step}"
-                        if resume_step is not None
-                        else "from scratch: no checkpoint to resume from"
-                        + ("" if store else " (set checkpoint_dir to keep progress)"),
+                        _resume_source(resume_step, ps is not None, store is not None),
                     )
                     check_can_launch(sc, cfg.num_workers)  # a lost executor may leave too few
         finally:
@@ -277,6 +284,29 @@ def _resume_step(store: CheckpointStore | None, resume: bool) -> int | None:
     if step is None:
         log.info("no checkpoint in %s yet: starting from scratch", store.uri)
     return step
+
+
+def _resume_source(step: int | None, parameter_server: bool, checkpoints: bool) -> str:
+    """Where a resubmitted stage continues from, for the log."""
+    if parameter_server:
+        if step is None:
+            return "from the parameter server's model, epochs restarting (async/ssp)"
+        return f"from the parameter server's model at step {step}"
+    if step is not None:
+        return f"from the checkpoint of step {step}"
+    hint = "" if checkpoints else " (set checkpoint_dir to keep progress)"
+    return "from scratch: no checkpoint to resume from" + hint
+
+
+def _ps_resume_step(ps: Any) -> int | None:
+    """Where workers continue after a failed stage when the parameter server holds the
+    model: in sync mode every shard's version counts applied steps (the smallest one, if
+    a failure fell between shards). In async/ssp versions count single pushes, so the
+    resubmitted stage starts its epochs over, from the server's current model."""
+    stats = ps.stats()
+    if stats["mode"] != "sync":
+        return None
+    return min(int(s["version"]) for s in stats["per_shard"])
 
 
 def _assemble(

@@ -18,11 +18,13 @@ Spec grammar
     sign                      -                                    1 bit/value + one scale
     powersgd    rank          rank=R (1), warm (on) / cold         summable factors
     delta                     -                                    prefix: delta+<base>
-    ef                        reset=N (0 = never)                  suffix: <base>+ef
+    ef                        reset=N (0 = never), momentum=M      suffix: <base>+ef
 
 Examples: ``none``, ``fp16``, ``int8:chunk=256,stochastic+ef``, ``topk:0.01+ef``,
 ``topk:0.01,sampled+ef:reset=500``, ``randomk:0.05+ef``, ``sign+ef``,
-``powersgd:2+ef``, ``delta+int8``. Whitespace is ignored; names are case-insensitive.
+``powersgd:2+ef``, ``delta+int8``, ``topk:0.01+ef:momentum=0.9`` (DGC momentum
+correction, see :mod:`sparktrain.compress.feedback`). Whitespace is ignored; names
+are case-insensitive.
 :func:`parse_spec` raises :class:`~sparktrain.errors.ConfigError` naming the allowed
 forms; :func:`build` turns a spec into a :class:`Compressor`.
 
@@ -94,6 +96,9 @@ class BucketState:
     seed: int = 0
     step: int = 0
     slots: dict[str, Any] = field(default_factory=dict)
+    # Private randomness (stochastic rounding) must differ between ranks and must never
+    # touch torch's global generator, which model initialisation and dropout rely on.
+    stream: int = 0
 
 
 @runtime_checkable
@@ -317,7 +322,8 @@ _REGISTRY: dict[str, Factory] = {}
 _WRAPPERS = ("delta", "ef")
 FORMS = (
     "none, fp16, bf16, int8[:chunk=N,stochastic], topk:R[,sampled][,sample=S], randomk:R, "
-    "sign, powersgd:R[,cold], optionally prefixed by delta+ and/or suffixed by +ef[:reset=N] "
+    "sign, powersgd:R[,cold], optionally prefixed by delta+ and/or suffixed by "
+    "+ef[:reset=N][,momentum=M] "
     "(e.g. topk:0.01+ef, int8+ef, powersgd:2+ef, delta+int8)"
 )
 
@@ -395,7 +401,7 @@ def build(spec: str) -> Compressor | None:
 
     for s in stages:
         if s.name == "ef":
-            check_options(s, 0, ("reset",), ())
+            check_options(s, 0, ("reset", "momentum"), ())
         elif s.name == "delta":
             check_options(s, 0, (), ())
     core = [s for s in stages if s.name not in _WRAPPERS]
@@ -403,8 +409,40 @@ def build(spec: str) -> Compressor | None:
     if stages[0].name == "delta":
         comp = Delta(comp)
     if stages[-1].name == "ef":
-        comp = ErrorFeedback(comp, reset=int_option(stages[-1], "reset", 0, low=0))
+        ef = stages[-1]
+        momentum = float_option(ef, "momentum", 0.0, -1e-12, 1.0) if ef.option("momentum") else 0.0
+        if momentum >= 1.0:
+            raise _fail(ef, f"momentum={momentum:g} must be in [0, 1)")
+        comp = ErrorFeedback(comp, reset=int_option(ef, "reset", 0, low=0), momentum=momentum)
     return comp
+
+
+@dataclass(frozen=True)
+class SpecParts:
+    """A spec cut into its three roles (see :func:`split_spec`)."""
+
+    delta: bool
+    """``delta+`` in front: repeated sends (parameter-server pulls) are delta-compressed."""
+    base: str
+    """The core compressor without wrappers (``"none"`` if there is none)."""
+    gradient: str
+    """The spec for fresh gradients: the core plus ``+ef...`` (no ``delta+``)."""
+
+
+def split_spec(spec: str) -> SpecParts:
+    """Cut a valid spec into ``delta+`` / core / ``+ef`` (ConfigError if invalid)."""
+    parse_spec(spec)
+    text = "".join(spec.split())
+    if text.lower() == "none":
+        return SpecParts(False, "none", "none")
+    items = text.split("+")
+    delta = items[0].partition(":")[0].lower() == "delta"
+    if delta:
+        items = items[1:]
+    ef = bool(items) and items[-1].partition(":")[0].lower() == "ef"
+    core = items[:-1] if ef else items
+    base = core[0] if core else "none"
+    return SpecParts(delta, base, "+".join(items) if core else "none")
 
 
 def validate_spec(spec: str) -> None:

@@ -17,7 +17,10 @@ Bitwise agreement: every rank ends with identical bits, because each rank applie
 same decoded bytes with the same ops in the same order (all-gather), or holds the bytes
 the ring/tree made identical before decoding them (summable).
 
-The weighting rule: the sample count never goes through a compressor. On the all-gather
+The weighting rule: the sample count never goes through a compressor. Buckets carry
+``n_r g_r``; bucket 0's count is remembered for the step's other buckets and put in each
+bucket's state (``ef.scale``) so that error feedback keeps its residual per sample (see
+:mod:`sparktrain.compress.feedback`: otherwise a short last batch diverges). On the all-gather
 path it rides in each message header (float64) and the counts are summed exactly; on
 the summable path a one-element float64 SUM follows bucket 0.
 
@@ -43,6 +46,7 @@ from sparktrain.compress.base import (
     encode_message,
     message_nbytes,
 )
+from sparktrain.compress.feedback import SCALE
 from sparktrain.errors import CommError, ConfigError
 
 
@@ -80,6 +84,7 @@ class CompressedAllreduce:
         self.seed = seed
         self.states: dict[int, BucketState] = {}
         self.path = path_for(comp)
+        self._count = 1.0
 
     def _raw_bytes(self, length: int, itemsize: int) -> int:
         n, r = self.mesh.world_size, self.mesh.rank
@@ -90,7 +95,12 @@ class CompressedAllreduce:
     def state(self, index: int, shapes: Sequence[tuple[int, ...]] = ()) -> BucketState:
         st = self.states.get(index)
         if st is None:
-            st = BucketState(key=index, shapes=tuple(tuple(s) for s in shapes), seed=self.seed)
+            st = BucketState(
+                key=index,
+                shapes=tuple(tuple(s) for s in shapes),
+                seed=self.seed,
+                stream=self.mesh.rank,
+            )
             self.states[index] = st
         return st
 
@@ -110,6 +120,9 @@ class CompressedAllreduce:
         uncompressed bucket would have sent (with its count slot), for the byte figures.
         """
         state = self.state(index, shapes)
+        if count is not None:  # bucket 0 opens a step: this rank's n_r for every bucket
+            self._count = float(count)
+        state.slots[SCALE] = self._count  # error feedback keeps its residual per sample
         length = grads.numel() if raw_length is None else raw_length
         self.mesh.stats.add_sent(0, self._raw_bytes(length, grads.element_size()))
         try:

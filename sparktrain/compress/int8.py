@@ -5,8 +5,8 @@ Payload: ``int8[numel]`` codes and ``float32[ceil(numel / chunk)]`` scales
 for the default ``chunk=1024``. Decoding is ``code * scale``.
 
 Error bound per element: ``|x - x'| <= scale / 2`` with round-to-nearest, and
-``< scale`` with ``stochastic`` rounding (unbiased: ``E[x'] = x``; draws from torch's
-global generator unless the state gives a seed).
+``< scale`` with ``stochastic`` rounding (unbiased: ``E[x'] = x``; draws from a private
+generator per bucket seeded by (seed, bucket, stream) — never from torch's global one).
 
 Path: not summable (each rank's scales differ). Payloads are all-gathered and every rank
 decodes and sums them in rank order (``(n - 1)`` payloads per rank). A
@@ -38,6 +38,8 @@ from sparktrain.compress.base import (
     int_option,
 )
 
+GEN_SLOT = "int8.generator"
+
 
 class Int8(BaseCompressor):
     summable = False
@@ -65,7 +67,15 @@ class Int8(BaseCompressor):
         inv = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
         y = rows * inv.unsqueeze(1)  # |y| <= 127 (up to one ulp), so no clamp is needed
         if self.stochastic:
-            y.add_(torch.rand(y.shape, dtype=y.dtype)).floor_().clamp_(-127, 127)
+            gen = state.slots.get(GEN_SLOT)
+            if gen is None:
+                gen = torch.Generator().manual_seed(
+                    (state.seed * 1_000_003 + state.key * 7919 + state.stream * 104_729 + 31)
+                    & ((1 << 63) - 1)
+                )
+                state.slots[GEN_SLOT] = gen
+            noise = torch.rand(y.shape, dtype=y.dtype, generator=gen)
+            y.add_(noise).floor_().clamp_(-127, 127)
         else:
             y.round_()
         codes = y.to(torch.int8).reshape(-1)[:n]

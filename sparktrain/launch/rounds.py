@@ -37,6 +37,13 @@ local optimizer starts fresh each round), so the round's result does not change.
 
 Spark's own view of the traffic (shuffle write/read and task result bytes per stage) is
 read from the driver's ``AppStatusStore`` through Py4J; it works with the UI disabled.
+
+Compression (``config.compression``; ``delta+`` refused before any job): each partition
+encodes its contribution (``rounds_worker.CompressedCodec``), combOp merges payloads and
+the driver decodes the sum. ``bytes_sent`` counts the partitions' uncompressed vectors,
+``wire_bytes`` their encoded payloads (what leaves each partition; merged payloads of a
+deeper tree are in Spark's shuffle figures), and ``spark_result_bytes`` /
+``spark_shuffle_bytes`` are Spark's own count of what it shipped.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ from sparktrain.launch.rounds_worker import (
     assign,
     assign_grads,
     flatten,
+    make_codec,
     make_comb_op,
     make_seq_op,
     num_elements,
@@ -293,11 +301,10 @@ def run_rounds(
     """Train ``model`` (built and seeded on the driver) with one Spark job per round."""
     from pyspark.cloudpickle import dumps
 
-    if cfg.compression != "none":  # the seam: rounds_worker.make_codec / PayloadCodec
-        raise ConfigError(
-            f"compression={cfg.compression!r}: strategy='tree_aggregate' does not compress its "
-            "treeAggregate payloads yet; use compression='none' with it"
-        )
+    try:  # fail on the driver, before any Spark job, for a spec the rounds cannot use
+        make_codec(cfg.compression)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     sc = _spark_context(prepared)
     job_id = uuid.uuid4().hex[:12]
     group = f"sparktrain-{job_id}"

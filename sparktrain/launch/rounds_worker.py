@@ -19,10 +19,25 @@ encoded bytes, compute s]`` (all add up but the last, which is a max).
 
 The model is built once per Python worker process and job (a module-level cache keyed by
 the job id); every round only copies the broadcast weights into it.
+
+Compression (``config.compression``, :class:`CompressedCodec`): the partition encodes its
+vector into one :func:`~sparktrain.compress.base.encode_message` buffer (what Spark ships
+as the task result or shuffle block); combOp merges two payloads — part by part, still
+compressed, when the compressor's single-round payloads are summable (fp16, bf16,
+randomk with the round's shared seed), else by decoding into a dense float32 vector (a
+merged int8/top-k/sign/PowerSGD payload is no longer a payload of that compressor); the
+driver decodes the result. ``seed`` and the round number are the same on every partition.
+
+Error feedback in tree_aggregate: the residual of partition ``p`` after round ``r`` is
+kept in the Python worker that ran it, by ``(p, r)``; round ``r`` starts from the state
+of ``(p, r - 1)``, never from its own, so a retried task computes the same contribution.
+Spark does not pin partitions to Python workers: when ``(p, r - 1)`` ran elsewhere the
+partition starts from a zero residual (the carried error is dropped, not double-counted).
 """
 
 from __future__ import annotations
 
+import copy
 import pickle
 import threading
 import time
@@ -34,6 +49,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.compress.base import (
+    BucketState,
+    Compressor,
+    add_bf16,
+    build,
+    decode_message,
+    encode_message,
+    split_spec,
+)
+from sparktrain.compress.feedback import SCALE
 from sparktrain.config import TrainConfig
 from sparktrain.modeling import build_loss, build_optimizer, label_dtype
 from sparktrain.worker.data import PartitionData, epoch_batches
@@ -53,8 +78,9 @@ class PayloadCodec(Protocol):
     in the task after the partition's vector is computed, ``merge`` in every combOp."""
 
     name: str
+    compressed: bool
 
-    def encode(self, vec: np.ndarray) -> Any: ...
+    def encode(self, vec: np.ndarray, state: BucketState | None = None) -> Any: ...
 
     def decode(self, payload: Any) -> np.ndarray: ...
 
@@ -67,8 +93,9 @@ class IdentityCodec:
     """``compression="none"``: the raw float32 vector; merge is an in-place sum."""
 
     name = "none"
+    compressed = False
 
-    def encode(self, vec: np.ndarray) -> np.ndarray:
+    def encode(self, vec: np.ndarray, state: BucketState | None = None) -> np.ndarray:
         return vec
 
     def decode(self, payload: Any) -> np.ndarray:
@@ -83,11 +110,88 @@ class IdentityCodec:
         return int(np.asarray(payload).nbytes)
 
 
+def _parts_summable(comp: Compressor) -> bool:
+    """Do two single-round payloads with equal ctx sum part by part (fp16, bf16, randomk)?"""
+    from sparktrain.compress.cast import BFloat16, Half, Identity
+    from sparktrain.compress.feedback import ErrorFeedback
+    from sparktrain.compress.topk import RandomK
+
+    while isinstance(comp, ErrorFeedback):
+        comp = comp.inner
+    return isinstance(comp, Half | BFloat16 | RandomK | Identity)
+
+
+class CompressedCodec:
+    """A compressor on the treeAggregate path. A payload is either a compressed message
+    (1-D uint8, straight from a partition or merged part by part) or, once two
+    non-summable payloads were merged, a dense float32 vector."""
+
+    compressed = True
+
+    def __init__(self, comp: Compressor) -> None:
+        self.comp = comp
+        self.name = comp.spec
+        self.summable = _parts_summable(comp)
+
+    def encode(self, vec: np.ndarray, state: BucketState | None = None) -> np.ndarray:
+        state = state if state is not None else BucketState()
+        payload, ctx = self.comp.compress(torch.from_numpy(vec), state)
+        return encode_message(payload, ctx, 0.0)
+
+    @staticmethod
+    def _is_message(payload: Any) -> bool:
+        return isinstance(payload, np.ndarray) and payload.dtype == np.uint8
+
+    def decode(self, payload: Any) -> np.ndarray:
+        if not self._is_message(payload):
+            return np.asarray(payload, dtype=np.float32)
+        parts, ctx, _ = decode_message(payload)
+        return self.comp.decompress(parts, ctx).numpy()
+
+    def merge(self, a: Any, b: Any) -> Any:
+        if self._is_message(a) and self._is_message(b) and self.summable:
+            merged = self._merge_parts(a, b)
+            if merged is not None:
+                return merged
+        dense = self.decode(a)  # decoded: a fresh array; dense: reused, as Spark allows
+        if not dense.flags.writeable:
+            dense = dense.copy()
+        if self._is_message(b):
+            parts, ctx, _ = decode_message(b, dense.size)
+            self.comp.add_into(torch.from_numpy(dense), parts, ctx)
+        else:
+            dense += np.asarray(b, dtype=np.float32)
+        return dense
+
+    def _merge_parts(self, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+        """``a + b`` still compressed, or None when their ctx differ (then: dense)."""
+        out = np.array(a, copy=True)  # a may be read-only or shared
+        pa, ca, _ = decode_message(out)
+        pb, cb, _ = decode_message(b)
+        if ca != cb or [(p.dtype, p.size) for p in pa] != [(p.dtype, p.size) for p in pb]:
+            return None
+        for x, y in zip(pa, pb, strict=True):
+            if x.dtype == np.int16:  # bfloat16 bits
+                add_bf16(x, y, x)
+            else:
+                np.add(x, y, out=x)
+        return out
+
+    def nbytes(self, payload: Any) -> int:
+        return int(np.asarray(payload).nbytes)
+
+
 def make_codec(compression: str) -> PayloadCodec:
-    """The codec for a ``compression`` spec (only ``"none"`` exists so far)."""
-    if compression == "none":
-        return IdentityCodec()
-    raise ValueError(f"compression {compression!r} is not supported by tree_aggregate yet")
+    """The codec for a ``compression`` spec (``delta+`` is refused: contributions are fresh
+    every round)."""
+    parts = split_spec(compression)
+    if parts.delta:
+        raise ValueError(
+            f"compression {compression!r}: tree_aggregate sends fresh contributions every "
+            "round, drop 'delta+'"
+        )
+    comp = build(compression)
+    return IdentityCodec() if comp is None else CompressedCodec(comp)
 
 
 # ---------------------------------------------------------------------- flat vectors
@@ -230,6 +334,25 @@ class _WorkerState:
         self.loss_fn = build_loss(spec.config.loss, dict(spec.config.loss_kwargs))
         self.orders: dict[int, tuple[int, list[np.ndarray]]] = {}
         self.lock = threading.Lock()
+        self.codec = make_codec(spec.config.compression)
+        self.comp_states: dict[int, dict[int, BucketState]] = {}
+
+    def bucket_state(self, spec: RoundSpec, partition: int, round_index: int) -> BucketState:
+        """The compressor state for ``(partition, round)``: a copy of the state left by
+        ``(partition, round - 1)`` in this process (or a fresh one), so a retry of a round
+        starts from the same state as its first attempt."""
+        states = self.comp_states.setdefault(partition, {})
+        prev = states.get(round_index - 1)
+        if prev is not None:
+            state = copy.deepcopy(prev)
+        else:
+            shapes = tuple(tuple(p.shape) for p in self.params)
+            state = BucketState(key=0, shapes=shapes, seed=spec.config.seed)
+        state.step = round_index  # equal on every partition: shared random choices
+        states[round_index] = state
+        for r in [r for r in states if r < round_index - 1 or r > round_index]:
+            del states[r]
+        return state
 
     def batches(self, spec: RoundSpec, block: Block, epoch: int) -> list[np.ndarray]:
         cached = self.orders.get(block.index)
@@ -291,8 +414,14 @@ def partition_round(
                 vec = _delta_sum(state, cfg, block.train, mine, weights, stats)
     payload = None
     if vec is not None:
-        codec = spec.codec
-        payload = codec.encode(vec)
+        codec = state.codec
+        if codec.compressed:
+            with state.lock:
+                bstate = state.bucket_state(spec, block.index, round_index)
+                bstate.slots[SCALE] = float(stats[SAMPLES])  # vec is n_p times the mean
+                payload = codec.encode(vec, bstate)
+        else:
+            payload = codec.encode(vec)
         stats[RAW_BYTES] = vec.nbytes
         stats[WIRE_BYTES] = codec.nbytes(payload)
     stats[COMPUTE_S] = time.perf_counter() - started

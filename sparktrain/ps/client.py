@@ -8,6 +8,13 @@ server's parameters whatever its own initialisation.
 
 Connections count their bytes into the mesh's :class:`~sparktrain.comm.wire.CommStats`,
 so the run summary's byte totals include the PS traffic.
+
+With ``config.compression`` (see :mod:`sparktrain.ps.protocol`) each shard client keeps
+its own push codec (compressor state, error-feedback residual included, for its slice;
+PowerSGD sees the parameter shapes that fall in the slice) and, for ``delta+`` specs, a
+pull codec that adds the shard's compressed deltas to the worker's copy. A compressed
+push adds the uncompressed slice's bytes to ``raw_bytes_sent`` itself, so the summary's
+ratio compares against what the plain push would have sent.
 """
 
 from __future__ import annotations
@@ -15,10 +22,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import logging
+import math
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,8 +72,12 @@ class ShardClient:
         job_id: str,
         attempt: int,
         rank: int,
+        codec: P.Codec | None = None,
+        pull_codec: P.CompressorCodec | None = None,
     ) -> None:
         self.conn = conn
+        self.codec: P.Codec = codec if codec is not None else P.IdentityCodec()
+        self.pull_codec = pull_codec
         self.index = index
         self.lo, self.hi = lo, hi
         self.job_tag = P.job_tag(job_id)
@@ -111,7 +123,12 @@ class ShardClient:
         self.conn.send_bytes(header, P.KIND_PUSH)
         if has:
             assert grad is not None
-            self.conn.send_array(grad, KIND_DATA)
+            if self.codec.compressed:
+                blob = self.codec.encode(grad)
+                self.conn.send_array(blob, P.KIND_CPAYLOAD)
+                self.conn.stats.add_sent(0, grad.nbytes)  # what the plain push sends
+            else:
+                self.conn.send_array(grad, KIND_DATA)
         _, reply = self.conn.recv_bytes(P.KIND_ACK, max_bytes=P.MAX_HEADER_BYTES)
         status, lost, _version = P.ACK.unpack(reply)
         if status not in (P.OK, P.DUPLICATE):
@@ -138,6 +155,18 @@ class ShardClient:
         if encoding == P.DELTA:
             self.conn.recv_into(self._delta, KIND_DATA)
             out += self._delta  # the same float ops as the server's mirror
+            self.payload_pulls += 1
+        elif encoding == P.CDELTA:
+            if self.pull_codec is None:
+                raise CommError(
+                    f"parameter-server shard {self.index} sent a compressed delta to a worker "
+                    "that expects exact ones: the driver and the workers disagree on compression"
+                )
+            _, blob = self.conn.recv_bytes(
+                P.KIND_CPAYLOAD, max_bytes=P.max_message_bytes(self.hi - self.lo)
+            )
+            # the same op on the same decoded bytes as the shard's mirror: bit-identical
+            self.pull_codec.add_into(np.frombuffer(blob, dtype=np.uint8), out)
             self.payload_pulls += 1
         elif encoding == P.FULL:
             self.conn.recv_into(out, KIND_DATA)
@@ -170,8 +199,15 @@ def connect_shards(
     stats: CommStats,
     num_elements: int,
     dtype: np.dtype[Any],
+    compression: P.Compression | None = None,
+    param_shapes: Sequence[tuple[int, ...]] = (),
+    seed: int = 0,
 ) -> list[ShardClient]:
-    """Dial every shard in parallel and authenticate; all or nothing."""
+    """Dial every shard in parallel and authenticate; all or nothing.
+
+    ``compression`` (default: none) gives each client its own push codec (and pull codec
+    for ``delta+`` specs); ``param_shapes`` lay out the flat vector for PowerSGD.
+    """
     ranges = shard_ranges(num_elements, len(addresses))
     clients: list[ShardClient | None] = [None] * len(addresses)
     errors: list[BaseException] = []
@@ -193,8 +229,21 @@ def connect_shards(
             return
         conn.set_timeout(timeout + REPLY_GRACE_S)
         lo, hi = ranges[i]
+        codec = pull = None
+        if compression is not None:
+            codec = compression.push_codec(i, shard_shapes(param_shapes, lo, hi), seed)
+            pull = compression.pull_codec(i, seed)
         clients[i] = ShardClient(
-            conn, index=i, lo=lo, hi=hi, dtype=dtype, job_id=job_id, attempt=attempt, rank=rank
+            conn,
+            index=i,
+            lo=lo,
+            hi=hi,
+            dtype=dtype,
+            job_id=job_id,
+            attempt=attempt,
+            rank=rank,
+            codec=codec,
+            pull_codec=pull,
         )
 
     threads = [threading.Thread(target=dial, args=(i,), daemon=True) for i in range(len(addresses))]
@@ -212,6 +261,35 @@ def connect_shards(
     return made
 
 
+def shard_shapes(
+    param_shapes: Sequence[tuple[int, ...]], lo: int, hi: int
+) -> tuple[tuple[int, ...], ...]:
+    """The layout of ``[lo, hi)`` of the flat vector (for PowerSGD): the shapes of the
+    parameters that lie wholly inside; for a matrix cut by a shard boundary, the whole
+    rows inside as a ``(rows, cols)`` matrix and the partial rows as 1-D pieces (empty if
+    the shapes are unknown)."""
+    if not param_shapes:
+        return ()
+    out: list[tuple[int, ...]] = []
+    offset = 0
+    for shape in param_shapes:
+        size = math.prod(shape)
+        a, b = max(offset, lo) - offset, min(offset + size, hi) - offset
+        if a < b:
+            if (a, b) == (0, size):
+                out.append(tuple(shape))
+            elif len(shape) < 2 or shape[0] == 0:
+                out.append((b - a,))
+            else:
+                cols = size // shape[0]
+                head = min(-a % cols, b - a)
+                rows = (b - a - head) // cols
+                tail = b - a - head - rows * cols
+                out += [(head,)] * bool(head) + [(rows, cols)] * bool(rows) + [(tail,)] * bool(tail)
+        offset += size
+    return tuple(out)
+
+
 class ParameterServerSync:
     """``StepSync`` for ``strategy="ps"``: push gradients, pull parameters, every step."""
 
@@ -222,7 +300,7 @@ class ParameterServerSync:
                 "strategy='ps' but the job carries no parameter-server addresses; "
                 "start the job through Trainer.fit"
             )
-        P.make_codec(cfg.compression)  # fails clearly for a compressor PS cannot use yet
+        compression = P.make_compression(cfg.compression)
         self.rank = ctx.rank
         self.params = trainable(model)
         dtype = np.dtype(NUMPY_DTYPES[flat_dtype(self.params)])
@@ -244,6 +322,9 @@ class ParameterServerSync:
             stats=mesh.stats,
             num_elements=n,
             dtype=dtype,
+            compression=compression,
+            param_shapes=[tuple(p.shape) for p in self.params],
+            seed=cfg.seed,
         )
         k = len(self.clients)
         self._pool = (

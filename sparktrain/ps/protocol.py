@@ -29,19 +29,47 @@ rank holds. A pull whose version equals the shard's costs one header (``UNCHANGE
 otherwise the shard sends ``delta = params - mirror`` and adds the same delta to the
 mirror, so both ends do the same float operations and stay bit-identical (the worker
 is at most one rounding away from the server's parameters, never drifting). Without a
-compressor a delta is as large as the values: the point is the seam — deltas (and
-gradients) are what the compression issue quantises or sparsifies, in :class:`Codec`.
+compressor a delta is as large as the values.
+
+Compression (``config.compression``, see :func:`make_compression`):
+
+* **pushes** go through the gradient part of the spec (``int8+ef``, ``topk:0.01+ef``...;
+  the error-feedback residual lives in the worker, one per shard). The payload is one
+  :func:`~sparktrain.compress.base.encode_message` buffer in a ``KIND_CPAYLOAD`` frame;
+  the shard decodes it and accumulates ``count * D(payload)`` exactly as before.
+* **pulls** are compressed only with a ``delta+`` prefix (``delta+int8``,
+  ``delta+topk:0.01+ef``): the shard sends ``C(params - mirror)`` (encoding
+  ``CDELTA``), decodes its own message and adds it to the mirror with
+  ``Compressor.add_into``; the worker adds the same decoded bytes to its copy with the
+  same op, so mirror and copy stay bit-identical. What compression leaves out stays in
+  ``params - mirror`` and goes out with the next pull: the mirror *is* the error
+  feedback (no ``+ef`` needed, none applied). Without ``delta+`` pulls stay exact fp32
+  deltas: compressing the parameters themselves (not their change) would lose
+  precision for good, and sparsifying them would zero most weights.
+* ``delta+powersgd`` is refused for pulls: its decode is a matrix product whose bits
+  may depend on the thread count, which would break the bit-identical mirror.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from sparktrain.comm.wire import KIND_USER_MIN
+from sparktrain.compress.base import (
+    BucketState,
+    Compressor,
+    build,
+    decode_message,
+    encode_message,
+    split_spec,
+)
 from sparktrain.errors import ConfigError
 
 KIND_PUSH = KIND_USER_MIN
@@ -50,6 +78,9 @@ KIND_PULL = KIND_USER_MIN + 2
 KIND_REPLY = KIND_USER_MIN + 3
 KIND_BYE = KIND_USER_MIN + 4
 KIND_TEXT = KIND_USER_MIN + 5
+KIND_CPAYLOAD = KIND_USER_MIN + 6
+"""A compressed push or pull message: counted as wire bytes only (the sender adds the
+uncompressed equivalent to ``raw_bytes_sent`` itself)."""
 
 PUSH = struct.Struct("<QqqqqqB")  # job tag, attempt, rank, step, count, version, has payload
 ACK = struct.Struct("<Biq")  # status, lost rank, version
@@ -91,6 +122,8 @@ DELTA = 1
 """The payload is ``params - mirror``; the worker adds it to its copy."""
 FULL = 2
 """The payload is the values (first pull, or a worker that lost track)."""
+CDELTA = 3
+"""The payload is a compressed ``params - mirror`` message (``delta+`` specs)."""
 
 NO_RANK = -2  # "lost rank" field when no rank is to blame
 
@@ -100,14 +133,23 @@ def job_tag(job_id: str) -> int:
     return int.from_bytes(hashlib.sha256(job_id.encode("utf-8")).digest()[:8], "little")
 
 
-class Codec(Protocol):
-    """How a gradient or a pull delta becomes a payload and back.
+def max_message_bytes(elements: int) -> int:
+    """Longest compressed message accepted for ``elements`` values (never more than raw
+    fp32 values plus int32 indices, plus the header and ctx numbers)."""
+    return 8 * elements + (1 << 16)
 
-    The compression issue plugs its compressors in here (with error feedback kept per
-    rank and shard); today only :class:`IdentityCodec` exists.
+
+class Codec(Protocol):
+    """How a gradient (push) becomes a payload and back.
+
+    One per worker and shard: a compressing codec keeps its
+    :class:`~sparktrain.compress.base.BucketState` (error-feedback residual, PowerSGD's
+    Q, the step count) inside. The shard's side only calls ``decode_into``, which is
+    stateless.
     """
 
     name: str
+    compressed: bool
 
     def encode(self, values: np.ndarray) -> np.ndarray:
         """The payload to send for ``values`` (may be ``values`` itself)."""
@@ -120,6 +162,7 @@ class IdentityCodec:
     """No compression: the payload is the array."""
 
     name = "none"
+    compressed = False
 
     def encode(self, values: np.ndarray) -> np.ndarray:
         return values
@@ -129,8 +172,74 @@ class IdentityCodec:
             out[...] = payload
 
 
+class CompressorCodec:
+    """A compressor plus the sender's state for one shard: ``encode`` returns one uint8
+    message (:func:`~sparktrain.compress.base.encode_message`)."""
+
+    compressed = True
+
+    def __init__(self, comp: Compressor, state: BucketState | None = None) -> None:
+        self.comp = comp
+        self.name = comp.spec
+        self.state = state if state is not None else BucketState()
+
+    def encode(self, values: np.ndarray) -> np.ndarray:
+        payload, ctx = self.comp.compress(torch.from_numpy(values), self.state)
+        self.state.step += 1
+        return encode_message(payload, ctx, 0.0)
+
+    def decode_into(self, payload: np.ndarray, out: np.ndarray) -> None:
+        parts, ctx, _ = decode_message(payload, out.size)
+        out[...] = self.comp.decompress(parts, ctx).numpy()
+
+    def add_into(self, payload: np.ndarray, out: np.ndarray) -> None:
+        """``out += D(payload)`` in place (the pull side of ``delta+``: the same op on
+        the shard's mirror and on the worker's copy)."""
+        parts, ctx, _ = decode_message(payload, out.size)
+        self.comp.add_into(torch.from_numpy(out), parts, ctx)
+
+
+@dataclass(frozen=True)
+class Compression:
+    """What ``config.compression`` means for the parameter server: the push compressor
+    (gradients, with its ``+ef``) and the pull compressor (``delta+X``: X, no ef)."""
+
+    spec: str
+    push: Compressor | None
+    pull: Compressor | None
+
+    def push_codec(
+        self, key: int = 0, shapes: Sequence[tuple[int, ...]] = (), seed: int = 0
+    ) -> Codec:
+        """A fresh push codec (own state) for one shard of one worker."""
+        if self.push is None:
+            return IdentityCodec()
+        state = BucketState(key=key, shapes=tuple(tuple(s) for s in shapes), seed=seed)
+        return CompressorCodec(self.push, state)
+
+    def pull_codec(self, key: int = 0, seed: int = 0) -> CompressorCodec | None:
+        """A fresh pull codec (own state: shards use one per rank) or None (exact)."""
+        if self.pull is None:
+            return None
+        return CompressorCodec(self.pull, BucketState(key=key, seed=seed))
+
+
+def make_compression(spec: str) -> Compression:
+    """``config.compression`` split into push and pull compressors (ConfigError if the
+    spec is invalid or cannot be used by the parameter server)."""
+    parts = split_spec(spec)
+    push = build(parts.gradient)
+    pull = build(parts.base) if parts.delta else None
+    if pull is not None and parts.base.partition(":")[0].lower() == "powersgd":
+        raise ConfigError(
+            f"compression={spec!r}: delta+powersgd cannot compress parameter-server pulls "
+            "(its decode is a matrix product whose bits depend on the thread count, so the "
+            "shard's mirror and the worker's copy would drift); use delta+int8, delta+fp16 "
+            "or delta+topk:R, or plain powersgd:R+ef for the pushes only"
+        )
+    return Compression(spec, push, pull)
+
+
 def make_codec(spec: str) -> Codec:
-    """The codec for ``config.compression``."""
-    if spec == "none":
-        return IdentityCodec()
-    raise ConfigError(f"compression={spec!r} is not supported by strategy='ps' yet")
+    """A push codec for ``config.compression`` (one shard, fresh state)."""
+    return make_compression(spec).push_codec()

@@ -27,6 +27,14 @@ Modes (``ps_mode``):
 With ``staleness_lr`` a push of staleness ``k`` is applied with the learning rate
 scaled by ``1/(1 + k)`` (the step is scaled, whatever the optimizer).
 
+Compression (``config.compression``, :mod:`sparktrain.ps.protocol`): compressed pushes
+are decoded into the receive buffer and then treated exactly as plain ones; with a
+``delta+`` spec every rank's pull deltas are compressed (one pull codec per rank, the
+compression done outside the shard's lock) and the rank's mirror advanced by the
+decoded message. Bytes are counted per direction: *push* is everything the workers send
+a shard (wire) against the uncompressed gradient slices their pushes stand for (raw);
+*pull* is everything a shard sends back against the uncompressed values/deltas.
+
 Failures: a rank whose connection drops without a clean goodbye, or that keeps others
 waiting longer than ``comm_timeout``, is *lost*. The first loss is recorded for the
 whole server and every waiting or later request is answered with a ``LOST`` status
@@ -50,6 +58,7 @@ from torch import nn
 
 from sparktrain.comm.wire import (
     DRIVER_RANK,
+    HEADER_BYTES,
     KIND_DATA,
     AcceptTimeout,
     CommStats,
@@ -59,7 +68,7 @@ from sparktrain.comm.wire import (
     open_listener,
 )
 from sparktrain.config import TrainConfig
-from sparktrain.errors import CommError, ConfigError, HandshakeError
+from sparktrain.errors import CommError, ConfigError, FrameError, HandshakeError
 from sparktrain.modeling import build_optimizer
 from sparktrain.ps import protocol as P
 from sparktrain.ps.layout import (
@@ -92,6 +101,7 @@ class _RankState:
     mirror: np.ndarray | None = None  # exact copy of the rank's parameters for this shard
     mirror_version: int = -1
     send_buf: np.ndarray | None = None  # delta being sent (only its handler touches it)
+    pull_codec: P.CompressorCodec | None = None  # delta+ specs: this rank's pull compressor
     wait_s: float = 0.0
     connected: bool = False
 
@@ -112,6 +122,10 @@ class _Counters:
     updates: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
     max_ssp_gap: int = 0
+    push_raw_bytes: int = 0  # uncompressed size of the gradient slices received
+    push_payload_bytes: int = 0  # their frames on the wire (headers included)
+    pull_raw_bytes: int = 0  # uncompressed size of the values/deltas sent
+    pull_payload_bytes: int = 0
 
 
 class Shard:
@@ -133,6 +147,7 @@ class Shard:
         self._pushed: set[int] = set()
         self.param.grad = torch.from_numpy(self._acc)  # the optimizer reads the mean here
         self._grad = self.param.grad
+        self.push_codec = server.compression.push_codec()  # decode_into is stateless
         self.version = 0  # sync: steps applied; async/ssp: updates applied
         self.base_version = 0  # the version at the start of the current stage attempt
         self.cond = threading.Condition()
@@ -255,15 +270,33 @@ class Shard:
     def _push(self, conn: Connection, header: bytes, grad: np.ndarray) -> None:
         srv = self.server
         tag, attempt, rank, step, count, version, has_payload = P.PUSH.unpack(header)
-        if has_payload:
-            conn.recv_into(grad)  # always read it: the stream must stay in step
+        decode_error = ""
+        wire = 0
+        if has_payload:  # always read it: the stream must stay in step
+            if self.push_codec.compressed:
+                _, blob = conn.recv_bytes(
+                    P.KIND_CPAYLOAD, max_bytes=P.max_message_bytes(self.elements)
+                )
+                wire = HEADER_BYTES + len(blob)
+                try:
+                    self.push_codec.decode_into(np.frombuffer(blob, dtype=np.uint8), grad)
+                except FrameError as exc:
+                    decode_error = f"rank {rank}'s compressed push of step {step}: {exc}"
+            else:
+                conn.recv_into(grad)
+                wire = HEADER_BYTES + grad.nbytes
         status, reason = self._check(attempt, rank, conn)
+        if status == P.OK and decode_error:
+            status, reason = P.PROTOCOL, decode_error
         if status == P.OK and tag != srv.job_tag:
             status, reason = P.WRONG_JOB, "the push names another job"
         if status == P.OK and (count < 0 or (count > 0) != bool(has_payload)):
             status, reason = P.PROTOCOL, f"a push with count {count} and payload {has_payload}"
         lost = P.NO_RANK
         with self.cond:
+            if has_payload:
+                self.counters.push_raw_bytes += grad.nbytes
+                self.counters.push_payload_bytes += wire
             failure = srv.failure
             if status == P.OK and failure is not None:
                 status, lost, reason = P.LOST, failure[0], failure[1]
@@ -402,9 +435,21 @@ class Shard:
         if timed_out is not None:
             srv.lose(*timed_out)  # outside our lock: lose() wakes every shard
             status, lost, reason = P.LOST, *timed_out
+        if encoding == P.CDELTA:  # compress outside the lock; only this handler uses them
+            assert payload is not None and state.pull_codec is not None
+            assert state.mirror is not None
+            payload = state.pull_codec.encode(payload)
+            state.pull_codec.add_into(payload, state.mirror)  # what the worker will do
         conn.send_bytes(P.REPLY.pack(status, lost, version, encoding, self.elements), P.KIND_REPLY)
         if payload is not None:
-            conn.send_array(payload, KIND_DATA)
+            if encoding == P.CDELTA:
+                conn.send_array(payload, P.KIND_CPAYLOAD)
+                self.stats.add_sent(0, self.values.nbytes)  # the plain delta's bytes
+            else:
+                conn.send_array(payload, KIND_DATA)
+            with self.cond:
+                self.counters.pull_raw_bytes += self.values.nbytes
+                self.counters.pull_payload_bytes += HEADER_BYTES + payload.nbytes
         if status != P.OK:
             conn.send_bytes(reason.encode()[: P.MAX_TEXT_BYTES], P.KIND_TEXT)
 
@@ -416,6 +461,7 @@ class Shard:
             state.mirror_version = self.version
             state.send_buf = np.empty_like(self.values)
             np.copyto(state.send_buf, state.mirror)
+            state.pull_codec = self.server.compression.pull_codec(self.index, self.server.cfg.seed)
             self.counters.full_pulls += 1
             return P.FULL, self.version, state.send_buf
         if have == self.version:
@@ -423,8 +469,10 @@ class Shard:
             return P.UNCHANGED, self.version, None
         assert state.send_buf is not None
         np.subtract(self.values, state.mirror, out=state.send_buf)
-        state.mirror += state.send_buf  # the same float ops the worker does
         state.mirror_version = self.version
+        if state.pull_codec is not None:  # compressed and added to the mirror by _pull
+            return P.CDELTA, self.version, state.send_buf
+        state.mirror += state.send_buf  # the same float ops the worker does
         return P.DELTA, self.version, state.send_buf
 
     def _bye(self, conn: Connection, header: bytes) -> None:
@@ -500,6 +548,10 @@ class Shard:
                 "bytes_in": comm["wire_bytes_recv"],
                 "bytes_out": comm["wire_bytes_sent"],
                 "raw_bytes_out": comm["raw_bytes_sent"],
+                "push_raw_bytes": c.push_raw_bytes,
+                "push_payload_bytes": c.push_payload_bytes,
+                "pull_raw_bytes": c.pull_raw_bytes,
+                "pull_payload_bytes": c.pull_payload_bytes,
                 "staleness_hist": dict(sorted(c.staleness.items())),
                 "max_ssp_gap": c.max_ssp_gap,
                 "wait_s": {r: s.wait_s for r, s in self.ranks.items()},
@@ -526,8 +578,7 @@ class ParameterServer:
         attempt: int,
         world_size: int | None = None,
     ) -> None:
-        if cfg.compression != "none":
-            P.make_codec(cfg.compression)  # raises the "not supported yet" ConfigError
+        self.compression = P.make_compression(cfg.compression)
         self.cfg = cfg
         self.mode = cfg.ps_mode
         self.staleness = cfg.staleness
@@ -658,6 +709,9 @@ class ParameterServer:
             "bytes_in": sum(s["bytes_in"] for s in shards),
             "bytes_out": sum(s["bytes_out"] for s in shards),
             "raw_bytes_out": sum(s["raw_bytes_out"] for s in shards),
+            "compression": self.cfg.compression,
+            "push": _direction(shards, "push", "bytes_in"),
+            "pull": _direction(shards, "pull", "bytes_out"),
             "staleness_hist": {
                 str(k) if k < STALENESS_BINS else f"{k}+": v for k, v in sorted(hist.items())
             },
@@ -701,6 +755,23 @@ class ParameterServer:
         summary["wire_bytes"] = summary.get("wire_bytes", 0) + stats["bytes_out"]
         if summary["wire_bytes"]:
             summary["compression_ratio"] = summary["bytes_sent"] / summary["wire_bytes"]
+
+
+def _direction(shards: list[dict[str, Any]], name: str, wire_key: str) -> dict[str, Any]:
+    """One direction's byte figures: ``raw_bytes`` (the uncompressed payloads),
+    ``wire_bytes`` (every byte that direction's connections carried: payload frames,
+    headers, requests, handshakes), ``payload_bytes`` (the payload frames alone) and
+    ``ratio = raw / wire`` (below 1 without compression: headers cost something)."""
+    raw = sum(s[f"{name}_raw_bytes"] for s in shards)
+    wire = sum(s[wire_key] for s in shards)
+    payload = sum(s[f"{name}_payload_bytes"] for s in shards)
+    return {
+        "raw_bytes": raw,
+        "wire_bytes": wire,
+        "payload_bytes": payload,
+        "ratio": raw / wire if wire else 1.0,
+        "payload_ratio": raw / payload if payload else 1.0,
+    }
 
 
 def start_parameter_server(

@@ -34,6 +34,7 @@ class JobSpec:
     state_chunk_bytes: int = 4 << 20
     ps_addresses: tuple[str, ...] = ()  # one "host:port" per parameter-server shard
     resume_step: int | None = None  # continue from the checkpoint of this step
+    resume_history: tuple[dict[str, Any], ...] = ()  # epochs done before resume_step (PS)
     fault: FaultPlan | None = None  # test-only failure injection
 
 

@@ -168,7 +168,10 @@ def _train(
         store = CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
     history: list[dict[str, Any]] = []
     global_step = 0
-    if store is not None and spec.resume_step is not None:
+    if store is None and spec.resume_step is not None and sync.optimizer is None:
+        # the parameter server kept the model through the failure: continue at its step
+        global_step, history = spec.resume_step, list(spec.resume_history)
+    elif store is not None and spec.resume_step is not None:
         ckpt = store.load(spec.resume_step)
         if ckpt is None:
             raise CheckpointError(

@@ -73,3 +73,42 @@ def test_no_restarts_left_surfaces_the_task_error(spark, tmp_path):
         Trainer(
             DIGITS_MODEL, fast_config(epochs=2, max_restarts=0), spark=spark, fault_plan=plan
         ).fit(train)
+
+
+def test_ps_sync_resumes_at_the_servers_step_and_applies_no_step_twice(
+    spark, tmp_path, fault_free, caplog
+):
+    caplog.set_level(logging.INFO, logger="sparktrain")
+    train, test = digits_frames(spark)
+    cfg = fast_config(epochs=EPOCHS, strategy="ps", ps_mode="sync")
+    plan = FaultPlan(rank=1, step=FAULT_STEP, marker=str(tmp_path / "fault"))
+    s = (
+        Trainer(DIGITS_MODEL, cfg, spark=spark, fault_plan=plan)
+        .fit(train, validation_data=test)
+        .summary
+    )
+    assert s["restarts"] == 1 and (tmp_path / "fault").exists()
+    versions = [shard["version"] for shard in s["ps"]["per_shard"]]
+    total_steps = EPOCHS * s["steps_per_epoch"]
+    # every step applied once (a failure between two shards' replies may leave one extra)
+    assert min(versions) == total_steps and max(versions) <= total_steps + 1
+    assert s["ps"]["duplicates"] == 0
+    assert f"from the parameter server's model at step {FAULT_STEP}" in caplog.text
+    assert [h["epoch"] for h in s["history"]] == list(range(EPOCHS))
+    assert abs(s["metric_value"] - fault_free["metric_value"]) <= 0.01
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit"])
+def test_tree_aggregate_task_failures_are_retried_by_spark(spark_retry, tmp_path, kind):
+    train, test = digits_frames(spark_retry)
+    cfg = fast_config(epochs=4, strategy="tree_aggregate", local_steps=8)
+    clean = Trainer(DIGITS_MODEL, cfg, spark=spark_retry).fit(train, validation_data=test).summary
+    plan = FaultPlan(rank=1, step=5, marker=str(tmp_path / "fault"), kind=kind)
+    s = (
+        Trainer(DIGITS_MODEL, cfg, spark=spark_retry, fault_plan=plan)
+        .fit(train, validation_data=test)
+        .summary
+    )
+    assert (tmp_path / "fault").exists() and s["spark_failed_tasks"] >= 1
+    assert s["metric_value"] == pytest.approx(clean["metric_value"], abs=1e-9)
+    assert s["final_loss"] == pytest.approx(clean["final_loss"], rel=1e-6)

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from sparktrain.cli import split_job_keys
@@ -56,7 +58,7 @@ def test_int_is_accepted_for_float_keys():
 
 
 def test_shipped_configs_load(tmp_path):
-    for name in ("conf/digits_mlp.toml", "conf/synthetic_throughput.toml"):
+    for name in sorted(str(p) for p in Path("conf").glob("*.toml")):
         job, rest = split_job_keys(load_toml(name))
         TrainConfig.from_dict(rest)
         assert ":" in job["model"]

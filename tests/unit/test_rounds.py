@@ -277,14 +277,14 @@ def test_driver_loop_learns_and_reports(local_steps: int) -> None:
     assert history[-1]["metric_name"] == "accuracy"
 
 
-def test_compressed_payloads_are_refused_on_the_driver_until_supported() -> None:
+def test_delta_compression_is_refused_on_the_driver() -> None:
     from sparktrain.errors import ConfigError
     from sparktrain.launch.prepare import PreparedData
     from sparktrain.launch.rounds import run_rounds
 
     cfg = _cfg()
-    cfg.compression = "int8"  # bypasses validation on purpose: whatever config accepts
-    with pytest.raises(ConfigError, match="does not compress its treeAggregate payloads yet"):
+    cfg.compression = "delta+int8"  # bypasses validation on purpose
+    with pytest.raises(ConfigError, match="drop 'delta"):
         run_rounds(PreparedData(None, None, WIDTH), _model(), cfg, num_outputs=3, started=0.0)
-    with pytest.raises(ValueError, match="not supported by tree_aggregate"):
-        rw.make_codec("int8")
+    with pytest.raises(ValueError, match="drop 'delta"):
+        rw.make_codec("delta+int8")

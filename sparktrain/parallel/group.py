@@ -1,0 +1,94 @@
+"""Collectives over a sub-group of a mesh's ranks (e.g. the D replicas of one stage).
+
+:class:`GroupMesh` is a thin view of a :class:`~sparktrain.comm.wire.Mesh`: group rank
+``g`` is world rank ``members[g]``. It offers exactly what the ring and tree allreduces
+and the compressed collectives use (``rank``, ``world_size``, ``stats``, ``connection``,
+``connect_all``, ``sender``, ``abort``), so :class:`~sparktrain.comm.ring.RingAllreduce`
+runs on the group unchanged. Connections are the mesh's own (opened lazily per pair);
+a failure aborts the whole mesh, as it should: one lost rank stops the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import cast
+
+from torch import nn
+
+from sparktrain.comm import Mesh, RingAllreduce
+from sparktrain.comm.wire import AsyncSender, CommStats, Connection
+from sparktrain.compress.base import build as build_compressor
+from sparktrain.compress.collective import CompressedAllreduce
+from sparktrain.errors import CommError, ConfigError
+from sparktrain.worker.buckets import GradientBuckets
+
+
+class GroupMesh:
+    """A view of ``mesh`` restricted to the world ranks ``members`` (in group order)."""
+
+    def __init__(self, mesh: Mesh, members: Sequence[int]) -> None:
+        members = list(members)
+        if mesh.rank not in members:
+            raise ConfigError(f"rank {mesh.rank} is not a member of the group {members}")
+        if len(set(members)) != len(members):
+            raise ConfigError(f"group members must be distinct, got {members}")
+        self.mesh = mesh
+        self.members = members
+        self.rank = members.index(mesh.rank)
+        self.world_size = len(members)
+
+    @property
+    def stats(self) -> CommStats:
+        return self.mesh.stats
+
+    def world(self, group_rank: int) -> int:
+        return self.members[group_rank]
+
+    def connection(self, peer: int) -> Connection:
+        return self.mesh.connection(self.members[peer])
+
+    def connect_all(self, peers: Iterable[int]) -> None:
+        self.mesh.connect_all([self.members[p] for p in peers])
+
+    def sender(self, peer: int) -> AsyncSender:
+        return self.mesh.sender(self.members[peer])
+
+    def abort(self, cause: CommError) -> CommError:
+        return self.mesh.abort(cause)
+
+    def as_mesh(self) -> Mesh:
+        """This view typed as a Mesh, for the collectives (they use only the API above)."""
+        return cast(Mesh, self)
+
+
+def group_allreduce(mesh: Mesh, members: Sequence[int]) -> RingAllreduce:
+    """A ring SUM allreduce over ``members`` of ``mesh``."""
+    return RingAllreduce(GroupMesh(mesh, members).as_mesh())
+
+
+class GroupGradientSync:
+    """Sample-weighted gradient averaging over a group (``worker/buckets.py`` rule), with
+    ``compression`` (any spec the data-parallel ring accepts) or without."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        members: Sequence[int],
+        params: Sequence[nn.Parameter],
+        bucket_bytes: int,
+        compression: str = "none",
+        seed: int = 0,
+    ) -> None:
+        self.buckets = GradientBuckets(params, bucket_bytes)
+        self.allreduce = group_allreduce(mesh, members)
+        comp = build_compressor(compression)
+        self.compressed = (
+            CompressedAllreduce(comp, self.allreduce, seed=seed) if comp is not None else None
+        )
+
+    def average_(self, count: int) -> float:
+        """Replace every gradient by the group's sample-weighted mean; returns the group's
+        total sample count."""
+        if self.compressed is not None:
+            return self.buckets.average_compressed_(self.compressed, count)
+        return self.buckets.average_(self.allreduce, count)

@@ -1,0 +1,105 @@
+"""Pipeline parallelism end to end on local[2]: P = 2 stages, D = 1 (the two slots)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparktrain import TrainConfig, Trainer
+from sparktrain.errors import ConfigError
+from sparktrain.models import mlp
+
+from .helpers import accuracy, digits, digits_frames, digits_rdd, fast_config
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+
+DEEP_MLP = "sparktrain.models:mlp"
+DEEP_KWARGS = {"in_features": 64, "hidden": [128, 64], "out_features": 10}
+
+DP_KEYS = {
+    "strategy",
+    "compression",
+    "world_size",
+    "epochs",
+    "train_samples",
+    "train_rows_per_worker",
+    "steps_per_epoch",
+    "num_parameters",
+    "final_loss",
+    "metric_name",
+    "metric_value",
+    "wall_s",
+    "stage_s",
+    "train_s",
+    "comm_s",
+    "samples_per_s",
+    "bytes_sent",
+    "wire_bytes",
+    "restarts",
+    "steps_redone",
+    "replicas_in_sync",
+    "history",
+    "config",
+    "compression_ratio",
+}
+
+
+def _pipeline_config(**overrides) -> TrainConfig:  # type: ignore[no-untyped-def]
+    return fast_config(parallelism_pipeline=2, parallelism_data=1, **overrides)
+
+
+def test_deeper_mlp_with_two_stages_reaches_95_percent(spark):
+    train, test = digits_frames(spark)
+    result = Trainer(
+        DEEP_MLP, _pipeline_config(epochs=15), model_kwargs=DEEP_KWARGS, spark=spark
+    ).fit(train, validation_data=test)
+    s = result.summary
+    assert s.keys() >= DP_KEYS
+    assert s["metric_name"] == "accuracy" and s["metric_value"] >= 0.95
+    split = digits()
+    assert accuracy(result.model, split.x_test, split.y_test) == pytest.approx(s["metric_value"])
+    assert s["pipeline_stages"] == 2 and s["world_size"] == 2
+    assert s["stage_bytes_per_step"] > 0 and 0.0 <= s["bubble_fraction"] <= 1.0
+    assert s["train_samples"] == len(split.y_train)
+    assert len(s["stage_bounds"]) == 3
+
+
+def test_rdd_input_and_the_driver_model_is_reassembled(spark):
+    rdd = digits_rdd(spark)
+    result = Trainer("sparktrain.models:digits_mlp", _pipeline_config(epochs=2), spark=spark).fit(
+        rdd
+    )
+    assert result.summary["metric_name"] == "train_accuracy"
+    torch.manual_seed(0)
+    fresh = mlp(64, (128,), 10)
+    assert result.model.state_dict().keys() == fresh.state_dict().keys()
+    assert not torch.equal(result.model[0].weight, fresh[0].weight)
+
+
+def test_a_model_over_the_parameter_cap_trains_with_two_stages(spark):
+    """The deeper MLP holds ~0.07 MiB of parameters; a 0.05 MiB cap refuses it whole
+    but each of two stages fits."""
+    cfg = _pipeline_config(epochs=2)
+    object.__setattr__(cfg, "max_param_mb", 0.05)  # until TrainConfig declares the key
+    train, _ = digits_frames(spark)
+    result = Trainer(DEEP_MLP, cfg, model_kwargs=DEEP_KWARGS, spark=spark).fit(train)
+    assert max(result.summary["stage_param_mb"]) <= 0.05
+    assert result.summary["num_parameters"] * 4 / (1 << 20) > 0.05
+
+
+@pytest.mark.skipif(
+    "max_param_mb" not in TrainConfig.allowed_keys(),
+    reason="needs the max_param_mb key and the data-parallel check in trainer.py",
+)
+def test_data_parallel_refuses_a_model_over_the_cap(spark):
+    train, _ = digits_frames(spark)
+    cfg = fast_config(epochs=1, max_param_mb=0.05)
+    with pytest.raises(ConfigError, match="max_param_mb"):
+        Trainer(DEEP_MLP, cfg, model_kwargs=DEEP_KWARGS, spark=spark).fit(train)
+
+
+def test_layout_must_match_num_workers(spark):
+    train, _ = digits_frames(spark)
+    cfg = fast_config(parallelism_pipeline=2, parallelism_data=2)
+    with pytest.raises(ConfigError, match="num_workers"):
+        Trainer("sparktrain.models:digits_mlp", cfg, spark=spark).fit(train)
