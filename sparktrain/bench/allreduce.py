@@ -7,6 +7,12 @@ torch.distributed's Gloo between plain processes, in the same run.
 Records are ``{algo, world, bytes, time_s, algbw, busbw}``; busbw (GB/s) follows
 nccl-tests: ``bytes * 2(n-1)/n / time``. Each figure is the median over timed iterations
 of the slowest rank, after warm-up.
+
+``--algos ps`` adds the parameter server (:mod:`sparktrain.ps`, sync mode, SGD): for
+each ``--shards`` count k the driver serves a flat model of ``bytes / 4`` float32
+parameters in k shards, and every barrier task times push + pull rounds (its gradient
+up, the shard's delta back: the whole model each way per rank). Rows are ``ps{k}``
+with ``shards: k``; busbw uses the same formula so the rows compare with the ring's.
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ import numpy as np
 from sparktrain.errors import ConfigError
 
 OURS = ("ring", "tree")
-ALGOS = (*OURS, "gloo")
+PS = "ps"
+ALGOS = (*OURS, PS, "gloo")
+DEFAULT_ALGOS = (*OURS, "gloo")
+"""What runs without ``--algos`` (the parameter server only when asked for)."""
+PS_JOB_ID = "bench-ps"
+PS_LR = 1e-12
+"""The server's SGD step size: positive (as the config requires) and too small to matter."""
 _SIZE = re.compile(r"^(\d+)([KMG]?)$", re.IGNORECASE)
 
 
@@ -132,6 +144,138 @@ def bench_ours(
     return results
 
 
+# ---------------------------------------------------------------------- parameter server
+def _ps_task(
+    addresses: Sequence[str], secret_hex: str, job_id: str, nbytes: int, timeout: float
+) -> Any:
+    """The function each barrier task runs against the driver's parameter server: one
+    full pull, 2 warm-up rounds, then ``iterations_for(nbytes)`` timed push + pull rounds.
+
+    Only plain values are captured (addresses, the secret as hex, sizes)."""
+    addrs = list(addresses)
+
+    def task(partition: Iterator[Any]) -> Iterator[str]:
+        import concurrent.futures as cf
+
+        from sparktrain.comm.wire import CommStats
+        from sparktrain.launch.barrier import worker_context
+        from sparktrain.ps.client import ShardClient, connect_shards
+
+        ctx = worker_context(None)
+        n = nbytes // 4
+        flat = np.zeros(n, dtype=np.float32)
+        grad = np.full(n, 1e-3, dtype=np.float32)
+        clients = connect_shards(
+            addrs,
+            rank=ctx.rank,
+            secret=bytes.fromhex(secret_hex),
+            job_id=job_id,
+            attempt=0,
+            timeout=timeout,
+            stats=CommStats(),
+            num_elements=n,
+            dtype=np.dtype(np.float32),
+        )
+        pool = cf.ThreadPoolExecutor(len(clients)) if len(clients) > 1 else None
+        clean = False
+
+        def each(fn: Any) -> None:
+            if pool is None:
+                fn(clients[0])
+                return
+            for future in [pool.submit(fn, c) for c in clients]:
+                future.result()
+
+        def exchange(step: int) -> Any:
+            def one(c: ShardClient) -> None:
+                c.push(step, 1, grad[c.lo : c.hi])
+                c.pull(step, flat[c.lo : c.hi])
+
+            return one
+
+        times: list[float] = []
+        try:
+            each(lambda c: c.pull(-1, flat[c.lo : c.hi]))  # the server's values
+            step = 0
+            for _ in range(2):
+                each(exchange(step))
+                step += 1
+            for _ in range(iterations_for(nbytes)):
+                t = time.perf_counter()
+                each(exchange(step))
+                times.append(time.perf_counter() - t)
+                step += 1
+            clean = True
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+            for c in clients:
+                c.bye(clean)
+                c.close()
+        yield json.dumps({"rank": ctx.rank, "times": times})
+
+    return task
+
+
+def ps_record(world: int, nbytes: int, shards: int, time_s: float) -> dict[str, Any]:
+    return {**record(f"{PS}{shards}", world, nbytes, time_s), "shards": shards}
+
+
+def bench_ps(
+    spark: Any,
+    world: int,
+    sizes: Sequence[int],
+    shards: Sequence[int],
+    timeout: float = 120.0,
+) -> list[dict[str, Any]]:
+    """One driver-side parameter server per (size, shard count), stopped after each."""
+    import secrets as _secrets
+
+    import torch
+    from torch import nn
+
+    from sparktrain.config import TrainConfig
+    from sparktrain.ps.server import start_parameter_server
+
+    host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
+    results = []
+    for nbytes in sizes:
+        for k in shards:
+            if k > nbytes // 4:
+                raise ConfigError(f"--shards {k} exceeds the {nbytes // 4} elements of {nbytes} B")
+            model = nn.Module()
+            model.register_parameter(
+                "flat", nn.Parameter(torch.zeros(nbytes // 4, dtype=torch.float32))
+            )
+            cfg = TrainConfig(
+                strategy="ps",
+                ps_mode="sync",
+                ps_shards=k,
+                num_workers=world,
+                optimizer="sgd",
+                lr=PS_LR,
+                comm_timeout=timeout,
+            )
+            secret = _secrets.token_bytes(32)
+            server = start_parameter_server(
+                model, cfg, host=host, secret=secret, job_id=PS_JOB_ID, attempt=0
+            )
+            try:
+                task = _ps_task(tuple(server.addresses), secret.hex(), PS_JOB_ID, nbytes, timeout)
+                rows = (
+                    spark.sparkContext.parallelize(range(world), world)
+                    .barrier()
+                    .mapPartitions(task)
+                    .collect()
+                )
+            finally:
+                server.stop()
+            per_rank = [json.loads(r)["times"] for r in rows]
+            slowest = [max(ts) for ts in zip(*per_rank, strict=True)]
+            results.append(ps_record(world, nbytes, k, statistics.median(slowest)))
+    return results
+
+
 # ---------------------------------------------------------------------- gloo
 def _free_port() -> int:
     with socket.socket() as s:
@@ -195,10 +339,14 @@ def bench_gloo(world: int, sizes: Sequence[int], timeout: float = 600.0) -> list
 
 # ---------------------------------------------------------------------- report
 def table(records: list[dict[str, Any]]) -> str:
-    """A Markdown table with the ratio to Gloo (busbw for ring, time for the rest)."""
+    """A Markdown table with the ratio to Gloo (busbw for ring, time for the rest); for
+    parameter-server rows also the ratio of their time to the ring's ("x ring time")."""
     gloo = {(r["world"], r["bytes"]): r for r in records if r["algo"] == "gloo"}
+    ring = {(r["world"], r["bytes"]): r for r in records if r["algo"] == "ring"}
+    has_ps = any(_is_ps(r) for r in records)
+    last = "vs Gloo / ring" if has_ps else "vs Gloo"
     lines = [
-        "| world | size | algo | time | busbw GB/s | vs Gloo |",
+        f"| world | size | algo | time | busbw GB/s | {last} |",
         "|---:|---:|---|---:|---:|---:|",
     ]
     for r in sorted(records, key=lambda r: (r["world"], r["bytes"], r["algo"])):
@@ -210,11 +358,19 @@ def table(records: list[dict[str, Any]]) -> str:
                 if ref["busbw"] > 0
                 else f"{r['time_s'] / ref['time_s']:.2f}x time"
             )
+        ring_ref = ring.get((r["world"], r["bytes"]))
+        if _is_ps(r) and ring_ref is not None and ring_ref["time_s"] > 0:
+            vs_ring = f"{r['time_s'] / ring_ref['time_s']:.2f}x ring time"
+            ratio = f"{ratio}; {vs_ring}" if ratio else vs_ring
         lines.append(
             f"| {r['world']} | {_human(r['bytes'])} | {r['algo']} | {_duration(r['time_s'])} "
             f"| {r['busbw']:.3f} | {ratio} |"
         )
     return "\n".join(lines)
+
+
+def _is_ps(r: dict[str, Any]) -> bool:
+    return "shards" in r or (r["algo"].startswith(PS) and r["algo"][len(PS) :].isdigit())
 
 
 def _human(nbytes: int) -> str:
@@ -266,7 +422,14 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=["4K", "1M", "16M", "64M"])
-    parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    parser.add_argument("--algos", nargs="+", default=list(DEFAULT_ALGOS), choices=ALGOS)
+    parser.add_argument(
+        "--shards",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="parameter-server shard counts for --algos ps (default: 1 4)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the records here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG here (default: beside --json)")
     parser.add_argument("--master", help="Spark master (default local[max(world)])")
@@ -279,13 +442,20 @@ def main(args: argparse.Namespace) -> int:
     if any(w < 1 for w in args.world):
         raise ConfigError("--world sizes must be >= 1")
     ours = [a for a in args.algos if a in OURS]
+    shards = list(getattr(args, "shards", None) or [1, 4])
+    if PS in args.algos and any(k < 1 for k in shards):
+        raise ConfigError("--shards counts must be >= 1")
     records: list[dict[str, Any]] = []
-    if ours:
+    if ours or PS in args.algos:
         master = args.master or f"local[{max(args.world)}]"
         spark = get_or_create_session(master, app_name="sparktrain-bench-allreduce")
         for world in args.world:
-            records += bench_ours(spark, world, sizes, ours)
-            print(f"ours, world {world}: done", flush=True)
+            if ours:
+                records += bench_ours(spark, world, sizes, ours)
+                print(f"ours, world {world}: done", flush=True)
+            if PS in args.algos:
+                records += bench_ps(spark, world, sizes, shards)
+                print(f"ps, world {world}: done", flush=True)
     if "gloo" in args.algos:
         for world in args.world:
             records += bench_gloo(world, sizes)

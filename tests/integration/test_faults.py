@@ -112,3 +112,16 @@ def test_tree_aggregate_task_failures_are_retried_by_spark(spark_retry, tmp_path
     assert (tmp_path / "fault").exists() and s["spark_failed_tasks"] >= 1
     assert s["metric_value"] == pytest.approx(clean["metric_value"], abs=1e-9)
     assert s["final_loss"] == pytest.approx(clean["final_loss"], rel=1e-6)
+
+
+def test_resume_true_continues_from_the_newest_checkpoint(spark, tmp_path):
+    train, test = digits_frames(spark)
+    ckpt = str(tmp_path / "ckpt")
+    first = Trainer(DIGITS_MODEL, fast_config(epochs=2, checkpoint_dir=ckpt), spark=spark).fit(
+        train, validation_data=test
+    )
+    more = fast_config(epochs=4, checkpoint_dir=ckpt, resume=True)
+    second = Trainer(DIGITS_MODEL, more, spark=spark).fit(train, validation_data=test)
+    assert [h["epoch"] for h in second.history] == [0, 1, 2, 3]
+    assert [h["loss"] for h in second.history[:2]] == [h["loss"] for h in first.history]
+    assert second.history[3]["loss"] < first.history[1]["loss"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .standalone import StandaloneCluster, spark_home
+from .standalone import StandaloneCluster, descendants, spark_home
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
@@ -103,3 +103,31 @@ def test_submit_then_kill_an_executor_mid_training(cluster, tmp_path):
     assert summary["metric_value"] >= 0.95 and summary["replicas_in_sync"]
     log = (tmp_path / "submit.log").read_text(errors="replace")
     assert "from the checkpoint of step" in log
+
+
+def test_a_lost_worker_leaves_too_few_slots_and_the_run_says_so(cluster, tmp_path):
+    """Kill a whole worker (its executor goes with it, and nothing replaces it): the
+    resubmission finds one slot for two workers and fails with our message, not a hang."""
+    proc = _submit(cluster, tmp_path, "epochs=400", "comm_timeout=20.0")
+    try:
+        deadline = time.monotonic() + 240
+        while len(cluster.executor_pids()) < 2 or "ring on 2 workers" not in _log(tmp_path):
+            assert proc.poll() is None, _log(tmp_path)[-3000:]
+            assert time.monotonic() < deadline, "the job never started training"
+            time.sleep(0.2)
+        time.sleep(3)  # the barrier stage is running now
+        victim = cluster.worker_procs[1]
+        for pid in [*descendants(victim.pid), victim.pid]:
+            os.kill(pid, signal.SIGKILL)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = _log(tmp_path)
+    assert code == 2, log[-3000:]
+    assert "num_workers=2 needs 2 task slots at once, but spark://" in log
+    assert "offers 1" in log or "offers 0" in log
+
+
+def _log(tmp_path: Path) -> str:
+    return (tmp_path / "submit.log").read_text(errors="replace")

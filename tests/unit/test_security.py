@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -157,3 +158,34 @@ def test_no_listener_binds_a_wildcard_address_during_training(monkeypatch):
     wildcards = [a for a in listening if a[0] in ("0.0.0.0", "::")]
     assert not wildcards, wildcards
     assert all(addr == "127.0.0.1" for addr, _ in listening)
+
+
+# ------------------------------------------------------------------ fuzzing the decompressors
+FUZZ_SPECS = ["fp16", "bf16", "int8", "topk:0.1", "randomk:0.1", "sign", "powersgd:1"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    spec=st.sampled_from(FUZZ_SPECS),
+    junk=st.binary(min_size=0, max_size=400),
+    numel=st.integers(min_value=0, max_value=64),
+)
+def test_arbitrary_bytes_through_every_decompressor_raise_only_our_errors(spec, junk, numel):
+    """Random messages, and valid messages with a flipped byte, through decode + decompress."""
+    from sparktrain.compress.base import BucketState, build, decode_message, encode_message
+
+    comp = build(spec)
+    assert comp is not None
+    valid = encode_message(
+        *comp.compress(torch.arange(16, dtype=torch.float32), BucketState(shapes=((4, 4),))),
+        count=1.0,
+    )
+    flipped = valid.copy()
+    if len(junk) and flipped.size:
+        flipped[junk[0] % flipped.size] ^= 0xFF
+    for blob in (junk, flipped.tobytes()):
+        try:
+            payload, ctx, _ = decode_message(blob, numel or None)
+            comp.decompress(payload, ctx)
+        except CommError:
+            pass  # FrameError: ours
