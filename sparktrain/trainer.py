@@ -156,6 +156,13 @@ class Trainer:
         if cfg.strategy == "ps":
             from sparktrain.ps.server import start_parameter_server
 
+            if cfg.checkpoint_dir or cfg.resume:
+                log.warning(
+                    "checkpoint_dir/resume are not used with strategy='ps' yet: the parameter "
+                    "server keeps the model in the driver through stage restarts, but a driver "
+                    "failure loses it"
+                )
+
             ps = start_parameter_server(
                 model, cfg, host=host, secret=base.secret, job_id=base.job_id, attempt=0
             )

@@ -57,8 +57,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import torch
 from torch import nn
 
+from sparktrain.checkpoint import Checkpoint, CheckpointStore
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
 from sparktrain.launch.prepare import PreparedData
@@ -447,6 +449,48 @@ class _Loop:
         self.wire_bytes = 0.0
         self._pending: dict[str, Any] | None = None  # last epoch, waiting for its metric
         self._last_step_report = 0.0
+        self.store = (
+            CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
+            if cfg.checkpoint_dir
+            else None
+        )
+        # The driver holds model and optimizer, so it checkpoints at epoch boundaries:
+        # every checkpoint_every epochs, rounded to whole epochs (at least one).
+        self.every_epochs = max(1, round(cfg.checkpoint_every))
+
+    def _resume(self) -> int:
+        """Load the newest checkpoint when resume=true; returns the first epoch to run.
+        A checkpoint's step counts whole epochs here."""
+        if self.store is None or not self.cfg.resume:
+            return 0
+        ckpt = self.store.load()
+        if ckpt is None:
+            log.info("no checkpoint in %s yet: starting from scratch", self.store.uri)
+            return 0
+        self.model.load_state_dict(ckpt.model_state)
+        if self.optimizer is not None and ckpt.optimizer_state:
+            self.optimizer.load_state_dict(ckpt.optimizer_state)
+        done = [dict(h) for h in ckpt.history]
+        # the last epoch's metric is measured by the next epoch's first round: it travels
+        # in the checkpoint as pending and is completed after the resume
+        if done and done[-1].get("pending"):
+            self._pending = {k: v for k, v in done.pop().items() if k != "pending"}
+        self.history = done
+        log.info("resuming tree_aggregate from the checkpoint after epoch %d", ckpt.step)
+        return int(ckpt.step)
+
+    def _save(self, epochs_done: int) -> None:
+        assert self.store is not None
+        history = [*self.history, {**(self._pending or {}), "pending": True}]
+        self.store.save(
+            Checkpoint(
+                step=epochs_done,
+                model_state=self.model.state_dict(),
+                optimizer_state=self.optimizer.state_dict() if self.optimizer else {},
+                rng_state=torch.get_rng_state(),
+                history=history,
+            )
+        )
 
     def _round(self, index: int, train: bool, evaluate: bool) -> tuple[np.ndarray | None, Any]:
         flatten(self.params, self.weights)
@@ -489,9 +533,10 @@ class _Loop:
             }
         )
         started = time.perf_counter()
-        index = 0
+        first = self._resume()
+        index = first * rpe  # rounds pick their batches by index: a resumed run is identical
         self.model.train()
-        for epoch in range(cfg.epochs):
+        for epoch in range(first, cfg.epochs):
             epoch_started = time.perf_counter()
             loss_sum = samples = 0.0
             for r in range(rpe):
@@ -509,6 +554,8 @@ class _Loop:
                 "metric_name": self.metric,
                 "seconds": time.perf_counter() - epoch_started,
             }
+            if self.store is not None and (epoch + 1) % self.every_epochs == 0:
+                self._save(epoch + 1)
         self._round(index, train=False, evaluate=True)  # the last epoch's metric
         return time.perf_counter() - started
 

@@ -125,3 +125,26 @@ def test_resume_true_continues_from_the_newest_checkpoint(spark, tmp_path):
     assert [h["epoch"] for h in second.history] == [0, 1, 2, 3]
     assert [h["loss"] for h in second.history[:2]] == [h["loss"] for h in first.history]
     assert second.history[3]["loss"] < first.history[1]["loss"]
+
+
+def test_tree_aggregate_resumes_from_its_driver_checkpoint(spark, tmp_path):
+    train, test = digits_frames(spark)
+    common = {"strategy": "tree_aggregate", "local_steps": 8, "checkpoint_dir": str(tmp_path)}
+    full = Trainer(DIGITS_MODEL, fast_config(epochs=4, **common), spark=spark).fit(
+        train, validation_data=test
+    )
+    first = Trainer(
+        DIGITS_MODEL,
+        fast_config(epochs=2, **common | {"checkpoint_dir": str(tmp_path / "b")}),
+        spark=spark,
+    ).fit(train, validation_data=test)
+    resumed = Trainer(
+        DIGITS_MODEL,
+        fast_config(epochs=4, resume=True, **common | {"checkpoint_dir": str(tmp_path / "b")}),
+        spark=spark,
+    ).fit(train, validation_data=test)
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2, 3]
+    assert [h["loss"] for h in resumed.history[:2]] == [h["loss"] for h in first.history]
+    for got, want in zip(resumed.history, full.history, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["metric"] == pytest.approx(want["metric"], abs=1e-9)
