@@ -343,15 +343,43 @@ def _assemble(
         state[item["name"]] = tensor.reshape(item["shape"])
     model.load_state_dict(state)
 
+    summary = stage_summary(
+        cfg,
+        model,
+        stats,
+        meta,
+        world_size=cfg.num_workers,
+        wall_s=wall_s,
+        stage_s=stage_s,
+        replicas_in_sync=len({s["param_digest"] for s in stats}) == 1,
+    )
+    return TrainResult(model=model, history=summary["history"], summary=summary)
+
+
+def stage_summary(
+    cfg: TrainConfig,
+    model: nn.Module,
+    stats: list[dict[str, Any]],
+    meta: dict[str, Any],
+    *,
+    world_size: int,
+    wall_s: float,
+    stage_s: float,
+    replicas_in_sync: bool,
+) -> dict[str, Any]:
+    """The summary keys every barrier-stage run reports, from the per-rank ``stats``
+    records and rank 0's ``meta`` (history, metric name); see the README."""
     history = meta["history"]
     last = history[-1]
     train_s = max(s["train_s"] for s in stats)
     train_samples = sum(s["train_rows"] for s in stats)
     comm = [s["comm"] for s in stats]
-    summary = {
+    bytes_sent = sum(c["raw_bytes_sent"] for c in comm)
+    wire_bytes = sum(c["wire_bytes_sent"] for c in comm)
+    return {
         "strategy": cfg.strategy,
         "compression": cfg.compression,
-        "world_size": cfg.num_workers,
+        "world_size": world_size,
         "epochs": cfg.epochs,
         "train_samples": train_samples,
         "train_rows_per_worker": [s["train_rows"] for s in stats],
@@ -365,14 +393,11 @@ def _assemble(
         "train_s": train_s,
         "comm_s": max(s["comm_s"] for s in stats),
         "samples_per_s": train_samples * cfg.epochs / train_s if train_s > 0 else 0.0,
-        "bytes_sent": sum(c["raw_bytes_sent"] for c in comm),
-        "wire_bytes": sum(c["wire_bytes_sent"] for c in comm),
+        "bytes_sent": bytes_sent,
+        "wire_bytes": wire_bytes,
+        "compression_ratio": bytes_sent / wire_bytes if wire_bytes else 1.0,
         "restarts": 0,
-        "replicas_in_sync": len({s["param_digest"] for s in stats}) == 1,
+        "replicas_in_sync": replicas_in_sync,
         "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
         "config": cfg.to_dict(),
     }
-    summary["compression_ratio"] = (
-        summary["bytes_sent"] / summary["wire_bytes"] if summary["wire_bytes"] else 1.0
-    )
-    return TrainResult(model=model, history=summary["history"], summary=summary)

@@ -286,7 +286,7 @@ def assemble(
     stage_s: float,
 ) -> TrainResult:
     """The trained model and the summary (data-parallel keys plus pipeline figures)."""
-    from sparktrain.trainer import TrainResult
+    from sparktrain.trainer import TrainResult, stage_summary
 
     cfg = spec.job.config
     P, D = spec.stages, spec.replicas
@@ -299,11 +299,6 @@ def assemble(
             "please report it"
         )
     meta = load_stage_states(model, records, P)
-    history = meta["history"]
-    last = history[-1]
-    train_s = max(s["train_s"] for s in stats)
-    train_samples = sum(s["train_rows"] for s in stats)
-    comm = [s["comm"] for s in stats]
     steps = max(1, max(s["steps"] for s in stats))
     stage_bytes = sum(s["stage_bytes_sent"] for s in stats)
     step_time = max(s["step_s_total"] for s in stats)
@@ -312,29 +307,17 @@ def assemble(
     digests: dict[int, set[str]] = {}
     for s in stats:
         digests.setdefault(s["stage"], set()).add(s["param_digest"])
-    summary: dict[str, Any] = {
-        "strategy": cfg.strategy,
-        "compression": cfg.compression,
-        "world_size": P * D,
-        "epochs": cfg.epochs,
-        "train_samples": train_samples,
-        "train_rows_per_worker": [s["train_rows"] for s in stats],
-        "steps_per_epoch": stats[0]["steps_per_epoch"],
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "final_loss": last["loss"],
-        "metric_name": meta["metric_name"],
-        "metric_value": last["metric"],
-        "wall_s": wall_s,
-        "stage_s": stage_s,
-        "train_s": train_s,
-        "comm_s": max(s["comm_s"] for s in stats),
-        "samples_per_s": train_samples * cfg.epochs / train_s if train_s > 0 else 0.0,
-        "bytes_sent": sum(c["raw_bytes_sent"] for c in comm),
-        "wire_bytes": sum(c["wire_bytes_sent"] for c in comm),
-        "restarts": 0,
-        "replicas_in_sync": all(len(d) == 1 for d in digests.values()),
-        "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
-        "config": cfg.to_dict(),
+    summary = stage_summary(
+        cfg,
+        model,
+        stats,
+        meta,
+        world_size=P * D,
+        wall_s=wall_s,
+        stage_s=stage_s,
+        replicas_in_sync=all(len(d) == 1 for d in digests.values()),
+    )
+    summary |= {
         # pipeline figures
         "pipeline_stages": P,
         "data_replicas": D,
@@ -350,7 +333,4 @@ def assemble(
         "peak_in_flight_micro_batches": max(s["peak_in_flight"] for s in stats),
         "peak_activation_bytes": max(s["peak_activation_bytes"] for s in stats),
     }
-    summary["compression_ratio"] = (
-        summary["bytes_sent"] / summary["wire_bytes"] if summary["wire_bytes"] else 1.0
-    )
     return TrainResult(model=model, history=summary["history"], summary=summary)

@@ -49,7 +49,7 @@ from sparktrain.parallel.schedule import make_schedule
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
-from sparktrain.worker.loop import _SEEDED_INIT, Record
+from sparktrain.worker.loop import _SEEDED_INIT, Record, raise_first_error
 
 KIND_ROWS = KIND_USER_MIN + 1
 """Frames of the one-off row gather (features to the first stage, labels to the last)."""
@@ -122,11 +122,7 @@ def train_stage(ctx: WorkerContext, data: PartitionData, spec: PipelineSpec) -> 
     try:
         mine = {"address": address_of(listener), "train": train.size, "val": val.size}
         infos = [json.loads(s) for s in ctx.all_gather(json.dumps({**mine, "error": problem}))]
-        for rank, info in enumerate(infos):
-            if info["error"]:
-                name, _, message = info["error"].partition(": ")
-                cls = getattr(errors, name, errors.SparkTrainError)
-                raise cls(message if f"rank {rank}" in message else f"rank {rank}: {message}")
+        raise_first_error(infos)
         if sum(i["train"] for i in infos) == 0:
             raise errors.DataError("the training data is empty on every worker")
         mesh = Mesh(

@@ -77,7 +77,7 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
             "error": problem,
         }
         infos = [json.loads(s) for s in ctx.all_gather(json.dumps(mine))]
-        _raise_first_error(infos)
+        raise_first_error(infos)
         world_train = sum(i["train"] for i in infos)
         world_val = sum(i["val"] for i in infos)
         if world_train == 0:
@@ -111,7 +111,8 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
         mesh.close()
 
 
-def _raise_first_error(infos: list[dict[str, Any]]) -> None:
+def raise_first_error(infos: list[dict[str, Any]]) -> None:
+    """Raise, on every rank alike, the first error any rank reported in the all-gather."""
     for rank, info in enumerate(infos):
         if info["error"]:
             name, _, message = info["error"].partition(": ")
