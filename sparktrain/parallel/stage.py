@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from sparktrain import errors
-from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce, address_of, open_listener
+from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
 from sparktrain.comm.wire import KIND_DATA
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_optimizer, label_dtype, resolve_model_fn
@@ -47,9 +47,9 @@ from sparktrain.parallel.group import GroupGradientSync, group_allreduce
 from sparktrain.parallel.partition import Partition, as_sequential
 from sparktrain.parallel.schedule import make_schedule
 from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import PartitionData, check_labels, epoch_batches
+from sparktrain.worker.data import PartitionData, epoch_batches
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
-from sparktrain.worker.loop import _SEEDED_INIT, Record, raise_first_error
+from sparktrain.worker.loop import _SEEDED_INIT, Record, rendezvous
 
 KIND_ROWS = KIND_USER_MIN + 1
 """Frames of the one-off row gather (features to the first stage, labels to the last)."""
@@ -103,41 +103,14 @@ class _Counters:
 
 def train_stage(ctx: WorkerContext, data: PartitionData, spec: PipelineSpec) -> list[Record]:
     """Run the whole training loop of one stage task and return its output records."""
-    job, cfg = spec.job, spec.job.config
+    job = spec.job
     torch.set_num_threads(max(1, job.threads))
     if ctx.world_size != spec.stages * spec.replicas:
         raise errors.ConfigError(
             f"the stage has {ctx.world_size} tasks but the pipeline needs "
             f"{spec.stages} x {spec.replicas}"
         )
-    problem: str | None = None
-    train, val = data, data
-    try:
-        train, val = data.split(cfg.validation_fraction, cfg.seed, ctx.rank)
-        if cfg.loss == "cross_entropy":
-            check_labels(data.y, job.num_outputs, ctx.rank)
-    except errors.SparkTrainError as exc:
-        problem = f"{type(exc).__name__}: {exc}"
-    listener = open_listener(ctx.host)
-    try:
-        mine = {"address": address_of(listener), "train": train.size, "val": val.size}
-        infos = [json.loads(s) for s in ctx.all_gather(json.dumps({**mine, "error": problem}))]
-        raise_first_error(infos)
-        if sum(i["train"] for i in infos) == 0:
-            raise errors.DataError("the training data is empty on every worker")
-        mesh = Mesh(
-            ctx.rank,
-            ctx.world_size,
-            listener,
-            [i["address"] for i in infos],
-            secret=job.secret,
-            job_id=job.job_id,
-            attempt=job.attempt,
-            timeout=cfg.comm_timeout,
-        )
-    except BaseException:
-        listener.close()
-        raise
+    mesh, infos, train, val = rendezvous(ctx, data)
     try:
         return _StageRunner(ctx, spec, mesh, infos, train, val).run()
     finally:

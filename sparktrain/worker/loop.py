@@ -58,45 +58,11 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
     spec, cfg = ctx.job, ctx.job.config
     torch.set_num_threads(max(1, spec.threads))
     started = time.perf_counter()
-
-    problem: str | None = None
-    train, val = data, data
+    mesh, infos, train, val = rendezvous(ctx, data)
     try:
-        train, val = data.split(cfg.validation_fraction, cfg.seed, ctx.rank)
-        if cfg.loss == "cross_entropy":
-            check_labels(data.y, spec.num_outputs, ctx.rank)
-    except errors.SparkTrainError as exc:
-        problem = f"{type(exc).__name__}: {exc}"
-
-    listener = open_listener(ctx.host)
-    try:
-        mine = {
-            "address": address_of(listener),
-            "train": train.size,
-            "val": val.size,
-            "error": problem,
-        }
-        infos = [json.loads(s) for s in ctx.all_gather(json.dumps(mine))]
-        raise_first_error(infos)
         world_train = sum(i["train"] for i in infos)
         world_val = sum(i["val"] for i in infos)
-        if world_train == 0:
-            raise errors.DataError("the training data is empty on every worker")
         steps_per_epoch = max(math.ceil(i["train"] / cfg.batch_size) for i in infos)
-        mesh = Mesh(
-            ctx.rank,
-            ctx.world_size,
-            listener,
-            [i["address"] for i in infos],
-            secret=spec.secret,
-            job_id=spec.job_id,
-            attempt=spec.attempt,
-            timeout=cfg.comm_timeout,
-        )
-    except BaseException:
-        listener.close()
-        raise
-    try:
         return _train(
             ctx,
             mesh,
@@ -109,6 +75,45 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
         )
     finally:
         mesh.close()
+
+
+def rendezvous(
+    ctx: WorkerContext, data: PartitionData
+) -> tuple[Mesh, list[dict[str, Any]], PartitionData, PartitionData]:
+    """Split off validation rows, check labels, then one ``all_gather`` of (listener
+    address, row counts, error): every rank learns its peers, and if any rank found bad
+    data *all* ranks raise before a socket is used. Returns the mesh, every rank's info,
+    and this rank's train and validation rows."""
+    job, cfg = ctx.job, ctx.job.config
+    problem: str | None = None
+    train, val = data, data
+    try:
+        train, val = data.split(cfg.validation_fraction, cfg.seed, ctx.rank)
+        if cfg.loss == "cross_entropy":
+            check_labels(data.y, job.num_outputs, ctx.rank)
+    except errors.SparkTrainError as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    listener = open_listener(ctx.host)
+    try:
+        mine = {"address": address_of(listener), "train": train.size, "val": val.size}
+        infos = [json.loads(s) for s in ctx.all_gather(json.dumps({**mine, "error": problem}))]
+        raise_first_error(infos)
+        if sum(i["train"] for i in infos) == 0:
+            raise errors.DataError("the training data is empty on every worker")
+        mesh = Mesh(
+            ctx.rank,
+            ctx.world_size,
+            listener,
+            [i["address"] for i in infos],
+            secret=job.secret,
+            job_id=job.job_id,
+            attempt=job.attempt,
+            timeout=cfg.comm_timeout,
+        )
+    except BaseException:
+        listener.close()
+        raise
+    return mesh, infos, train, val
 
 
 def raise_first_error(infos: list[dict[str, Any]]) -> None:

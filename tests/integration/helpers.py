@@ -10,6 +10,35 @@ from sparktrain import TrainConfig, datasets
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
 
+# Every training path's summary has these keys (README, "The summary").
+SUMMARY_KEYS = frozenset(
+    {
+        "strategy",
+        "compression",
+        "world_size",
+        "epochs",
+        "train_samples",
+        "train_rows_per_worker",
+        "steps_per_epoch",
+        "num_parameters",
+        "final_loss",
+        "metric_name",
+        "metric_value",
+        "wall_s",
+        "stage_s",
+        "train_s",
+        "comm_s",
+        "samples_per_s",
+        "bytes_sent",
+        "wire_bytes",
+        "compression_ratio",
+        "restarts",
+        "replicas_in_sync",
+        "history",
+        "config",
+    }
+)
+
 
 @functools.cache
 def digits() -> datasets.Split:

@@ -13,27 +13,17 @@ from sparktrain import Trainer
 from sparktrain.cli import main as cli_main
 from sparktrain.errors import DataError, ResourceError
 
-from .helpers import DIGITS_MODEL, accuracy, digits, digits_frames, digits_rdd, fast_config
+from .helpers import (
+    DIGITS_MODEL,
+    SUMMARY_KEYS,
+    accuracy,
+    digits,
+    digits_frames,
+    digits_rdd,
+    fast_config,
+)
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
-
-SUMMARY_KEYS = {
-    "strategy",
-    "compression",
-    "world_size",
-    "epochs",
-    "train_samples",
-    "final_loss",
-    "metric_name",
-    "metric_value",
-    "wall_s",
-    "train_s",
-    "samples_per_s",
-    "bytes_sent",
-    "wire_bytes",
-    "restarts",
-    "history",
-}
 
 
 @pytest.mark.parametrize(("strategy", "vector"), [("ring", False), ("tree", True)])

@@ -21,35 +21,19 @@ from sparktrain.launch.rounds import RoundRunner, SparkVolume, cache_blocks, run
 from sparktrain.launch.rounds_worker import RoundSpec
 from sparktrain.modeling import build_model, resolve_model_fn
 
-from .helpers import DIGITS_MODEL, accuracy, digits, digits_frames, digits_rdd, fast_config
+from .helpers import (
+    DIGITS_MODEL,
+    SUMMARY_KEYS,
+    accuracy,
+    digits,
+    digits_frames,
+    digits_rdd,
+    fast_config,
+)
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
-SUMMARY_KEYS = {
-    "strategy",
-    "compression",
-    "world_size",
-    "epochs",
-    "train_samples",
-    "train_rows_per_worker",
-    "steps_per_epoch",
-    "num_parameters",
-    "final_loss",
-    "metric_name",
-    "metric_value",
-    "wall_s",
-    "stage_s",
-    "train_s",
-    "comm_s",
-    "samples_per_s",
-    "bytes_sent",
-    "wire_bytes",
-    "restarts",
-    "replicas_in_sync",
-    "history",
-    "config",
-    "compression_ratio",
-    # tree_aggregate's own
+TREE_AGGREGATE_KEYS = SUMMARY_KEYS | {
     "rounds",
     "rounds_per_epoch",
     "rounds_per_s",
@@ -77,7 +61,7 @@ def _cli(tmp_path: Path, *sets: str) -> dict[str, Any]:
 def test_digits_local_sgd_8_steps_reaches_95_percent_with_the_conf_defaults(spark, tmp_path):
     # conf/digits_mlp.toml as is (20 epochs, batch 32, lr 0.1, momentum 0.9): 3 rounds/epoch
     s = _cli(tmp_path, "local_steps=8")
-    assert set(s) >= SUMMARY_KEYS
+    assert set(s) >= TREE_AGGREGATE_KEYS
     assert s["metric_name"] == "accuracy" and s["metric_value"] >= 0.95
     assert s["rounds_per_epoch"] == math.ceil(max(s["train_rows_per_worker"]) / (32 * 8))
     assert s["rounds"] == 20 * s["rounds_per_epoch"] + 1  # + the last epoch's evaluation
