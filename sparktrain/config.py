@@ -18,12 +18,14 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from sparktrain.errors import ConfigError
 
-STRATEGIES = ("ring", "tree", "ps", "tree_aggregate")
+STRATEGIES = ("ring", "tree", "ps", "tree_aggregate", "auto")
 PS_MODES = ("sync", "async", "ssp")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk:R", "randomk:R", "sign", "powersgd:R")
 """The compressor families; specs compose (``topk:0.01+ef``, ``delta+int8``), see
 :mod:`sparktrain.compress.base` for the grammar."""
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
+LINK_PROFILES = ("none", "lan", "5g", "4g", "wan")
+"""Named link-emulation profiles; their figures live in :mod:`sparktrain.comm.link`."""
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
@@ -37,12 +39,26 @@ class TrainConfig:
         How gradients are aggregated: ``"ring"`` (bandwidth-optimal ring allreduce between
         barrier tasks), ``"tree"`` (recursive doubling, for small latency-bound models),
         ``"ps"`` (parameter server in the driver) or ``"tree_aggregate"`` (one ordinary
-        Spark job per round, merged with ``RDD.treeAggregate``; no gang scheduling).
+        Spark job per round, merged with ``RDD.treeAggregate``; no gang scheduling), or
+        ``"auto"``: chosen at stage start from a quick latency/bandwidth probe of the links
+        and the model size (see :mod:`sparktrain.costmodel`).
     compression:
         Gradient compression spec: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
         ``"topk:0.01"``, ``"randomk:0.01"``, ``"sign"``, ``"powersgd:2"``, optionally
         ``delta+`` in front and ``+ef`` (error feedback) behind, e.g. ``"topk:0.01+ef"``;
-        grammar and options in :mod:`sparktrain.compress.base`.
+        grammar and options in :mod:`sparktrain.compress.base`. ``"auto"`` picks one from
+        the link probe. A table ``{"pattern" = "spec", ...}`` is a per-layer policy:
+        parameter names are matched against the glob patterns in order, first match wins,
+        ``"*"`` is the fallback (unmatched parameters are not compressed).
+    overlap:
+        Start each bucket's gradient exchange from gradient hooks while the backward pass
+        continues (as DDP does), instead of after it.
+    link, link_bandwidth_mbit, link_rtt_ms, link_jitter_ms, link_loss:
+        Emulate a slow link in sparktrain's own transport (token bucket plus delay; no
+        root needed). ``link`` is a profile (``none``, ``lan``, ``5g``, ``4g``, ``wan``) and
+        may also be written ``link.profile``; ``link.bandwidth_mbit``, ``link.rtt_ms``,
+        ``link.jitter_ms`` and ``link.loss`` (a probability of a lost frame, paid as a
+        retransmission delay) override the profile's figures (0 = keep the profile's).
     epochs, batch_size, lr:
         Passes over the data, samples per worker per step, learning rate.
     optimizer, optimizer_kwargs:
@@ -94,7 +110,13 @@ class TrainConfig:
     """
 
     strategy: str = "ring"
-    compression: str = "none"
+    compression: str | dict[str, str] = "none"
+    overlap: bool = True
+    link_profile: str = "none"
+    link_bandwidth_mbit: float = 0.0
+    link_rtt_ms: float = 0.0
+    link_jitter_ms: float = 0.0
+    link_loss: float = 0.0
     epochs: int = 10
     batch_size: int = 32
     lr: float = 0.01
@@ -169,6 +191,13 @@ class TrainConfig:
         _one_of("parallelism.balance", self.parallelism_balance, ("time", "params"))
         if not isinstance(self.max_param_mb, int | float) or self.max_param_mb < 0:
             raise ConfigError(f"max_param_mb={self.max_param_mb!r} must be >= 0 (0 = no cap)")
+        _one_of("link.profile", self.link_profile, LINK_PROFILES)
+        for key in ("bandwidth_mbit", "rtt_ms", "jitter_ms"):
+            value = getattr(self, f"link_{key}")
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"link.{key}={value!r} must be a number >= 0 (0 = profile's)")
+        if not isinstance(self.link_loss, int | float) or not 0.0 <= self.link_loss < 1.0:
+            raise ConfigError(f"link.loss={self.link_loss!r} must be a probability in [0, 1)")
         _at_least("aggregation_depth", self.aggregation_depth, 1)
         _at_least("local_steps", self.local_steps, 1)
         _positive("lr", self.lr)
@@ -194,6 +223,10 @@ class TrainConfig:
     def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
         """Build from a flat mapping (dotted keys for tables); unknown keys are errors."""
         flat = flatten(values)
+        if "link" in flat:  # ``link = "5g"`` is shorthand for ``link.profile = "5g"``
+            if "link.profile" in flat:
+                raise ConfigError("give the link profile once: 'link' or 'link.profile'")
+            flat["link.profile"] = flat.pop("link")
         names = {f.name for f in fields(cls)}
         hints = get_type_hints(cls)
         coerced = {}
@@ -239,11 +272,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, except for keys whose value is itself a dict
-    (``*_kwargs``), which stay tables."""
+    (``*_kwargs``, and ``compression`` as a per-layer policy), which stay tables."""
     out: dict[str, Any] = {}
     for key, value in values.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and not name.endswith("_kwargs"):
+        if isinstance(value, Mapping) and not (name.endswith("_kwargs") or name in _DICT_KEYS):
             out.update(flatten(value, f"{name}."))
         else:
             out[name] = dict(value) if isinstance(value, Mapping) else value
@@ -309,8 +342,25 @@ def _allowed_types(hint: Any) -> tuple[type, ...]:
 
 
 def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -> None:
+    if isinstance(spec, Mapping):
+        if not spec:
+            raise ConfigError(
+                "compression as a per-layer table needs at least one 'pattern = spec' entry, "
+                "e.g. {\"fc3.*\" = \"fp16\", \"*\" = \"int8+ef\"}"
+            )
+        for pattern, sub in spec.items():
+            if not isinstance(pattern, str) or not isinstance(sub, str) or sub == "auto":
+                raise ConfigError(
+                    f"compression table entry {pattern!r} = {sub!r}: each entry maps a "
+                    "parameter-name glob to a spec string such as 'int8+ef' ('auto' is "
+                    "only allowed for the whole model)"
+                )
+            _check_compression(sub, strategy, optimizer_kwargs)
+        return
     if not isinstance(spec, str):
         raise ConfigError(f"compression must be a spec string such as 'topk:0.01+ef', got {spec!r}")
+    if spec == "auto":
+        return
     from sparktrain.compress.base import build, split_spec
 
     comp = build(spec)
@@ -339,7 +389,9 @@ def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -
 
 
 # Fields that live in a TOML table: the table name, then the key.
-_TABLES = ("parallelism",)
+_TABLES = ("parallelism", "link")
+# Keys whose value may itself be a table (kept whole, not flattened into dotted keys).
+_DICT_KEYS = ("compression",)
 
 
 def _dotted(name: str) -> str:
