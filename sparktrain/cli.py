@@ -5,7 +5,11 @@
     sparktrain bench ps --world 2 --epochs 10 --json PATH
     sparktrain bench compression --json PATH
     sparktrain bench mllib --json PATH
+    sparktrain bench train --workloads digits synthetic --links none 5g --out docs/results
+    sparktrain bench report [--check]
     sparktrain bench pipeline --stages 2 4 --micro-batches 8 --json PATH
+    sparktrain bench scaling --worlds 1 2 4 --links none 5g --out docs/results
+    sparktrain bench overlap --strategies ring ps --out docs/results
 
 A training config is a TrainConfig (top-level keys) plus a ``[job]`` table that says what
 to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`` and
@@ -98,8 +102,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from sparktrain.bench.mllib import main as bench_mllib
 
         return bench_mllib(args)
+    if args.what == "train":
+        from sparktrain.bench.train import main as bench_train
+
+        return bench_train(args)
+    if args.what == "report":
+        from sparktrain.bench.report import main as bench_report
+
+        return bench_report(args)
+    if args.what == "scaling":
+        from sparktrain.bench.scaling import main as bench_scaling
+
+        return bench_scaling(args)
+    if args.what == "overlap":
+        from sparktrain.bench.overlap import main as bench_overlap
+
+        return bench_overlap(args)
     raise SparkTrainError(
-        f"unknown benchmark {args.what!r}; available: allreduce, ps, compression, mllib, pipeline"
+        f"unknown benchmark {args.what!r}; available: allreduce, ps, compression, mllib, "
+        "train, report, pipeline, scaling, overlap"
     )
 
 
@@ -142,10 +163,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_mllib_arguments(
         bench_sub.add_parser("mllib", help="tree_aggregate vs MLlib's MLP (L-BFGS) on digits")
     )
+    from sparktrain.bench.train import add_arguments as add_train_arguments
+
+    add_train_arguments(
+        bench_sub.add_parser(
+            "train", help="every strategy x compressor vs TorchDistributor and MLlib, same run"
+        )
+    )
+    from sparktrain.bench.report import add_arguments as add_report_arguments
+
+    add_report_arguments(
+        bench_sub.add_parser("report", help="regenerate README's results section from the JSON")
+    )
     from sparktrain.bench.pipeline import add_arguments as add_pipeline_arguments
 
     add_pipeline_arguments(
         bench_sub.add_parser("pipeline", help="GPipe vs 1F1B: step time, activation memory")
+    )
+    from sparktrain.bench.scaling import add_arguments as add_scaling_arguments
+
+    add_scaling_arguments(
+        bench_sub.add_parser(
+            "scaling", help="worlds 1, 2, 4 measured; alpha-beta predictions to 1024 workers"
+        )
+    )
+    from sparktrain.bench.overlap import add_arguments as add_overlap_arguments
+
+    add_overlap_arguments(
+        bench_sub.add_parser("overlap", help="step time with overlap on/off, ring and ps")
     )
     bench.set_defaults(func=cmd_bench)
     return parser

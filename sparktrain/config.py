@@ -191,6 +191,10 @@ class TrainConfig:
         _one_of("parallelism.balance", self.parallelism_balance, ("time", "params"))
         if not isinstance(self.max_param_mb, int | float) or self.max_param_mb < 0:
             raise ConfigError(f"max_param_mb={self.max_param_mb!r} must be >= 0 (0 = no cap)")
+        if isinstance(self.compression, Mapping) and (
+            self.strategy not in ("ring", "tree", "auto") or self.parallelism_pipeline > 1
+        ):
+            single_spec(self.compression, self.strategy)  # raises, saying what to do
         _one_of("link.profile", self.link_profile, LINK_PROFILES)
         for key in ("bandwidth_mbit", "rtt_ms", "jitter_ms"):
             value = getattr(self, f"link_{key}")
@@ -339,6 +343,20 @@ def _allowed_types(hint: Any) -> tuple[type, ...]:
     if origin is not None:
         return (origin,) if isinstance(origin, type) and origin.__module__ == "builtins" else ()
     return (hint,) if isinstance(hint, type) else ()
+
+
+def single_spec(compression: str | Mapping[str, str], strategy: str) -> str:
+    """``compression`` as one spec string; a per-layer table is refused with an error that
+    says which strategies take one (ring and tree: they bucket gradients by layer; the
+    parameter server, tree_aggregate and pipeline stages compress whole shards or
+    payloads)."""
+    if isinstance(compression, Mapping):
+        raise ConfigError(
+            "compression is a per-layer table, which only strategy='ring' or 'tree' (without "
+            f"a pipeline) accepts; strategy={strategy!r} compresses whole parameter shards or "
+            "payloads, not layers: give one spec string, e.g. compression='int8+ef'"
+        )
+    return compression
 
 
 def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -> None:

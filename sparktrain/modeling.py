@@ -6,7 +6,10 @@ stage starts) and the workers (which build the same objects for real).
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -76,17 +79,101 @@ _LOSSES: dict[str, type[nn.Module]] = {
     "bce_with_logits": nn.BCEWithLogitsLoss,
 }
 
+WEIGHTED_LOSS_HELP = (
+    "sample weights need one loss per row: use a named loss (cross_entropy, mse, "
+    "bce_with_logits), a torch loss module (e.g. torch.nn.HuberLoss()), or a callable with "
+    "a `reduction` keyword that returns one loss per row for reduction='none' (as "
+    "torch.nn.functional losses do); or drop the weight column"
+)
 
-def build_loss(loss: str | LossFn, kwargs: dict[str, Any]) -> LossFn:
-    """A mean-reduced loss: by name with keyword arguments, or the user's callable."""
-    if callable(loss):
-        return loss
+
+class Loss:
+    """A training loss: ``loss(out, target)`` is the mean loss of the batch, exactly the
+    configured torch loss; ``loss(out, target, weight)`` is the weighted batch loss
+    ``sum_i weight_i * l_i / n`` over the batch's ``n`` rows.
+
+    ``l_i`` is row ``i``'s loss as torch computes it with ``reduction="none"``, averaged
+    over any non-batch dimensions (so with all weights 1 the weighted loss equals the mean
+    loss of a named loss without class weights). The divisor is ``n``, not the batch's
+    weight sum: the driver has divided the weights by their mean over the training data
+    (``launch/prepare.py``), which makes the gradient of the whole training set exactly
+    that of ``sum w_i l_i / sum w_i`` and keeps the workers' sample-count averaging exact
+    (README: "Sample weights"). Loss-specific per-row factors (``CrossEntropyLoss``'s
+    class ``weight``, ``BCEWithLogitsLoss``'s ``weight``/``pos_weight``) multiply the
+    sample weight; rows skipped by ``ignore_index`` count in ``n`` with loss 0.
+
+    Per-row losses come from a copy of the loss module with ``reduction="none"``, or, for a
+    plain callable, from calling it with ``reduction="none"`` (``torch.nn.functional``
+    style). A callable without a ``reduction`` keyword cannot be weighted:
+    :func:`check_weighted_loss` refuses it on the driver.
+    """
+
+    def __init__(self, mean: Callable[..., torch.Tensor], name: str) -> None:
+        self.mean = mean
+        self.name = name
+        self._per_row: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        if isinstance(mean, nn.modules.loss._Loss):
+            per_row = copy.copy(mean)  # shares buffers (class weights), not the reduction
+            per_row.reduction = "none"
+            self._per_row = per_row
+        elif _accepts_reduction(mean):
+            self._per_row = functools.partial(mean, reduction="none")
+
+    @property
+    def supports_weights(self) -> bool:
+        """Can this loss give one value per row (and so take sample weights)?"""
+        return self._per_row is not None
+
+    def __call__(
+        self, out: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if weight is None:
+            result: torch.Tensor = self.mean(out, target)
+            return result
+        if self._per_row is None:
+            raise ConfigError(f"loss {self.name}: {WEIGHTED_LOSS_HELP}")
+        per_row = self._per_row(out, target)
+        n = int(weight.shape[0])
+        if per_row.ndim == 0 or per_row.shape[0] != n:
+            raise ConfigError(
+                f"loss {self.name} returned shape {tuple(per_row.shape)} for reduction='none' "
+                f"on a batch of {n} rows; {WEIGHTED_LOSS_HELP}"
+            )
+        if per_row.ndim > 1:
+            per_row = per_row.reshape(n, -1).mean(dim=1)
+        return (per_row * weight.to(per_row.dtype)).sum() / n
+
+
+def _accepts_reduction(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` take a ``reduction`` keyword (torch.nn.functional's convention)?"""
     try:
-        return _LOSSES[loss](**kwargs)
-    except KeyError:
-        raise ConfigError(f"loss={loss!r} unknown; allowed: {', '.join(_LOSSES)}") from None
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return "reduction" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
+
+
+def build_loss(loss: str | LossFn, kwargs: dict[str, Any]) -> Loss:
+    """The training loss (see :class:`Loss`): by name with keyword arguments (mean
+    reduction), or the user's callable, which must return the mean loss of a batch."""
+    if callable(loss):
+        return Loss(loss, getattr(loss, "__name__", type(loss).__name__))
+    if loss not in _LOSSES:
+        raise ConfigError(f"loss={loss!r} unknown; allowed: {', '.join(_LOSSES)}")
+    try:
+        return Loss(_LOSSES[loss](**kwargs), repr(loss))
     except TypeError as exc:
         raise ConfigError(f"loss_kwargs {kwargs} do not fit loss {loss!r}: {exc}") from exc
+
+
+def check_weighted_loss(loss: str | LossFn, kwargs: dict[str, Any]) -> None:
+    """On the driver, before any task: can ``loss`` take sample weights? Raises a
+    ConfigError that says what to use instead."""
+    built = build_loss(loss, kwargs)
+    if not built.supports_weights:
+        raise ConfigError(f"loss {built.name} cannot take sample weights: {WEIGHTED_LOSS_HELP}")
 
 
 def is_classification(loss: str | LossFn) -> bool:

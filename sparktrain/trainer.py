@@ -34,6 +34,7 @@ from sparktrain.modeling import (
     build_loss,
     build_model,
     build_optimizer,
+    check_weighted_loss,
     resolve_model_fn,
 )
 from sparktrain.worker.context import JobSpec
@@ -90,6 +91,7 @@ class Trainer:
         self.model_fn = model_fn
         self.config = config or TrainConfig()
         self.config.validate()
+        _check_auto(self.config)
         self.model_kwargs = dict(model_kwargs or {})
         self._spark = spark
         self._fault_plan = fault_plan  # test-only: see sparktrain.worker.faults
@@ -100,6 +102,7 @@ class Trainer:
         features_col: str = "features",
         label_col: str = "label",
         validation_data: Any = None,
+        weight_col: str | None = None,
     ) -> TrainResult:
         """Train on ``data`` and return the model, history and summary.
 
@@ -107,6 +110,9 @@ class Trainer:
         Vector) and a numeric label column, or an RDD of ``(features, label)`` pairs.
         ``validation_data`` (same kind) is evaluated after every epoch; without it,
         ``config.validation_fraction`` of each partition is held out.
+        ``weight_col`` (DataFrames only) names a numeric column of sample weights ``>= 0``:
+        the objective becomes the weighted mean loss ``sum w_i l_i / sum w_i`` (the
+        reported training loss too); validation metrics stay unweighted.
         """
         started = time.perf_counter()
         cfg = self.config
@@ -115,7 +121,11 @@ class Trainer:
         if cfg.strategy != "tree_aggregate":  # the only strategy without our own sockets
             check_transport_security(sc, cfg.allow_unencrypted)
             check_can_launch(sc, cfg.num_workers)
-        prepared = prepare(data, validation_data, features_col, label_col, cfg.num_workers)
+        if weight_col:  # before any Spark job: can the loss take sample weights?
+            check_weighted_loss(cfg.loss, dict(cfg.loss_kwargs))
+        prepared = prepare(
+            data, validation_data, features_col, label_col, cfg.num_workers, weight_col
+        )
         model, num_outputs = self._check_model(prepared.feature_width)
         from sparktrain.parallel.pipeline import check_param_cap
 
@@ -212,6 +222,11 @@ class Trainer:
             stage_s=time.perf_counter() - launched,
         )
         result.summary.update(restarts=restarts, steps_redone=steps_redone)
+        if "auto" in result.summary:
+            auto = result.summary["auto"]
+            log.info(
+                "auto chose %s + %s: %s", auto["strategy"], auto["compression"], auto["reason"]
+            )
         if ps is not None:
             ps.finish(result)  # the server's parameters are the model; its stats join the summary
         return result
@@ -281,6 +296,23 @@ class Trainer:
             raise
         except Exception as exc:  # Py4J / PythonException wrapping a task's error
             raise WorkerError.from_spark(exc) from exc
+
+
+def _check_auto(cfg: TrainConfig) -> None:
+    """``auto`` is decided inside the barrier stage by a probe of the workers' links
+    (:mod:`sparktrain.worker.probe`), choosing ring or tree and a compressor; say so
+    before any Spark job when the config asks for it where it cannot run."""
+    if cfg.compression == "auto" and cfg.strategy in ("ps", "tree_aggregate"):
+        raise ConfigError(
+            f"compression='auto' is chosen inside the barrier stage for the ring or tree "
+            f"allreduce; with strategy={cfg.strategy!r} give a compressor (e.g. 'fp16', "
+            "'topk:0.01+ef') or 'none', or use strategy='auto'"
+        )
+    if cfg.parallelism_pipeline > 1 and "auto" in (cfg.strategy, cfg.compression):
+        raise ConfigError(
+            "strategy/compression 'auto' do not combine with parallelism.pipeline > 1: "
+            "give strategy='ring' and a compression spec"
+        )
 
 
 def _resume_step(store: CheckpointStore | None, resume: bool) -> int | None:
@@ -400,4 +432,26 @@ def stage_summary(
         "replicas_in_sync": replicas_in_sync,
         "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
         "config": cfg.to_dict(),
+        # strategy/compression "auto": what the stage-start probe chose and why
+        **({"auto": stats[0]["auto"]} if "auto" in stats[0] else {}),
+        **_sync_summary(stats),
     }
+
+
+def _sync_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Overlap and per-spec compression figures from the ranks' StepSync stats (only the
+    keys the strategy reported)."""
+    from sparktrain.worker.sync import by_spec
+
+    out: dict[str, Any] = {}
+    first = stats[0]
+    for key in ("overlap", "compression_path"):
+        if key in first:
+            out[key] = first[key]
+    launched = [s[k] for s in stats for k in ("buckets_launched_in_backward",) if k in s]
+    if launched:
+        out["buckets_launched_in_backward"] = sum(launched)
+    buckets = [b for s in stats for b in s.get("compression_buckets", [])]
+    if buckets:
+        out["compression_by_spec"] = by_spec(buckets)
+    return out

@@ -20,13 +20,25 @@ recipe (SGD lr 0.1, momentum 0.9, batch 32) by every compressor, with and withou
 feedback, on the ring and on the synchronous parameter server, each on its own
 ``local[world]`` session stage. ``topk:0.01+ef:momentum=0.9`` is DGC's momentum
 correction: momentum applied before compression (and masked where sent), the optimizer's
-momentum set to 0. For each run: final test accuracy, its gap to the uncompressed run of
-the same model, strategy and world, wire bytes (everything every sender put on the wire,
-headers included), the effective ratio ``raw / wire`` (raw = what the uncompressed
-exchange sends), and on the PS the push and pull ratios apart (pulls are exact unless
-the spec starts with ``delta+``). Targets (issue 5) are checked and printed; a 450-image
-test set makes one image 0.22 pp, so gaps below that are noise-free only for near-
-lossless compressors.
+momentum set to 0; ``sign:chunk=32+ef:momentum=0.9`` likewise moves the momentum into
+the error-feedback loop (unmasked for a dense compressor), which ``sign`` needs to train
+at this recipe's lr (see :mod:`sparktrain.compress.sign`). For each run: final test
+accuracy, its gap to the uncompressed run of the same model, strategy and world, wire
+bytes (everything every sender put on the wire, headers included), the effective ratio
+``raw / wire`` (raw = what the uncompressed exchange sends), and on the PS the push and
+pull ratios apart (pulls are exact unless the spec starts with ``delta+``). Targets
+(issue 5) are checked and printed; a 450-image test set makes one image 0.22 pp, so gaps
+below that are noise-free only for near-lossless compressors.
+
+Per-layer policies (``--per-layer``, ring, first of ``--worlds``): for each model, the
+uniform runs (``none``, ``--safe``, ``int8+ef``, ``--aggressive``), then one run per layer
+with only that layer under ``--aggressive`` (its accuracy drop is the layer's
+sensitivity), then the mixed policy that keeps the sensitive layers (drop >=
+``--sensitive-pp``, and the most sensitive one in any case) in ``--safe`` and sends
+every other parameter with ``--aggressive``::
+
+    sparktrain bench compression --per-layer --json runs/per_layer.json \
+        [--aggressive topk:0.01+ef] [--safe fp16] [--sensitive-pp 0.5]
 """
 
 from __future__ import annotations
@@ -104,6 +116,7 @@ QUALITY_SPECS = [
     "topk:0.01+ef:momentum=0.9",
     "sign",
     "sign+ef",
+    "sign:chunk=32+ef:momentum=0.9",
 ]
 PS_ONLY_SPECS = ["delta+int8+ef"]
 TARGETS = {  # spec -> (max gap in pp, min wire-byte reduction or None)
@@ -114,6 +127,7 @@ TARGETS = {  # spec -> (max gap in pp, min wire-byte reduction or None)
     "topk:0.01+ef": (1.0, 25.0),
     "topk:0.01+ef:momentum=0.9": (1.0, 25.0),
     "sign+ef": (1.0, None),
+    "sign:chunk=32+ef:momentum=0.9": (1.0, None),
 }
 RECIPE: dict[str, Any] = {
     "batch_size": 32,
@@ -126,26 +140,33 @@ RECIPE: dict[str, Any] = {
 }
 
 
+def policy_label(table: dict[str, str]) -> str:
+    """A per-layer table as one readable string: ``{0.*: fp16, *: topk:0.01+ef}``."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in table.items()) + "}"
+
+
 def quality_run(
     spark: Any,
     frames: tuple[Any, Any],
     model: str,
     strategy: str,
-    spec: str,
+    spec: str | dict[str, str],
     world: int,
     epochs: int,
 ) -> dict[str, Any]:
-    """One training run; its figures as a JSON-able record."""
+    """One training run; its figures as a JSON-able record. ``spec`` may be a per-layer
+    table (:mod:`sparktrain.compress.policy`)."""
     from sparktrain import TrainConfig, Trainer
     from sparktrain.compress.base import build
 
-    comp = build(spec)
+    specs = [spec] if isinstance(spec, str) else list(spec.values())
     kwargs = dict(RECIPE["optimizer_kwargs"])
-    if getattr(comp, "momentum", 0.0):
+    if any(getattr(build(s), "momentum", 0.0) for s in specs):
         kwargs["momentum"] = 0.0  # DGC: the compressor applies the momentum
+    recipe = dict(RECIPE)
     overrides: dict[str, Any] = {"ps_mode": "sync", "ps_shards": 2} if strategy == "ps" else {}
     cfg = TrainConfig(
-        **{**RECIPE, "optimizer_kwargs": kwargs},
+        **{**recipe, "optimizer_kwargs": kwargs},
         **overrides,
         strategy=strategy,
         compression=spec,
@@ -159,7 +180,8 @@ def quality_run(
         "model": model,
         "strategy": "ps-sync" if strategy == "ps" else strategy,
         "world": world,
-        "spec": spec,
+        "spec": spec if isinstance(spec, str) else policy_label(spec),
+        "lr": float(recipe["lr"]),
         "accuracy": float(s["metric_value"]),
         "wire_bytes": int(s["wire_bytes"]),
         "raw_bytes": int(s["bytes_sent"]),
@@ -293,6 +315,92 @@ def quality_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- per-layer
+def layer_groups(model: str) -> list[tuple[str, int]]:
+    """``(layer prefix, elements)`` of a bench model, in parameter order: ``0.weight``
+    and ``0.bias`` form layer ``0``."""
+    import importlib
+
+    module, _, fn = QUALITY_MODELS[model].partition(":")
+    net = getattr(importlib.import_module(module), fn)()
+    groups: dict[str, int] = {}
+    for name, p in net.named_parameters():
+        prefix = name.rpartition(".")[0] or name
+        groups[prefix] = groups.get(prefix, 0) + p.numel()
+    return list(groups.items())
+
+
+def mixed_policy(
+    sensitivity: dict[str, float], aggressive: str, safe: str, threshold_pp: float
+) -> dict[str, str]:
+    """The layers whose accuracy drop reaches ``threshold_pp`` — and the most sensitive
+    one in any case — keep ``safe``; every other parameter gets ``aggressive``."""
+    worst = max(sensitivity, key=lambda k: sensitivity[k])
+    keep = [k for k, v in sensitivity.items() if v >= threshold_pp or k == worst]
+    table = {f"{k}.*": safe for k in keep}
+    table["*"] = aggressive
+    return table
+
+
+def per_layer_main(args: argparse.Namespace) -> int:
+    """Per-layer sensitivity and one mixed policy against the uniform ones (ring)."""
+    from sparktrain import datasets
+    from sparktrain.session import get_or_create_session
+
+    world = args.worlds[0]
+    split = datasets.digits()
+    spark = get_or_create_session(f"local[{world}]", app_name="sparktrain-bench-per-layer")
+    frames = (
+        datasets.to_dataframe(spark, split.x_train, split.y_train, world),
+        datasets.to_dataframe(spark, split.x_test, split.y_test, world),
+    )
+    quality_run(spark, frames, "mlp", "ring", "none", world, 1)  # warm-up
+    records: list[dict[str, Any]] = []
+
+    def run(model: str, spec: str | dict[str, str], role: str, layer: str = "") -> dict[str, Any]:
+        rec = quality_run(spark, frames, model, "ring", spec, world, args.epochs)
+        rec["role"], rec["layer"] = role, layer
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        return rec
+
+    for model in args.models:
+        base = run(model, "none", "uniform")
+        for spec in dict.fromkeys([args.safe, "int8+ef", args.aggressive]):
+            run(model, spec, "uniform")
+        sensitivity = {}
+        for layer, _ in layer_groups(model):
+            rec = run(model, {f"{layer}.*": args.aggressive, "*": "none"}, "sensitivity", layer)
+            sensitivity[layer] = 100.0 * (base["accuracy"] - rec["accuracy"])
+        run(
+            model, mixed_policy(sensitivity, args.aggressive, args.safe, args.sensitive_pp), "mixed"
+        )
+    spark.stop()
+    add_gaps(records)
+    print(per_layer_table(records))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(records, indent=1) + "\n")
+        print(f"records written to {path}")
+    return 0
+
+
+def per_layer_table(records: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | run | policy | accuracy | drop (pp) | wire MB | reduction |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        role = r["role"] + (f" ({r['layer']})" if r.get("layer") else "")
+        lines.append(
+            f"| {r['model']} | {role} | `{r['spec']}` | {r['accuracy']:.4f} "
+            f"| {r.get('gap_pp', 0.0):+.2f} | {r['wire_bytes'] / 1e6:.2f} "
+            f"| {r.get('reduction', 1.0):.1f}x |"
+        )
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quality",
@@ -313,9 +421,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--models", nargs="+", default=["mlp", "cnn"], choices=sorted(QUALITY_MODELS)
     )
     parser.add_argument("--strategies", nargs="+", default=["ring", "ps"], choices=["ring", "ps"])
+    parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="per-layer sensitivity (ring) and one mixed policy against the uniform ones",
+    )
+    parser.add_argument(
+        "--aggressive", default="topk:0.01+ef", help="--per-layer: the spec tried per layer"
+    )
+    parser.add_argument("--safe", default="fp16", help="--per-layer: sensitive layers' spec")
+    parser.add_argument(
+        "--sensitive-pp",
+        type=float,
+        default=0.5,
+        help="--per-layer: layers losing at least this many pp stay --safe",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "per_layer", False):
+        return per_layer_main(args)
     if getattr(args, "quality", False):
         return quality_main(args)
     text = args.elements  # "16M" means 16 Mi elements here

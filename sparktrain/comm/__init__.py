@@ -4,6 +4,7 @@ Never imports pyspark: usable (and tested) with plain threads or processes.
 """
 
 from sparktrain.comm.allreduce import ALLREDUCE_ALGOS, Allreduce, make_allreduce
+from sparktrain.comm.link import LinkProfile, link_from_config, link_profile
 from sparktrain.comm.ring import RingAllreduce
 from sparktrain.comm.tree import TreeAllreduce
 from sparktrain.comm.wire import (
@@ -38,12 +39,15 @@ __all__ = [
     "AsyncSender",
     "CommStats",
     "Connection",
+    "LinkProfile",
     "Mesh",
     "RingAllreduce",
     "TreeAllreduce",
     "accept",
     "address_of",
     "connect",
+    "link_from_config",
+    "link_profile",
     "make_allreduce",
     "open_listener",
     "parse_address",

@@ -16,6 +16,9 @@ module. The rules (see DESIGN.md, "The wire"):
 * Every socket has a timeout; a peer that dies, hangs or resets surfaces as
   :class:`~sparktrain.errors.PeerLostError` naming its rank.
 * Every byte is counted in a :class:`CommStats`.
+* A connection given a ``link`` (:mod:`sparktrain.comm.link`) emulates a slow link: its
+  sends are paced at the link's bandwidth and stamped with a delivery time (in the
+  header's flags and last shape slot) that the receiver waits for.
 
 Executor-side code: this module never imports pyspark.
 """
@@ -39,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from sparktrain.comm.link import LinkProfile, LinkShaper
 from sparktrain.errors import (
     CommError,
     ConfigError,
@@ -83,9 +87,14 @@ DIAL_TIMEOUT_FRACTION = 0.5
 _FRAME_MAGIC = b"STF1"
 _HELLO_MAGIC = b"STH1"
 _MAC_DOMAIN = b"sparktrain-v1"
-# magic, kind, dtype code, ndim, reserved, seq, payload length, shape[MAX_NDIM]
+# magic, kind, dtype code, ndim, flags, seq, payload length, shape[MAX_NDIM]
 _HEADER = struct.Struct("<4sBBBBQQ" + "Q" * MAX_NDIM)
 HEADER_BYTES = _HEADER.size
+# Flag: the last shape slot carries the frame's delivery time on an emulated link
+# (time.time_ns(); see comm/link.py). Receivers ignore unused shape slots, so the
+# stamp needs no new header field; 8-D shapes are sent with their last two dims merged.
+_FLAG_STAMPED = 1
+_STAMP_FIELD = 7 + MAX_NDIM - 1
 # magic, protocol version, reserved, claimed rank, nonce
 _HELLO = struct.Struct("<4sHHi32s")
 _MAC_BYTES = 32
@@ -326,6 +335,7 @@ class Connection:
         stats: CommStats,
         timeout: float,
         max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+        link: LinkProfile | None = None,
     ) -> None:
         self._sock = sock
         self.peer_rank = peer_rank
@@ -342,7 +352,13 @@ class Connection:
         self._recv_header = bytearray(HEADER_BYTES)
         self._recv_header_view = memoryview(self._recv_header)
         self._closed = False
+        self._closing = threading.Event()  # wakes link-emulation waits on close()
         self._loss: str | None = None  # why the connection died, repeated by later calls
+        self.shaper: LinkShaper | None = None
+        """The emulated link this side's sends cross (``link`` given), else ``None``."""
+        if link is not None and not link.unshaped:
+            self.shaper = LinkShaper(link, seed=(link.seed, my_rank + 2, peer_rank + 2))
+        self._recv_due_ns = 0  # delivery stamp of the frame being received (0: none)
         try:
             self.send_buffer_bytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         except OSError:
@@ -400,13 +416,31 @@ class Connection:
     # ----------------------------------------------------------------- sending
 
     def _frame_header(
-        self, kind: int, code: int, shape: Sequence[int], nbytes: int, seq: int
+        self, kind: int, code: int, shape: Sequence[int], nbytes: int, seq: int, due_ns: int = 0
     ) -> bytearray:
-        dims = list(shape) + [0] * (MAX_NDIM - len(shape))
+        dims = list(shape)
+        flags = 0
+        if due_ns > 0:
+            if len(dims) == MAX_NDIM:  # free the stamp's slot; the element count is kept
+                dims[-2:] = [dims[-2] * dims[-1]]
+            flags = _FLAG_STAMPED
+        ndim = len(dims)
+        dims += [0] * (MAX_NDIM - ndim)
+        if due_ns > 0:
+            dims[-1] = due_ns
         _HEADER.pack_into(
-            self._send_header, 0, _FRAME_MAGIC, kind, code, len(shape), 0, seq, nbytes, *dims
+            self._send_header, 0, _FRAME_MAGIC, kind, code, ndim, flags, seq, nbytes, *dims
         )
         return self._send_header
+
+    def _pause(self, until: float) -> float:
+        """Sleep until monotonic time ``until`` or until the connection closes; returns
+        the seconds slept (bounded: ``until`` comes from the link model)."""
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            return 0.0
+        self._closing.wait(remaining)
+        return max(0.0, remaining - max(0.0, until - time.monotonic()))
 
     def _send_frame(
         self, kind: int, code: int, shape: Sequence[int], payload: memoryview, raw: int
@@ -419,8 +453,17 @@ class Connection:
                 f"refusing to send a {nbytes}-byte frame to rank {self.peer_rank}: the cap is "
                 f"{self.max_frame_bytes} bytes; send it in smaller pieces"
             )
+        shaper = self.shaper
+        release = 0.0
         with self._send_lock:
-            header = self._frame_header(kind, code, shape, nbytes, self._send_seq)
+            due_ns = 0
+            if shaper is not None:
+                # Book the frame on the emulated link and stamp its delivery time; the
+                # bytes go out now and the receiver holds them until then (comm/link.py).
+                booking = shaper.book(HEADER_BYTES + nbytes)
+                release = booking.release
+                due_ns = time.time_ns() + max(1, round((booking.due - time.monotonic()) * 1e9))
+            header = self._frame_header(kind, code, shape, nbytes, self._send_seq, due_ns)
             sock = self._sock
             try:
                 # One syscall for header + payload (scatter-gather), then finish off
@@ -443,6 +486,9 @@ class Connection:
                 raise self._lost(f"sending a {nbytes}-byte frame", exc) from exc
             self._send_seq += 1
         self.stats.add_sent(HEADER_BYTES + nbytes, raw, 1)
+        if shaper is not None:
+            # Outside the send lock, so an abort notice can still go out meanwhile.
+            shaper.add_hold(self._pause(release))
 
     def send_array(self, arr: np.ndarray, kind: int = KIND_DATA) -> None:
         """Send one C-contiguous array as a frame, from its memory (no copy).
@@ -546,7 +592,7 @@ class Connection:
     def _check_header(self, kind: int | None) -> tuple[int, int, int, tuple[int, ...]]:
         """Validate the header in ``_recv_header``; returns (kind, code, length, shape)."""
         fields = _HEADER.unpack(self._recv_header)
-        magic, got_kind, code, ndim, _, seq, length = fields[:7]
+        magic, got_kind, code, ndim, flags, seq, length = fields[:7]
         if magic != _FRAME_MAGIC:
             raise self._bad_frame(f"bad magic {bytes(magic)!r} (not a sparktrain frame)")
         if seq != self._recv_seq:
@@ -573,8 +619,45 @@ class Connection:
             count *= dim
         if count * dtype.itemsize != length:
             raise self._bad_frame(f"shape {shape} of {dtype} does not match length {length}")
+        self._recv_due_ns = 0
+        if flags & _FLAG_STAMPED:
+            if ndim == MAX_NDIM:
+                raise self._bad_frame("a delivery stamp in a frame whose shape uses every slot")
+            self._recv_due_ns = fields[_STAMP_FIELD]
         self._recv_seq += 1
         return got_kind, code, length, shape
+
+    def _await_delivery(self, length: int) -> None:
+        """Hold the frame just read until its stamped delivery time (emulated link).
+
+        Bounded: at most the comm timeout plus the frame's worst case under this side's
+        own link profile, so a skewed clock or a bogus stamp cannot hang the receiver.
+        """
+        due_ns, self._recv_due_ns = self._recv_due_ns, 0
+        if due_ns <= 0:
+            return
+        wait = (due_ns - time.time_ns()) / 1e9
+        if wait <= 0:
+            return
+        shaper = self.shaper
+        cap = self.timeout
+        if shaper is not None:
+            cap += shaper.profile.max_delivery_s(HEADER_BYTES + length)
+        if wait > cap:
+            log.warning(
+                "rank %d: a frame from rank %d is stamped %.3g s ahead; holding it %.3g s "
+                "(do the hosts' clocks differ?)",
+                self.my_rank,
+                self.peer_rank,
+                wait,
+                cap,
+            )
+            wait = cap
+        slept = self._pause(time.monotonic() + wait)
+        if shaper is not None:
+            shaper.add_wait(slept)
+        if self._closed:
+            raise self._lost("holding a frame on the emulated link", None)
 
     def recv_into(self, out: np.ndarray, kind: int = KIND_DATA) -> None:
         """Receive one frame straight into ``out`` (C-contiguous, writable): no copy.
@@ -621,6 +704,7 @@ class Connection:
             raise self._bad_frame(f"{length} payload bytes, expected {nbytes}")
         if got < HEADER_BYTES + nbytes:
             self._recv_exact(payload[got - HEADER_BYTES :], f"reading a {nbytes}-byte payload")
+        self._await_delivery(length)
         self.stats.add_recv(0, 1)
 
     def recv_bytes(self, kind: int | None = None, max_bytes: int = 16 << 20) -> tuple[int, bytes]:
@@ -642,6 +726,7 @@ class Connection:
         payload = bytearray(length)
         if length:
             self._recv_exact(memoryview(payload), f"reading a {length}-byte payload")
+        self._await_delivery(length)
         self.stats.add_recv(0, 1)
         return got_kind, bytes(payload)
 
@@ -650,6 +735,7 @@ class Connection:
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
@@ -779,8 +865,11 @@ def connect(
     timeout: float,
     stats: CommStats,
     max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+    link: LinkProfile | None = None,
 ) -> Connection:
     """Dial ``address`` and run the client side of the handshake.
+
+    ``link`` emulates a slow link on this side's sends (see :mod:`sparktrain.comm.link`).
 
     Connection-refused is retried until ``timeout`` elapses (the peer's listener may
     not be accepting yet); the dial and the handshake share that deadline. Raises
@@ -838,6 +927,7 @@ def connect(
         stats=stats,
         timeout=timeout,
         max_frame_bytes=max_frame_bytes,
+        link=link,
     )
 
 
@@ -901,6 +991,7 @@ def accept(
     stats: CommStats,
     max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
     expect_rank: int | None = None,
+    link: LinkProfile | None = None,
 ) -> Connection:
     """Accept one connection on ``listener`` and run the server side of the handshake.
 
@@ -914,7 +1005,8 @@ def accept(
     :class:`HandshakeError` is raised; callers serving many clients catch it and keep
     accepting. If nobody connects in time: :class:`PeerLostError` naming
     ``expect_rank`` if given, else :class:`AcceptTimeout` (a ``CommError`` that is
-    also a ``TimeoutError``).
+    also a ``TimeoutError``). ``link`` emulates a slow link on this side's sends (see
+    :mod:`sparktrain.comm.link`).
     """
     _check_secret(secret)
     if timeout <= 0:
@@ -953,6 +1045,7 @@ def accept(
         stats=stats,
         timeout=timeout,
         max_frame_bytes=max_frame_bytes,
+        link=link,
     )
 
 
@@ -1055,6 +1148,9 @@ class Mesh:
     connection so that neighbours fail at once instead of waiting for their timeout,
     and makes every later call raise the same, original error.
 
+    ``link`` emulates a slow link on every connection of the mesh (see
+    :mod:`sparktrain.comm.link`); ``None`` leaves them unshaped.
+
     The mesh owns ``listener`` once constructed (:meth:`close` closes it). Run one
     collective at a time per mesh: connections carry sequenced frames, so two
     threads interleaving collectives on the same peers would corrupt both.
@@ -1072,6 +1168,7 @@ class Mesh:
         timeout: float,
         stats: CommStats | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+        link: LinkProfile | None = None,
     ) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -1095,6 +1192,8 @@ class Mesh:
         self.timeout = timeout
         self.stats = stats if stats is not None else CommStats()
         self.max_frame_bytes = max_frame_bytes
+        self.link = link
+        """The emulated link every connection's sends cross (``None``: unshaped)."""
         self._listener = listener
         self._secret = bytes(secret)
         self._job_id = job_id
@@ -1184,6 +1283,7 @@ class Mesh:
             stats=self.stats,
             timeout=self.timeout,
             max_frame_bytes=self.max_frame_bytes,
+            link=self.link,
         )
         with self._cond:
             if self._closed or rank in self._conns:
@@ -1263,6 +1363,7 @@ class Mesh:
                     timeout=max(dial_deadline - time.monotonic(), 0.001),
                     stats=self.stats,
                     max_frame_bytes=self.max_frame_bytes,
+                    link=self.link,
                 )
             except CommError as exc:
                 errors[peer] = exc

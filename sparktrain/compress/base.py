@@ -13,9 +13,9 @@ Spec grammar
     fp16                      -                                    summable
     bf16                      -                                    summable
     int8                      chunk=N (1024), stochastic           per-chunk fp32 scales
-    topk        ratio         ratio=R, sampled, sample=S (0.01)    fp32 values + int32 idx
+    topk        ratio         ratio=R, sampled, sample=S (0.01)    fp32 values + u16/i32 idx
     randomk     ratio         ratio=R                              shared seed: summable
-    sign                      -                                    1 bit/value + one scale
+    sign                      chunk=N (0: one scale per bucket)    1 bit/value + fp32 scales
     powersgd    rank          rank=R (1), warm (on) / cold         summable factors
     delta                     -                                    prefix: delta+<base>
     ef                        reset=N (0 = never), momentum=M      suffix: <base>+ef
@@ -217,6 +217,7 @@ _CODES: dict[np.dtype[Any], int] = {
     np.dtype(np.float16): 6,
     np.dtype(np.float32): 7,
     np.dtype(np.float64): 8,
+    np.dtype(np.uint16): 9,
 }
 _DTYPES: dict[int, np.dtype[Any]] = {code: dt for dt, code in _CODES.items()}
 MAX_PARTS = 16
@@ -322,7 +323,7 @@ _REGISTRY: dict[str, Factory] = {}
 _WRAPPERS = ("delta", "ef")
 FORMS = (
     "none, fp16, bf16, int8[:chunk=N,stochastic], topk:R[,sampled][,sample=S], randomk:R, "
-    "sign, powersgd:R[,cold], optionally prefixed by delta+ and/or suffixed by "
+    "sign[:chunk=N], powersgd:R[,cold], optionally prefixed by delta+ and/or suffixed by "
     "+ef[:reset=N][,momentum=M] "
     "(e.g. topk:0.01+ef, int8+ef, powersgd:2+ef, delta+int8)"
 )

@@ -6,23 +6,44 @@ keeps one :class:`~sparktrain.compress.base.BucketState` per bucket and picks a 
 
 - *summable* compressors (fp16, bf16, randomk, powersgd) reduce inside the ring/tree in
   compressed form: ``2 (n - 1) / n`` payloads per rank on the ring;
-- the others (int8, topk, sign) are *all-gathered* — each rank sends ``n - 1`` payloads
-  (ring: around the ring; tree: recursive doubling) — and every rank decodes and adds
-  all of them, its own included, in rank order. This is the only exact path for sparse
-  payloads; for int8/sign a decompress-add-recompress ring would move ``2 (n - 1) / n``
-  payloads (fewer for n >= 3, equal at n = 2) at the price of re-quantising partial sums
-  with errors no error feedback sees; we take exactness, and say so in the summary.
+- the others are *all-gathered* — each rank sends ``n - 1`` payloads (ring: around the
+  ring; tree: recursive doubling) — and every rank decodes and adds all of them, its own
+  included, in rank order. Exact, and the only path for sparse payloads (top-k: the
+  union of index sets would grow hop by hop);
+- dense non-summable ones (int8, sign) on the ring from world 3 take the
+  *decompress-add-recompress* ring (``"recompress"``): a reduce-scatter whose hops decode
+  the partial sum, add their own segment and re-encode it, then an all-gather of the
+  finished segments, ``2 (n - 1) / n`` payloads per rank. Each re-encoding loses a little;
+  with ``+ef`` the rank that re-encoded puts that loss in its own residual, so the sum of
+  what all ranks delivered still equals the sum of their inputs minus the residuals.
+
+:func:`path_for` picks the path with the fewest predicted payload bytes per rank
+(:func:`path_bytes`; all-gather ``(n - 1) P``, ring ``2 (n - 1) / n P`` for a payload of
+``P`` bytes); a tie goes to the all-gather, the exact path. ``CompressedAllreduce.path``
+holds the choice and the step statistics report it (``compression_path``):
+
+==============  ===========  ===========  ===========  ============
+compressor      world 2      world 3      world 4      tree (any)
+==============  ===========  ===========  ===========  ============
+fp16/bf16       reduce       reduce       reduce       reduce
+randomk         reduce       reduce       reduce       reduce
+powersgd        reduce       reduce       reduce       reduce
+int8, sign      allgather    recompress   recompress   allgather
+topk            allgather    allgather    allgather    allgather
+==============  ===========  ===========  ===========  ============
 
 Bitwise agreement: every rank ends with identical bits, because each rank applies the
-same decoded bytes with the same ops in the same order (all-gather), or holds the bytes
-the ring/tree made identical before decoding them (summable).
+same decoded bytes with the same ops in the same order (all-gather, and the finished
+segments of the recompress ring), or holds the bytes the ring/tree made identical before
+decoding them (summable).
 
 The weighting rule: the sample count never goes through a compressor. Buckets carry
 ``n_r g_r``; bucket 0's count is remembered for the step's other buckets and put in each
 bucket's state (``ef.scale``) so that error feedback keeps its residual per sample (see
 :mod:`sparktrain.compress.feedback`: otherwise a short last batch diverges). On the all-gather
-path it rides in each message header (float64) and the counts are summed exactly; on
-the summable path a one-element float64 SUM follows bucket 0.
+path it rides in each message header (float64) and the counts are summed exactly (on the
+recompress ring, hop by hop in the reduce-scatter's headers); on the summable path a
+one-element float64 SUM follows bucket 0.
 
 Byte accounting: compressed frames use ``KIND_PAYLOAD``, so the wire counts them in
 ``wire_bytes_sent`` only, and each call adds to ``raw_bytes_sent`` what the plain
@@ -37,36 +58,85 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparktrain.comm.ring import KIND_PAYLOAD, RingAllreduce, ring_raw_bytes_sent
+from sparktrain.comm.ring import (
+    KIND_PAYLOAD,
+    RingAllreduce,
+    ring_allgather,
+    ring_raw_bytes_sent,
+    ring_segments,
+)
 from sparktrain.comm.tree import TreeAllreduce, tree_raw_bytes_sent
+from sparktrain.comm.wire import HEADER_BYTES
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
+    Ctx,
     decode_message,
     encode_message,
     message_nbytes,
 )
-from sparktrain.compress.feedback import SCALE
+from sparktrain.compress.feedback import SCALE, ErrorFeedback
 from sparktrain.errors import CommError, ConfigError
 
+RECOMPRESSIBLE = ("int8", "sign")
+"""Dense compressors whose payloads may be decoded, added to and re-encoded hop by hop
+(a top-k payload may not: the union of index sets grows along the ring)."""
 
-def path_for(comp: Compressor) -> str:
-    """``"reduce"`` (inside the ring/tree) or ``"allgather"``."""
-    return "reduce" if comp.summable else "allgather"
+
+def _inner(comp: Compressor) -> Compressor:
+    """The core compressor under ``+ef``."""
+    return comp.inner if isinstance(comp, ErrorFeedback) else comp
+
+
+def recompressible(comp: Compressor) -> bool:
+    """Whether the decompress-add-recompress ring applies to ``comp``."""
+    return not comp.summable and _inner(comp).spec.partition(":")[0] in RECOMPRESSIBLE
+
+
+def path_bytes(comp: Compressor, numel: int, world: int, algo: str = "ring") -> dict[str, float]:
+    """Predicted compressed payload bytes one rank sends per bucket, for each path
+    ``comp`` may take at this world size (message headers left out)."""
+    if world <= 1:
+        return {"reduce" if comp.summable else "allgather": 0.0}
+    payload = comp.payload_nbytes(numel)
+    if comp.summable:
+        if algo == "ring":
+            return {"reduce": 2 * (world - 1) / world * payload}
+        rounds = (1 << (world.bit_length() - 1)).bit_length() - 1
+        return {"reduce": float(rounds * payload)}
+    out = {"allgather": float((world - 1) * payload)}
+    if algo == "ring" and recompressible(comp):
+        # reduce-scatter and all-gather each send n - 1 of the n segments' payloads
+        segs = [b - a for a, b in ring_segments(numel, world)]
+        out["recompress"] = float(2 * sum(comp.payload_nbytes(m) for m in segs[1:]))
+    return out
+
+
+def path_for(comp: Compressor, world: int = 2, algo: str = "ring") -> str:
+    """The path that moves the fewest bytes: ``"reduce"`` (summable, inside the
+    ring/tree), ``"allgather"`` or ``"recompress"`` (decompress-add-recompress ring).
+
+    Ties go to the all-gather, which is exact: at world 2 both move one payload, and
+    the ring would re-quantise the partial sums (and send two frames instead of one).
+    """
+    options = path_bytes(comp, 1 << 20, world, algo)
+    best = min(options.values())
+    for name in ("reduce", "allgather", "recompress"):
+        if name in options and options[name] <= best:
+            return name
+    raise AssertionError(options)  # unreachable: options is never empty
 
 
 def bytes_per_rank(comp: Compressor, numel: int, world: int, algo: str = "ring") -> float:
     """Compressed payload bytes one rank sends per bucket on the chosen path (for docs,
     the bench and tests)."""
-    payload = comp.payload_nbytes(numel)
     if world == 1:
         return 0.0
-    if path_for(comp) == "allgather":
-        return float((world - 1) * payload)
-    if algo == "ring":
-        return 2 * (world - 1) / world * payload
-    rounds = (1 << (world.bit_length() - 1)).bit_length() - 1
-    return float(rounds * payload)
+    return path_bytes(comp, numel, world, algo)[path_for(comp, world, algo)]
+
+
+RING_SLOT = "recompress.segments"
+INLINE_MAX_BYTES = 512 << 10
 
 
 class CompressedAllreduce:
@@ -83,7 +153,8 @@ class CompressedAllreduce:
         self.mesh = algo.mesh
         self.seed = seed
         self.states: dict[int, BucketState] = {}
-        self.path = path_for(comp)
+        algo_name = "ring" if isinstance(algo, RingAllreduce) else "tree"
+        self.path = path_for(comp, algo.mesh.world_size, algo_name)
         self._count = 1.0
 
     def _raw_bytes(self, length: int, itemsize: int) -> int:
@@ -128,6 +199,8 @@ class CompressedAllreduce:
         try:
             if self.path == "reduce":
                 total_count = self._reduce(grads, state, count)
+            elif self.path == "recompress":
+                total_count = self._recompress(grads, state, count)
             else:
                 total_count = self._allgather(grads, state, count)
         except CommError as exc:  # malformed payloads included: fail every rank now
@@ -157,11 +230,97 @@ class CompressedAllreduce:
         # a peer's message may be longer than ours (sampled top-k), never than raw floats
         limit = max(blob.nbytes, message_nbytes((), ctx) + 16 * numel + 4096)
         blobs = self.algo.allgather(blob, limit)
-        acc = torch.zeros(numel, dtype=grads.dtype)
+        # the payload is encoded, so the bucket itself can be the accumulator: no fresh
+        # buffer (a page fault per 4 KiB for large buckets) and no copy back
+        acc = grads.reshape(-1)
+        acc.zero_()
         total = 0.0
         for data in blobs:
             part, part_ctx, part_count = decode_message(data, numel)
             self.comp.add_into(acc, part, part_ctx)
             total += part_count
-        grads.copy_(acc)
         return total
+
+    def _recompress(self, grads: torch.Tensor, state: BucketState, count: float | None) -> float:
+        """Decompress-add-recompress ring: a reduce-scatter in which every hop decodes
+        the partial sum it receives, adds its own segment (uncompressed) and encodes the
+        result for the next hop, then a ring all-gather of the finished segments, each
+        encoded once by the rank that finished it. Every rank decodes all finished
+        segments, its own included, so all end with the same bits.
+
+        Each encoding loses ``p - D(C(p))`` of the partial sum ``p``. With ``+ef`` the
+        rank that encoded it adds that loss to its own residual, so the error-feedback
+        identity holds for the sum over ranks: nothing is lost, only delayed. The sample
+        count rides in the message headers and is summed along the reduce-scatter.
+        """
+        comp = self.comp
+        ef = comp if isinstance(comp, ErrorFeedback) else None
+        inner = _inner(comp)
+        if ef is not None:
+            x, scale = ef._input(grads, state)
+        else:
+            x, scale = grads.detach().reshape(-1).to(torch.float32), 1.0
+        err = torch.zeros_like(x) if ef is not None else None
+        mesh = self.mesh
+        n, r = mesh.world_size, mesh.rank
+        segs = ring_segments(x.numel(), n)
+        # one state per segment: a segment's scratch buffers keep their size
+        subs = state.slots.get(RING_SLOT)
+        if not isinstance(subs, list) or len(subs) != n:
+            subs = [
+                BucketState(key=state.key * 4096 + k, seed=state.seed, stream=state.stream)
+                for k in range(n)
+            ]
+            state.slots[RING_SLOT] = subs
+
+        def encode(k: int, values: torch.Tensor, carried: float) -> np.ndarray:
+            payload, ctx = inner.compress(values, subs[k])
+            if err is not None:
+                a, b = segs[k]
+                err[a:b].add_(values).sub_(inner.decompress(payload, ctx))
+            return encode_message(payload, ctx, carried)
+
+        def limit(k: int) -> int:
+            a, b = segs[k]
+            return message_nbytes((), Ctx(b - a)) + 16 * (b - a) + 4096
+
+        mine = 0.0 if count is None else float(count)
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        mesh.connect_all((nxt, prv))
+        send_conn, recv = mesh.connection(nxt), mesh.connection(prv)
+        big = min(INLINE_MAX_BYTES, send_conn.send_buffer_bytes // 4)
+        sender = mesh.sender(nxt) if x.numel() // n + HEADER_BYTES > big else None
+        put = send_conn.send_array if sender is None else sender.put
+        # reduce-scatter: step 0 sends our own segment r; the partial sum of segment
+        # (r - s - 1) arrives at step s, and at the last step segment r + 1 is complete
+        a, b = segs[r]
+        put(encode(r, x[a:b], mine), KIND_PAYLOAD)
+        finished = np.zeros(0, dtype=np.uint8)
+        for step in range(n - 1):
+            k = (r - step - 1) % n
+            _, data = recv.recv_bytes(KIND_PAYLOAD, max_bytes=limit(k))
+            a, b = segs[k]
+            payload, ctx, carried = decode_message(np.frombuffer(data, dtype=np.uint8), b - a)
+            partial = inner.decompress(payload, ctx).add_(x[a:b])
+            blob = encode(k, partial, carried + mine)
+            if step < n - 2:
+                put(blob, KIND_PAYLOAD)
+            else:
+                finished = blob
+        if sender is not None:
+            sender.flush()
+        # all-gather: rank j's blob is segment j + 1
+        blobs = ring_allgather(mesh, finished, max(limit(k) for k in range(n)))
+        total = 0.0
+        out = grads.reshape(-1)
+        for j, done in enumerate(blobs):
+            k = (j + 1) % n
+            a, b = segs[k]
+            payload, ctx, carried = decode_message(done, b - a)
+            out[a:b].copy_(inner.decompress(payload, ctx))
+            total = carried  # every finished segment carries the full count
+        if ef is not None and err is not None:
+            # residual = err (kept per sample); a rank with no samples this step has no
+            # unit to keep it in, so its re-encoding errors (of others' sums) are dropped
+            ef._keep(state, x, x - err, scale)
+        return total if count is not None else 0.0

@@ -5,14 +5,23 @@ optimizer; every round is one ordinary Spark job.
    tuples -> numpy for an RDD, with the same checks as the barrier path), validation rows
    split off, and kept as one :class:`~sparktrain.launch.rounds_worker.Block` per
    partition with ``persist(MEMORY_AND_DISK)``. No round converts or validates again.
-2. **Round** (many): the weights are broadcast as one flat float32 numpy buffer; each
+   There is no job of its own for this: the first round materialises the cache and also
+   reports every partition's row counts (the *sizing round*, ``RoundSpec.size_slots``),
+   from which the driver learns ``rounds_per_epoch``; that round is round 0 of epoch 0
+   whatever ``rounds_per_epoch`` turns out to be. (Resuming from a checkpoint needs
+   ``rounds_per_epoch`` before the first training round, so there the sizing round trains
+   nothing.)
+2. **Round** (many): the weights travel as one flat float32 numpy buffer — inside the
+   round's task closure when they are at most ``CLOSURE_WEIGHTS_MAX_BYTES`` (a broadcast
+   costs a driver-side file, a block-manager registration and a destroy: measured ~30 ms a
+   round here, about a quarter of a small model's round), else as a broadcast; each
    partition computes its contribution (``local_steps=1``: ``n_p`` times its mean-loss
    gradient over one mini-batch of ``batch_size``; ``local_steps=k``: ``n_p`` times its
    model delta after ``k`` local optimizer steps); ``RDD.treeAggregate(depth=
    aggregation_depth)`` sums them; the driver divides by ``N = sum(n_p)`` and either steps
    its optimizer with the gradient of the mean loss over the round's global mini-batch (the
    ring's semantics) or adds the sample-weighted mean delta to the weights (FedAvg, server
-   learning rate 1). The broadcast is destroyed after its round.
+   learning rate 1). A round's broadcast is destroyed after its round.
 
 An **epoch** is one pass of every partition over its own training rows: each partition
 shuffles its rows with the seed ``(seed, partition, epoch)`` (as a ring rank does) and
@@ -48,6 +57,7 @@ deeper tree are in Spark's shuffle figures), and ``spark_result_bytes`` /
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -70,6 +80,7 @@ from sparktrain.launch.rounds_worker import (
     EVAL_ROWS,
     EVAL_TOTAL,
     LOSS_SUM,
+    NUM_STATS,
     RAW_BYTES,
     SAMPLES,
     WIRE_BYTES,
@@ -97,7 +108,11 @@ log = logging.getLogger(__name__)
 
 # Spark's status store keeps the last spark.ui.retainedStages (1000) stages: read it often.
 VOLUME_POLL_ROUNDS = 100
-_ENCODED_DDL = "part int, x binary, y binary, v binary"
+# Weights up to this size ride in each round's task closure instead of a broadcast. A
+# closure is pickled once per job and shipped with every task, so this trades a
+# broadcast's fixed cost for P copies of the weights: worth it for small models only.
+CLOSURE_WEIGHTS_MAX_BYTES = 1 << 20
+_ENCODED_DDL = "part int, x binary, y binary, v binary, w binary"
 
 
 # ---------------------------------------------------------------------- data, cached once
@@ -117,6 +132,7 @@ def cache_blocks(prepared: PreparedData, cfg: TrainConfig, num_outputs: int) -> 
                     np.frombuffer(r.x, dtype=np.float32).reshape(-1, width),
                     np.frombuffer(r.y, dtype=np.float64),
                     np.frombuffer(r.v, dtype=np.bool_),
+                    None if r.w is None else np.frombuffer(r.w, dtype=np.float64),
                 )
                 for r in rows
             ]
@@ -151,6 +167,7 @@ def _arrow_encoder(width: int) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
                     "x": pa.array([data.x.tobytes()], pa.binary()),
                     "y": pa.array([data.y.tobytes()], pa.binary()),
                     "v": pa.array([data.is_val.tobytes()], pa.binary()),
+                    "w": pa.array([None if data.w is None else data.w.tobytes()], pa.binary()),
                 }
             )
 
@@ -158,17 +175,7 @@ def _arrow_encoder(width: int) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
 
 
 def _concat(parts: list[PartitionData], width: int) -> PartitionData:
-    if not parts:
-        return PartitionData(
-            np.zeros((0, width), np.float32), np.zeros(0, np.float64), np.zeros(0, bool)
-        )
-    if len(parts) == 1:
-        return parts[0]
-    return PartitionData(
-        np.concatenate([p.x for p in parts]),
-        np.concatenate([p.y for p in parts]),
-        np.concatenate([p.is_val for p in parts]),
-    )
+    return PartitionData.concat(parts, width)  # carries sample weights too
 
 
 def _block_builder(cfg: TrainConfig, num_outputs: int) -> Callable[[int, PartitionData], Block]:
@@ -258,22 +265,39 @@ class SparkVolume:
 
 # ---------------------------------------------------------------------- one round
 class RoundRunner:
-    """Runs rounds over the cached blocks: broadcast weights, treeAggregate, unbroadcast."""
+    """Runs rounds over the cached blocks: weights out (in the closure or a broadcast),
+    treeAggregate, unbroadcast. ``spec`` may be replaced between rounds (the sizing round
+    runs with a spec of its own)."""
 
-    def __init__(self, sc: SparkContext, blocks: RDD[Block], spec: RoundSpec) -> None:
+    def __init__(
+        self,
+        sc: SparkContext,
+        blocks: RDD[Block],
+        spec: RoundSpec,
+        closure_max_bytes: int = CLOSURE_WEIGHTS_MAX_BYTES,
+    ) -> None:
         self.sc = sc
         self.blocks = blocks
         self.spec = spec
+        self.closure_max_bytes = closure_max_bytes
         self.broadcast_bytes = 0
+        self.closure_bytes = 0
         self.rounds = 0
 
     def run(
         self, weights: np.ndarray, round_index: int, train: bool = True, evaluate: bool = False
     ) -> tuple[np.ndarray | None, np.ndarray]:
         """The summed contribution of every partition: (decoded vector or None, stats)."""
-        handle = self.sc.broadcast(weights)
-        self.broadcast_bytes += weights.nbytes
         spec = self.spec
+        handle: Any
+        if weights.nbytes <= self.closure_max_bytes:
+            # pickled with the closure when the job is submitted, i.e. inside
+            # treeAggregate below: the caller may reuse its buffer after we return
+            handle, broadcast = weights, None
+            self.closure_bytes += weights.nbytes
+        else:
+            handle = broadcast = self.sc.broadcast(weights)
+            self.broadcast_bytes += weights.nbytes
         try:
             out = self.blocks.treeAggregate(
                 None,
@@ -282,10 +306,11 @@ class RoundRunner:
                 depth=spec.config.aggregation_depth,
             )
         finally:
-            handle.destroy(blocking=False)
+            if broadcast is not None:
+                broadcast.destroy(blocking=False)
         self.rounds += 1
         if out is None:
-            return None, zero_stats()
+            return None, zero_stats(spec.size_slots)
         payload, stats = out
         return (spec.codec.decode(payload) if payload is not None else None), stats
 
@@ -317,39 +342,65 @@ def run_rounds(
     blocks = cache_blocks(prepared, cfg, num_outputs)
     model_handle = None
     try:
-        sc.setJobGroup(f"{group}-cache", "sparktrain tree_aggregate: convert and cache the data")
+        partitions = blocks.getNumPartitions()
+        model_handle = sc.broadcast(dumps(model))
+        sizing = RoundSpec(
+            job_id=job_id,
+            config=cfg,
+            model=model_handle,
+            rounds_per_epoch=0,  # not known until this round reports the row counts
+            evaluate_on_validation=False,
+            threads=cfg.threads_per_worker or task_cpus(sc),
+            task_hook=task_hook,
+            size_slots=partitions,
+        )
+        runner = RoundRunner(sc, blocks, sizing)
+        # The first round converts and caches the data, reports every partition's row
+        # counts and (unless resuming, which must know rounds_per_epoch first) trains:
+        # one Spark job where a separate sizing job used to cost one more job overhead.
+        # It runs in a group of its own: its shuffle is the input's repartition, not ours.
+        sc.setJobGroup(f"{group}-cache", "sparktrain tree_aggregate: cache the data, round 0")
+        resuming = bool(cfg.resume and cfg.checkpoint_dir)
+        first_volume = SparkVolume(sc, f"{group}-cache")
+        params = [p for p in model.parameters() if p.requires_grad]
+        first_weights = flatten(params)
+        t = time.perf_counter()
         try:
-            sizes = sorted(blocks.map(lambda b: (b.index, b.train.size, b.val.size)).collect())
+            first_vec, first_stats = runner.run(first_weights, 0, train=not resuming)
         except SparkTrainError:
             raise
         except Exception as exc:
             raise WorkerError.from_spark(exc) from exc
+        first_s = time.perf_counter() - t
+        log.debug("tree_aggregate: first round (cache + sizing) took %.2f s", first_s)
         cache_s = time.perf_counter() - launched
-        train_rows = [s[1] for s in sizes]
-        world_train, world_val = sum(train_rows), sum(s[2] for s in sizes)
+        sized = first_stats[NUM_STATS:]
+        train_rows = [int(n) for n in sized[:partitions]]
+        val_rows = [int(n) for n in sized[partitions : 2 * partitions]]
+        first_stats = first_stats[:NUM_STATS]
+        world_train, world_val = sum(train_rows), sum(val_rows)
         if world_train == 0:
             raise DataError("the training data is empty on every partition")
         k = cfg.local_steps
         rounds_per_epoch = max(1, math.ceil(max(train_rows) / (cfg.batch_size * k)))
-
-        model_handle = sc.broadcast(dumps(model))
-        spec = RoundSpec(
-            job_id=job_id,
-            config=cfg,
-            model=model_handle,
+        runner.spec = dataclasses.replace(
+            sizing,
             rounds_per_epoch=rounds_per_epoch,
             evaluate_on_validation=world_val > 0,
-            threads=cfg.threads_per_worker or task_cpus(sc),
-            task_hook=task_hook,
+            size_slots=0,
         )
         sc.setJobGroup(group, f"sparktrain tree_aggregate {job_id}: rounds")
         volume = SparkVolume(sc, group)
-        runner = RoundRunner(sc, blocks, spec)
         loop = _Loop(
-            model, cfg, runner, display, volume, world_train, len(sizes), world_val > 0, started
+            model, cfg, runner, display, volume, world_train, partitions, world_val > 0, started
         )
+        if not resuming:
+            loop.first_round = (first_weights, first_vec, first_stats)
         train_s = loop.train()
         volume.poll(final=True)
+        first_volume.poll(final=True)
+        # the first round's payloads are task results like every other round's
+        volume.result_bytes += first_volume.result_bytes
     finally:
         display.close()
         blocks.unpersist(blocking=False)
@@ -361,10 +412,11 @@ def run_rounds(
     history = loop.history
     last = history[-1]
     rounds = runner.rounds
+    timed_rounds = max(1, rounds - 1)  # the first round's time is in cache_s, not train_s
     summary: dict[str, Any] = {
         "strategy": cfg.strategy,
         "compression": cfg.compression,
-        "world_size": len(sizes),
+        "world_size": partitions,
         "epochs": cfg.epochs,
         "train_samples": world_train,
         "train_rows_per_worker": train_rows,
@@ -389,10 +441,11 @@ def run_rounds(
         "rounds_per_epoch": rounds_per_epoch,
         "local_steps": k,
         "aggregation_depth": cfg.aggregation_depth,
-        "rounds_per_s": rounds / train_s if train_s > 0 else 0.0,
-        "round_overhead_s": loop.overhead_s / rounds if rounds else 0.0,
+        "rounds_per_s": timed_rounds / train_s if train_s > 0 else 0.0,
+        "round_overhead_s": loop.overhead_s / timed_rounds,
         "broadcast_bytes": runner.broadcast_bytes,
-        "cache_s": cache_s,
+        "closure_weight_bytes": runner.closure_bytes,
+        "cache_s": cache_s,  # conversion + caching, within the first round's job
         **volume.as_dict(),
     }
     summary["compression_ratio"] = (
@@ -448,6 +501,8 @@ class _Loop:
         self.raw_bytes = 0.0
         self.wire_bytes = 0.0
         self._pending: dict[str, Any] | None = None  # last epoch, waiting for its metric
+        # round 0, already run by the sizing job: (weights, vector, stats)
+        self.first_round: tuple[np.ndarray, np.ndarray | None, np.ndarray] | None = None
         self._last_step_report = 0.0
         self.store = (
             CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
@@ -493,6 +548,12 @@ class _Loop:
         )
 
     def _round(self, index: int, train: bool, evaluate: bool) -> tuple[np.ndarray | None, Any]:
+        if index == 0 and self.first_round is not None:  # run already, by the sizing job
+            weights, vec, stats = self.first_round
+            self.first_round = None
+            self.weights[:] = weights
+            # its time is mostly conversion and caching (summary's cache_s), not overhead
+            return self._account(vec, stats, float(stats[COMPUTE_S]), evaluate)
         flatten(self.params, self.weights)
         t = time.perf_counter()
         try:
@@ -501,7 +562,12 @@ class _Loop:
             raise
         except Exception as exc:
             raise WorkerError.from_spark(exc) from exc
-        self.overhead_s += max(0.0, time.perf_counter() - t - float(stats[COMPUTE_S]))
+        return self._account(vec, stats, time.perf_counter() - t, evaluate)
+
+    def _account(
+        self, vec: np.ndarray | None, stats: np.ndarray, seconds: float, evaluate: bool
+    ) -> tuple[np.ndarray | None, Any]:
+        self.overhead_s += max(0.0, seconds - float(stats[COMPUTE_S]))
         self.raw_bytes += float(stats[RAW_BYTES])
         self.wire_bytes += float(stats[WIRE_BYTES])
         if self.runner.rounds % VOLUME_POLL_ROUNDS == 0:

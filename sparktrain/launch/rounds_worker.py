@@ -15,7 +15,10 @@ round number, and returns a *contribution* that ``RDD.treeAggregate`` sums:
   sample-weighted mean delta (FedAvg),
 
 and ``stats`` a float64 vector ``[samples, loss sum, eval total, eval rows, raw bytes,
-encoded bytes, compute s]`` (all add up but the last, which is a max).
+encoded bytes, compute s]`` (all add up but the last, which is a max). The job's first
+round also sizes the data (``RoundSpec.size_slots = P``): partition ``p`` writes its train
+and validation row counts into slots ``NUM_STATS + p`` and ``NUM_STATS + P + p``, so the
+sum holds every partition's sizes and no separate Spark job is needed to learn them.
 
 The model is built once per Python worker process and job (a module-level cache keyed by
 the job id); every round only copies the broadcast weights into it.
@@ -41,7 +44,7 @@ import copy
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,6 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.comm.link import emulate_task_transfer
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
@@ -181,9 +185,14 @@ class CompressedCodec:
         return int(np.asarray(payload).nbytes)
 
 
-def make_codec(compression: str) -> PayloadCodec:
+def make_codec(compression: str | Mapping[str, str]) -> PayloadCodec:
     """The codec for a ``compression`` spec (``delta+`` is refused: contributions are fresh
-    every round)."""
+    every round; so is a per-layer table: a contribution is one flat vector)."""
+    if not isinstance(compression, str):
+        raise ValueError(
+            "tree_aggregate compresses each partition's flat vector with one spec; give one "
+            "spec such as 'int8+ef' instead of a per-layer table"
+        )
     parts = split_spec(compression)
     if parts.delta:
         raise ValueError(
@@ -258,8 +267,9 @@ def assign_grads(params: Sequence[nn.Parameter], vec: np.ndarray) -> None:
 
 
 # ---------------------------------------------------------------------- contributions
-def zero_stats() -> np.ndarray:
-    return np.zeros(NUM_STATS, dtype=np.float64)
+def zero_stats(size_slots: int = 0) -> np.ndarray:
+    """An empty stats vector (plus ``2 * size_slots`` row-count slots in a sizing round)."""
+    return np.zeros(NUM_STATS + 2 * size_slots, dtype=np.float64)
 
 
 def merge(
@@ -309,6 +319,9 @@ class RoundSpec:
     evaluate_on_validation: bool
     threads: int = 1
     task_hook: Callable[[int, int], None] | None = field(default=None, compare=False)
+    # > 0 only in the sizing round (the job's first): the number of partitions whose row
+    # counts the stats carry; that round's rounds_per_epoch is 0 (not known yet)
+    size_slots: int = 0
 
     @property
     def codec(self) -> PayloadCodec:
@@ -392,10 +405,17 @@ def partition_round(
     if spec.task_hook is not None:
         spec.task_hook(block.index, round_index)
     torch.set_num_threads(max(1, spec.threads))
+    # Emulated link (comm/link.py), per task: receiving the weights, not counted as compute.
+    emulate_task_transfer(spec.config, weights.nbytes, block.index, round_index, 0)
     started = time.perf_counter()
     cfg = spec.config
     state = worker_state(spec)
-    stats = zero_stats()
+    stats = zero_stats(spec.size_slots)
+    if spec.size_slots:  # the sizing round: report this partition's row counts
+        if not 0 <= block.index < spec.size_slots:
+            raise ValueError(f"partition {block.index} outside the {spec.size_slots} sized ones")
+        stats[NUM_STATS + block.index] = block.train.size
+        stats[NUM_STATS + spec.size_slots + block.index] = block.val.size
     with state.lock:  # tasks of one job may share a Python worker only one at a time
         assign(state.params, weights)
         if evaluate_first:
@@ -403,7 +423,9 @@ def partition_round(
             stats[EVAL_TOTAL], stats[EVAL_ROWS] = evaluate(state.model, rows, cfg.loss)
         vec = None
         if train:
-            epoch, r = divmod(round_index, spec.rounds_per_epoch)
+            # the sizing round is round 0 of epoch 0, whatever rounds_per_epoch turns out
+            rpe = spec.rounds_per_epoch
+            epoch, r = divmod(round_index, rpe) if rpe else (0, 0)
             batches = state.batches(spec, block, epoch)
             mine = batches[r * cfg.local_steps : (r + 1) * cfg.local_steps]
             if not mine:  # this partition's epoch is over: nothing to send
@@ -425,6 +447,7 @@ def partition_round(
         stats[RAW_BYTES] = vec.nbytes
         stats[WIRE_BYTES] = codec.nbytes(payload)
     stats[COMPUTE_S] = time.perf_counter() - started
+    emulate_task_transfer(cfg, int(stats[WIRE_BYTES]), block.index, round_index, 1)  # the upload
     return payload, stats
 
 
@@ -457,7 +480,8 @@ def _batch(state: _WorkerState, data: PartitionData, idx: np.ndarray, loss: Any)
     x = torch.from_numpy(data.x[idx])
     y = torch.from_numpy(data.y[idx]).to(label_dtype(loss))
     out = state.model(x)
-    result: torch.Tensor = state.loss_fn(out, target_like(y, out))
+    # weighted data: sum w_i l_i / n with driver-normalised weights (modeling.Loss)
+    result: torch.Tensor = state.loss_fn(out, target_like(y, out), data.weights_at(idx))
     return result
 
 

@@ -5,6 +5,12 @@ a validated :class:`~sparktrain.TrainConfig`, the model factory is imported and 
 and one aggregation job checks the features width and the labels, so a wrong column, an
 unimportable ``modelFn`` or a non-integral class label fails at once with a message that
 says what to change — before any barrier stage starts.
+
+``weightCol`` (optional) names a numeric column of sample weights ``>= 0``: the training
+objective is then the weighted mean loss ``sum w_i l_i / sum w_i``, as in MLlib's weighted
+estimators (see :class:`sparktrain.modeling.Loss` and ``launch/prepare.py`` for how the
+workers compute it exactly). The reported training loss is weighted too; the validation
+metric (``validationFraction``) and the model's outputs are not affected by weights.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
         features = _features_as_float_array(dataset, features_col, "fit")
         _check_label_column(dataset, label_col)
+        weight_col = self.getWeightCol() if self.isDefined(self.weightCol) else None
+        if weight_col:
+            _check_weight_column(dataset, weight_col)
 
         # Import and build the model once here: an unimportable modelFn fails before Spark.
         torch.manual_seed(cfg.seed)
@@ -71,7 +80,9 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         self._check_targets(stats, num_outputs)
 
         trainer = Trainer(model_fn, cfg, model_kwargs=model_kwargs, spark=dataset.sparkSession)
-        result = trainer.fit(dataset, features_col=features_col, label_col=label_col)
+        result = trainer.fit(
+            dataset, features_col=features_col, label_col=label_col, weight_col=weight_col or None
+        )
         model = self._create_model()._set_state(
             state_to_bytes(result.model.state_dict()),
             num_features=width,
@@ -86,12 +97,6 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
             raise ConfigError(
                 f"{type(self).__name__}: set modelFn to an importable 'package.module:function' "
                 "model factory, e.g. modelFn='sparktrain.models:mlp'"
-            )
-        if self.isDefined(self.weightCol) and self.getWeightCol():
-            raise ConfigError(
-                f"weightCol={self.getWeightCol()!r}: sample weights are not supported yet (the "
-                "Trainer's losses are unweighted means); unset weightCol, or replicate/sample "
-                "rows by weight before fit"
             )
         if self.getLoss() not in self._allowed_losses:
             raise ConfigError(
@@ -117,7 +122,7 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         return self._set(predictionCol=value)
 
     def setWeightCol(self, value: str) -> Self:
-        """Sets the value of :py:attr:`weightCol` (not supported yet: ``fit`` refuses it)."""
+        """Sets the value of :py:attr:`weightCol` (sample weights; ``""`` or unset: none)."""
         return self._set(weightCol=value)
 
     def setModelFn(self, value: str) -> Self:
@@ -202,7 +207,10 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
     featuresCol, labelCol, predictionCol, probabilityCol, rawPredictionCol : str
         Input and output columns, as in MLlib; an empty output name leaves it out.
     weightCol : str, optional
-        Not supported yet (the training losses are unweighted): ``fit`` raises if set.
+        A numeric column of sample weights ``>= 0`` (not all zero; no nulls, NaN or
+        infinities). The training objective becomes the weighted mean loss
+        ``sum w_i l_i / sum w_i``, as in MLlib's weighted estimators; the reported training
+        loss is weighted, the validation metric is not. Unset (default): every row weighs 1.
     modelFn : str
         Importable model factory ``"package.module:function"`` (required). It must be
         importable on the driver and on every executor.
@@ -448,6 +456,23 @@ def _check_label_column(dataset: DataFrame, label_col: str) -> None:
         raise DataError(
             f"fit: column {label_col!r} (labelCol) has type {ltype.simpleString()}; labels must "
             "be numeric (index string labels with pyspark.ml.feature.StringIndexer)"
+        )
+
+
+def _check_weight_column(dataset: DataFrame, weight_col: str) -> None:
+    """A schema-only check; the values are checked in the Trainer's one weight job."""
+    from pyspark.sql.types import NumericType
+
+    if weight_col not in dataset.columns:
+        raise DataError(
+            f"fit: the input has no weight column {weight_col!r} (weightCol); its columns are "
+            f"{dataset.columns}. Call setWeightCol(...) with a numeric column, or clear it"
+        )
+    wtype = dataset.schema[weight_col].dataType
+    if not isinstance(wtype, NumericType):
+        raise DataError(
+            f"fit: column {weight_col!r} (weightCol) has type {wtype.simpleString()}; sample "
+            "weights must be numeric (cast the column to double)"
         )
 
 

@@ -5,6 +5,9 @@ One ``Has<Name>`` mixin per param, each with a type converter and a default; the
 carries the settings it was trained with). The standard column params (``featuresCol``,
 ``labelCol``, ``predictionCol``, ``probabilityCol``, ``rawPredictionCol``, ``weightCol``,
 ``seed``) are pyspark's own mixins, so evaluators and tuning see the usual names.
+``weightCol`` (unset by default) passes the Trainer's ``weight_col``: sample weights
+``>= 0`` that make the objective the weighted mean loss ``sum w_i l_i / sum w_i`` (MLlib's
+convention); validation metrics stay unweighted.
 
 Defaults come from :class:`~sparktrain.config.TrainConfig`: there is one source of every
 training knob, and :meth:`_TorchParams._train_config` maps the params onto it::

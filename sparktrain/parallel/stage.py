@@ -7,8 +7,9 @@ Data placement. Every task still reads its own Spark partition (``num_workers = 
 partitions) and splits off its validation rows as in data parallel. Once, before
 training, the tasks of a row send their rows over the wire: features to the row's first
 stage, labels to its last stage (in row order, so every stage of a row agrees on the
-row's sample order). Only the first stage then reads features, only the last stage reads
-labels; nothing but activations and activation gradients cross the stage boundaries
+row's sample order; training labels travel with their sample weights, NaN when unweighted).
+Only the first stage then reads features, only the last stage reads labels (and weights);
+nothing but activations and activation gradients cross the stage boundaries
 during training.
 
 Batches. Each row is one data replica: per step it takes ``batch_size`` rows of its
@@ -41,13 +42,19 @@ from torch import nn
 from sparktrain import errors
 from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
 from sparktrain.comm.wire import KIND_DATA
+from sparktrain.config import single_spec
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_optimizer, label_dtype, resolve_model_fn
 from sparktrain.parallel.group import GroupGradientSync, group_allreduce
 from sparktrain.parallel.partition import Partition, as_sequential
 from sparktrain.parallel.schedule import make_schedule
 from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import PartitionData, epoch_batches
+from sparktrain.worker.data import (
+    PartitionData,
+    epoch_batches,
+    split_labels_weights,
+    weights_at,
+)
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
 from sparktrain.worker.loop import _SEEDED_INIT, Record, rendezvous
 
@@ -158,6 +165,7 @@ class _StageRunner:
         self.prev = spec.rank_of(self.stage - 1, self.replica) if not self.first else None
         self.next = spec.rank_of(self.stage + 1, self.replica) if not self.last else None
         self.counters = _Counters()
+        self.w_train: np.ndarray | None = None  # the row's sample weights (last stage)
 
     # ----------------------------------------------------------------- setup
     def _gather_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -172,7 +180,7 @@ class _StageRunner:
                 if arr.size:
                     mesh.sender(first).put(np.ascontiguousarray(arr, dtype=np.float32), KIND_ROWS)
         if not self.last:
-            for arr in (self.train_part.y, ev.y):
+            for arr in (self.train_part.labels_with_weights(), ev.y):
                 if arr.size:
                     mesh.sender(last).put(np.ascontiguousarray(arr, dtype=np.float64), KIND_ROWS)
         empty_x = np.zeros((0, width), np.float32)
@@ -185,22 +193,26 @@ class _StageRunner:
                 for which, n in (("train", self.infos[r]["train"]), ("eval", self.infos[r][key])):
                     if r == me:
                         local = self.train_part if which == "train" else ev
-                        parts[which].append(local.x if features else local.y)
+                        labels = local.labels_with_weights() if which == "train" else local.y
+                        parts[which].append(local.x if features else labels)
                     elif n:
                         buf = (
                             np.empty((n, width), np.float32)
                             if features
-                            else np.empty(n, np.float64)
+                            else np.empty((n, 2) if which == "train" else n, np.float64)
                         )
                         mesh.connection(r).recv_into(buf, KIND_ROWS)
                         parts[which].append(buf)
             cat = np.concatenate
             if features:
                 return cat([empty_x, *parts["train"]]), cat([empty_x, *parts["eval"]])
-            return cat([empty_y, *parts["train"]]), cat([empty_y, *parts["eval"]])
+            empty_yw = np.zeros((0, 2), np.float64)
+            return cat([empty_yw, *parts["train"]]), cat([empty_y, *parts["eval"]])
 
         x_train, x_eval = collect(True) if self.first else (empty_x, empty_x)
         y_train, y_eval = collect(False) if self.last else (empty_y, empty_y)
+        if self.last:
+            y_train, self.w_train = split_labels_weights(y_train)
         for peer in {first, last} - {me}:
             mesh.sender(peer).flush()
         return x_train, x_eval, y_train, y_eval
@@ -291,7 +303,7 @@ class _StageRunner:
                     out = module(inp)
                     if self.last:
                         target = target_like(y_all[torch.from_numpy(micro[i])], out)
-                        raw = loss_fn(out, target)
+                        raw = loss_fn(out, target, weights_at(self.w_train, micro[i]))
                         loss_sum += float(raw.detach()) * n
                         rows += n
                         out = raw * (n / count)
@@ -465,7 +477,7 @@ class _StageRunner:
                 members,
                 params,
                 int(cfg.bucket_mb * (1 << 20)),
-                cfg.compression,
+                single_spec(cfg.compression, "pipeline"),
                 seed=cfg.seed,
             )
         sums_reduce = None

@@ -15,6 +15,20 @@ PowerSGD sees the parameter shapes that fall in the slice) and, for ``delta+`` s
 pull codec that adds the shard's compressed deltas to the worker's copy. A compressed
 push adds the uncompressed slice's bytes to ``raw_bytes_sent`` itself, so the summary's
 ratio compares against what the plain push would have sent.
+
+Overlap (``config.overlap``): the unit of a push is a shard (one push per shard per
+step; the protocol has no partial pushes), so a shard's exchange (push, then pull into
+the flat copy, not the model) starts from a gradient hook as soon as every parameter
+that overlaps its range has its gradient, while backward continues on the earlier
+layers. Shards are contiguous ranges of the flat vector in ``model.parameters()``
+order and backward runs last layer first, so the last shard goes first. With one
+shard (``ps_shards=1``) its gradient is complete only when backward is, so there is
+nothing to overlap; use ``ps_shards >= 2`` to overlap. The model's parameters are
+written only after every exchange is done, in :meth:`ParameterServerSync.step`.
+
+Per-layer compression (a table in ``config.compression``) is refused here: shards cut
+the flat vector at element granularity with one codec per shard, so a layer's spec
+could not be honoured inside a shard. Ring and tree accept a table.
 """
 
 from __future__ import annotations
@@ -26,12 +40,14 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
+from sparktrain.comm.link import LinkProfile, link_from_config
 from sparktrain.comm.wire import DRIVER_RANK, KIND_DATA, CommStats, Connection, Mesh, connect
 from sparktrain.errors import CommError, ConfigError, PeerLostError
 from sparktrain.ps import protocol as P
@@ -43,6 +59,7 @@ from sparktrain.ps.layout import (
     trainable,
     unflatten,
 )
+from sparktrain.worker.buckets import GradientReadiness
 from sparktrain.worker.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -202,11 +219,13 @@ def connect_shards(
     compression: P.Compression | None = None,
     param_shapes: Sequence[tuple[int, ...]] = (),
     seed: int = 0,
+    link: LinkProfile | None = None,
 ) -> list[ShardClient]:
     """Dial every shard in parallel and authenticate; all or nothing.
 
     ``compression`` (default: none) gives each client its own push codec (and pull codec
-    for ``delta+`` specs); ``param_shapes`` lay out the flat vector for PowerSGD.
+    for ``delta+`` specs); ``param_shapes`` lay out the flat vector for PowerSGD;
+    ``link`` emulates a slow link on the pushes (see :mod:`sparktrain.comm.link`).
     """
     ranges = shard_ranges(num_elements, len(addresses))
     clients: list[ShardClient | None] = [None] * len(addresses)
@@ -223,6 +242,7 @@ def connect_shards(
                 peer_rank=DRIVER_RANK,
                 timeout=timeout,
                 stats=stats,
+                link=link,
             )
         except BaseException as exc:  # re-raised below
             errors.append(exc)
@@ -290,6 +310,18 @@ def shard_shapes(
     return tuple(out)
 
 
+def check_compression_table(compression: object, strategy: str = "ps") -> None:
+    """Raise :class:`ConfigError` if ``compression`` is a per-layer table: only the
+    ring and tree strategies accept one (see the module docstring)."""
+    if isinstance(compression, Mapping):
+        raise ConfigError(
+            f"compression is a per-layer table, which only strategy='ring' and "
+            f"strategy='tree' accept; strategy={strategy!r} compresses whole parameter "
+            "shards (or payloads), not layers: give one spec string, e.g. "
+            "compression='int8+ef'"
+        )
+
+
 class ParameterServerSync:
     """``StepSync`` for ``strategy="ps"``: push gradients, pull parameters, every step."""
 
@@ -300,6 +332,8 @@ class ParameterServerSync:
                 "strategy='ps' but the job carries no parameter-server addresses; "
                 "start the job through Trainer.fit"
             )
+        check_compression_table(cfg.compression)
+        assert isinstance(cfg.compression, str)
         compression = P.make_compression(cfg.compression)
         self.rank = ctx.rank
         self.params = trainable(model)
@@ -325,6 +359,7 @@ class ParameterServerSync:
             compression=compression,
             param_shapes=[tuple(p.shape) for p in self.params],
             seed=cfg.seed,
+            link=link_from_config(cfg),
         )
         k = len(self.clients)
         self._pool = (
@@ -332,25 +367,103 @@ class ParameterServerSync:
             if k > 1
             else None
         )
+        self._offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
+        self._count = 0
+        self._futures: dict[int, cf.Future[None]] = {}
+        self._armed = False
+        self._lock = threading.Lock()
+        # overlap needs a second shard to overlap with, and the pool to run it in
+        self.overlap = bool(cfg.overlap) and self._pool is not None
+        self._ready: GradientReadiness | None = None
+        self.launched_in_backward = 0  # shard exchanges started from a gradient hook
         try:
             flatten(self.params, self.flat)
             self._each(lambda c: c.pull(-1, self.flat[c.lo : c.hi]))
             unflatten(self.flat, self.params)
+            self.set_overlap(self.overlap)
         except BaseException:
             self.close()
             raise
 
+    def set_overlap(self, on: bool) -> bool:
+        """Switch overlap on or off between steps (the bench compares both in one run);
+        returns whether it is on (never with a single shard)."""
+        if self._armed:
+            raise RuntimeError("set_overlap between begin_step and step")
+        self.overlap = on and self._pool is not None
+        if self.overlap and self._ready is None:
+            self._ready = GradientReadiness(
+                [self._params_in(c.lo, c.hi) for c in self.clients], self._on_ready
+            )
+        return self.overlap
+
+    def _params_in(self, lo: int, hi: int) -> list[nn.Parameter]:
+        """The parameters that overlap ``[lo, hi)`` of the flat vector."""
+        off = self._offsets
+        return [p for i, p in enumerate(self.params) if off[i] < hi and off[i + 1] > lo]
+
+    def _copy_grads(self, lo: int, hi: int) -> None:
+        """Copy the gradients' elements in ``[lo, hi)`` into ``self.grad`` (a missing
+        gradient is zeros); shards copy disjoint ranges, so threads may run it at once."""
+        out = torch.from_numpy(self.grad)
+        off = self._offsets
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                a, b = max(lo, off[i]), min(hi, off[i + 1])
+                if a >= b:
+                    continue
+                if p.grad is None:
+                    out[a:b].zero_()
+                else:
+                    out[a:b].copy_(p.grad.reshape(-1)[a - off[i] : b - off[i]])
+
+    def _exchange(self, c: ShardClient) -> None:
+        """Push shard ``c``'s gradient slice of this step, pull its new parameters into
+        the flat copy (not the model: backward may still be running)."""
+        step, count = self.step_index, self._count
+        if count > 0:
+            self._copy_grads(c.lo, c.hi)
+        c.push(step, count, self.grad[c.lo : c.hi] if count > 0 else None)
+        c.pull(step, self.flat[c.lo : c.hi])
+
+    def _on_ready(self, index: int) -> None:
+        """Hook callback: shard ``index``'s gradients are final; start its exchange."""
+        assert self._pool is not None
+        with self._lock:
+            if self._armed and index not in self._futures and not self._closed:
+                self._futures[index] = self._pool.submit(self._exchange, self.clients[index])
+                self.launched_in_backward += 1
+
+    def begin_step(self, count: int) -> None:
+        """Arm the gradient hooks for a step of ``count`` samples (overlap only)."""
+        if not self.overlap or self._ready is None:
+            return
+        if self._closed:
+            raise CommError(f"rank {self.rank}: the parameter-server connections are closed")
+        with self._lock:
+            self._count = count
+            self._futures = {}
+            self._armed = True
+        self._ready.arm()
+
     def step(self, count: int) -> None:
         """Push this rank's gradient slices, pull the shards' new parameters."""
         started = time.perf_counter()
-        flatten(self.params, self.grad, grads=True)
-        step = self.step_index
-
-        def exchange(c: ShardClient) -> None:
-            c.push(step, count, self.grad[c.lo : c.hi] if count > 0 else None)
-            c.pull(step, self.flat[c.lo : c.hi])
-
-        self._each(exchange)
+        if self._ready is None or not self._armed:
+            # no overlap, or a step without a batch (begin_step was not called)
+            with self._lock:
+                self._armed = False
+                self._count = count
+                self._futures = {}
+            self._each(self._exchange)
+        else:
+            if count != self._count:
+                raise ValueError(f"begin_step({self._count}) but step({count}) in one step")
+            self._ready.disarm()
+            with self._lock:
+                self._armed = False
+                futures = dict(self._futures)
+            self._each(self._exchange, futures)
         unflatten(self.flat, self.params)
         for p in self.params:
             if p.grad is not None:
@@ -358,15 +471,24 @@ class ParameterServerSync:
         self.step_index += 1
         self._step_s += time.perf_counter() - started
 
-    def _each(self, fn: Callable[[ShardClient], object]) -> None:
-        """Run ``fn`` on every shard concurrently; on the first error close all and raise it."""
+    def _each(
+        self,
+        fn: Callable[[ShardClient], object],
+        started: dict[int, cf.Future[None]] | None = None,
+    ) -> None:
+        """Run ``fn`` on every shard concurrently (those in ``started`` are already
+        running it); on the first error close all and raise it."""
         if self._closed:
             raise CommError(f"rank {self.rank}: the parameter-server connections are closed")
         try:
             if self._pool is None:
                 fn(self.clients[0])
                 return
-            futures = [self._pool.submit(fn, c) for c in self.clients]
+            running = started or {}
+            futures: list[cf.Future[Any]] = [
+                running[i] if i in running else self._pool.submit(fn, c)
+                for i, c in enumerate(self.clients)
+            ]
             # Every request is bounded by the socket timeouts; this bound is a backstop.
             done, pending = cf.wait(
                 futures, timeout=2 * (self.timeout + REPLY_GRACE_S), return_when=cf.FIRST_EXCEPTION
@@ -392,6 +514,8 @@ class ParameterServerSync:
     def stats(self) -> dict[str, Any]:
         """Figures for this rank's stats record."""
         return {
+            "overlap": self.overlap,
+            "ps_shards_launched_in_backward": self.launched_in_backward,
             "ps_steps": self.step_index,
             "ps_step_s": self._step_s,
             "ps_unchanged_pulls": sum(c.unchanged_pulls for c in self.clients),
@@ -402,7 +526,10 @@ class ParameterServerSync:
         """Say goodbye to every shard (clean unless a step or the loop failed) and close."""
         if self._closed:
             return
-        self._closed = True
+        with self._lock:
+            self._closed = True
+        if self._ready is not None:
+            self._ready.remove()
         # Called from the loop's ``finally``: an exception in flight means the loop failed.
         clean = not self._failed and sys.exc_info()[0] is None
         for c in self.clients:

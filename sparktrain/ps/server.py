@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.comm.link import link_from_config
 from sparktrain.comm.wire import (
     DRIVER_RANK,
     HEADER_BYTES,
@@ -67,7 +68,7 @@ from sparktrain.comm.wire import (
     address_of,
     open_listener,
 )
-from sparktrain.config import TrainConfig
+from sparktrain.config import TrainConfig, single_spec
 from sparktrain.errors import CommError, ConfigError, FrameError, HandshakeError
 from sparktrain.modeling import build_optimizer
 from sparktrain.ps import protocol as P
@@ -187,6 +188,7 @@ class Shard:
                     my_rank=DRIVER_RANK,
                     timeout=min(srv.timeout, HANDSHAKE_TIMEOUT_S),
                     stats=self.stats,
+                    link=link_from_config(srv.cfg),
                 )
             except (AcceptTimeout, TimeoutError):
                 continue
@@ -578,7 +580,7 @@ class ParameterServer:
         attempt: int,
         world_size: int | None = None,
     ) -> None:
-        self.compression = P.make_compression(cfg.compression)
+        self.compression = P.make_compression(single_spec(cfg.compression, cfg.strategy))
         self.cfg = cfg
         self.mode = cfg.ps_mode
         self.staleness = cfg.staleness

@@ -3,6 +3,11 @@
 DataFrame partitions arrive as Arrow record batches and become numpy without per-row
 Python work; RDD partitions arrive as ``(features, label)`` tuples. Each worker converts
 its partition once and keeps it for all epochs.
+
+Sample weights (``weight_col``) travel as an optional float64 column :data:`WEIGHT` next
+to the features and labels. The driver has already validated them and divided them by
+their mean over the training rows (``launch/prepare.py``), so a worker only multiplies
+per-sample losses by them (see ``modeling.Loss``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from sparktrain.errors import DataError
 
@@ -20,23 +26,59 @@ from sparktrain.errors import DataError
 FEATURES = "features"
 LABEL = "label"
 IS_VALIDATION = "is_validation"
+WEIGHT = "weight"
 
 
 @dataclass
 class PartitionData:
     """One worker's rows: features ``x`` (n, width) float32, labels ``y`` (n,) float64,
-    and which rows are validation rows."""
+    which rows are validation rows, and optionally the rows' normalised sample weights
+    ``w`` (n,) float64 (``None``: unweighted, every weight 1)."""
 
     x: np.ndarray
     y: np.ndarray
     is_val: np.ndarray
+    w: np.ndarray | None = None
 
     @property
     def size(self) -> int:
         return int(self.x.shape[0])
 
     def select(self, mask: np.ndarray) -> PartitionData:
-        return PartitionData(self.x[mask], self.y[mask], self.is_val[mask])
+        w = None if self.w is None else self.w[mask]
+        return PartitionData(self.x[mask], self.y[mask], self.is_val[mask], w)
+
+    @staticmethod
+    def concat(parts: list[PartitionData], width: int) -> PartitionData:
+        """The rows of ``parts`` in order (weighted when the parts are)."""
+        if not parts:
+            return PartitionData(
+                np.zeros((0, width), np.float32), np.zeros(0, np.float64), np.zeros(0, bool)
+            )
+        if len(parts) == 1:
+            return parts[0]
+        weights = [p.w for p in parts if p.w is not None]
+        if weights and len(weights) != len(parts):
+            raise DataError("cannot concatenate weighted and unweighted rows")
+        return PartitionData(
+            np.concatenate([p.x for p in parts]),
+            np.concatenate([p.y for p in parts]),
+            np.concatenate([p.is_val for p in parts]),
+            np.concatenate(weights) if weights else None,
+        )
+
+    def weights_at(self, idx: np.ndarray | torch.Tensor) -> torch.Tensor | None:
+        """The float32 sample weights of rows ``idx`` (for ``Loss(out, y, weight)``), or
+        ``None`` when the data is unweighted."""
+        return weights_at(self.w, idx)
+
+    def labels_with_weights(self) -> np.ndarray:
+        """``(n, 2)`` float64 ``[label, weight]`` rows (weight NaN when unweighted): how the
+        pipeline ships labels and weights to a row's last stage in one message."""
+        out = np.empty((self.size, 2), np.float64)
+        out[:, 0] = self.y
+        out[:, 1] = np.nan if self.w is None else self.w
+        return out
 
     def split(
         self, validation_fraction: float, seed: int, rank: int
@@ -50,11 +92,33 @@ class PartitionData:
         return self.select(~held_out), self.select(held_out)
 
 
+def weights_at(w: np.ndarray | None, idx: np.ndarray | torch.Tensor) -> torch.Tensor | None:
+    """``w[idx]`` as float32 torch weights, or ``None`` for unweighted rows (``w is None``)."""
+    if w is None:
+        return None
+    rows = idx.numpy() if isinstance(idx, torch.Tensor) else idx
+    return torch.from_numpy(w[rows].astype(np.float32))
+
+
+def split_labels_weights(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Inverse of :meth:`PartitionData.labels_with_weights` over gathered rows: (labels,
+    weights or ``None`` when no row carries a weight)."""
+    y = np.ascontiguousarray(rows[:, 0])
+    w = rows[:, 1]
+    missing = np.isnan(w)
+    if missing.all():
+        return y, None
+    if missing.any():
+        raise DataError("some rows carry sample weights and others do not; this is a bug")
+    return y, np.ascontiguousarray(w)
+
+
 def from_arrow(batches: Iterable[pa.RecordBatch], width: int, rank: int) -> PartitionData:
     """Concatenate a partition's Arrow batches into numpy, checking width and values."""
     xs: list[np.ndarray] = []
     ys: list[np.ndarray] = []
     vs: list[np.ndarray] = []
+    ws: list[np.ndarray] = []
     for batch in batches:
         if batch.num_rows == 0:
             continue
@@ -83,7 +147,17 @@ def from_arrow(batches: Iterable[pa.RecordBatch], width: int, rank: int) -> Part
             vs.append(batch.column(IS_VALIDATION).to_numpy(zero_copy_only=False).astype(bool))
         else:
             vs.append(np.zeros(batch.num_rows, dtype=bool))
-    return _finish(xs, ys, vs, width, rank)
+        if WEIGHT in batch.schema.names:
+            weight = batch.column(WEIGHT)
+            if weight.null_count:
+                raise DataError(
+                    f"rank {rank}: {weight.null_count} rows have a null weight; drop them or "
+                    "fill the weight column before training"
+                )
+            ws.append(weight.to_numpy(zero_copy_only=False).astype(np.float64, copy=False))
+    if ws and len(ws) != len(xs):
+        raise DataError(f"rank {rank}: some Arrow batches lack the {WEIGHT!r} column")
+    return _finish(xs, ys, vs, width, rank, ws or None)
 
 
 def from_rows(rows: Iterable[tuple[object, ...]], width: int, rank: int) -> PartitionData:
@@ -115,7 +189,12 @@ def from_rows(rows: Iterable[tuple[object, ...]], width: int, rank: int) -> Part
 
 
 def _finish(
-    xs: list[np.ndarray], ys: list[np.ndarray], vs: list[np.ndarray], width: int, rank: int
+    xs: list[np.ndarray],
+    ys: list[np.ndarray],
+    vs: list[np.ndarray],
+    width: int,
+    rank: int,
+    ws: list[np.ndarray] | None = None,
 ) -> PartitionData:
     if not xs:
         return PartitionData(
@@ -131,7 +210,16 @@ def _finish(
         )
     if not np.isfinite(y).all():
         raise DataError(f"rank {rank}: labels contain NaN or infinity; drop those rows first")
-    return PartitionData(np.ascontiguousarray(x), y, np.concatenate(vs) if len(vs) > 1 else vs[0])
+    w = None
+    if ws is not None:
+        w = np.concatenate(ws) if len(ws) > 1 else ws[0]
+        # the driver checked the raw column; this guards data that bypassed prepare()
+        if not (np.isfinite(w).all() and (w >= 0).all()):
+            raise DataError(
+                f"rank {rank}: sample weights must be finite and >= 0; clean the weight column"
+            )
+    v = np.concatenate(vs) if len(vs) > 1 else vs[0]
+    return PartitionData(np.ascontiguousarray(x), y, v, w)
 
 
 def check_labels(y: np.ndarray, num_classes: int, rank: int) -> None:

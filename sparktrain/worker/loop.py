@@ -30,12 +30,14 @@ from torch import nn
 from sparktrain import errors
 from sparktrain.checkpoint import Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
+from sparktrain.comm.link import link_from_config
 from sparktrain.errors import CheckpointError
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_model, label_dtype, resolve_model_fn
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
+from sparktrain.worker.probe import resolve_auto
 from sparktrain.worker.sync import StepSync, make_sync
 
 # torch's global RNG is per process; ranks run as threads (in tests, or several tasks in one
@@ -109,6 +111,7 @@ def rendezvous(
             job_id=job.job_id,
             attempt=job.attempt,
             timeout=cfg.comm_timeout,
+            link=link_from_config(cfg),
         )
     except BaseException:
         listener.close()
@@ -141,6 +144,15 @@ def _train(
         model = build_model(resolve_model_fn(spec.model_fn, spec.model_kwargs))
     params = [p for p in model.parameters() if p.requires_grad]
     loss_fn = build_loss(cfg.loss, dict(cfg.loss_kwargs))
+    # strategy/compression "auto": probe the links, then build the sync from the choice
+    ctx, auto = resolve_auto(
+        ctx,
+        mesh,
+        model,
+        loss_fn,
+        torch.from_numpy(train.x),
+        torch.from_numpy(train.y).to(label_dtype(cfg.loss)),
+    )
     sync = make_sync(ctx, model, mesh)
     # epoch figures are a handful of float64 sums: latency-bound, so always the tree
     reduce_sums = make_allreduce("tree", mesh)
@@ -205,7 +217,9 @@ def _train(
                 if step < len(batches):
                     idx = torch.from_numpy(batches[step])
                     out = model(x_all[idx])
-                    loss = loss_fn(out, target_like(y_all[idx], out))
+                    loss = loss_fn(out, target_like(y_all[idx], out), train.weights_at(idx))
+                    # before backward: gradient hooks may start the exchange (overlap)
+                    sync.begin_step(len(idx))
                     loss.backward()
                     count = len(idx)
                     loss_sum += float(loss.detach()) * count
@@ -267,6 +281,7 @@ def _train(
         "task_s": time.perf_counter() - started,
         "comm": mesh.stats.as_dict(),
         **sync.stats(),
+        **({"auto": auto} if auto is not None else {}),
         "param_digest": _digest(params),
     }
     records = [Record(ctx.rank, "stats", 0, json.dumps(stats).encode())]

@@ -3,13 +3,28 @@ class per strategy, chosen by name.
 
 - ``ring`` / ``tree``: average gradients with an allreduce (``buckets.py`` for the
   weighting rule), then every rank takes the same optimizer step. With
-  ``config.compression`` set, buckets go through ``sparktrain.compress.collective``.
+  ``config.compression`` set (one spec, or a per-layer table), compressed buckets go
+  through ``sparktrain.compress.collective``, one reducer per distinct spec; ``none``
+  buckets through the plain allreduce.
 - ``ps``: push gradients to the parameter server in the driver, pull parameters back
   (``sparktrain.ps``).
+
+Overlap (``config.overlap``, as torch's DDP): the loop calls :meth:`StepSync.begin_step`
+before ``backward()``; from then on a gradient hook hands each bucket, as soon as all its
+gradients are final, to one communication thread per rank that reduces buckets strictly
+in index order (the same order on every rank, so collectives match), while backward
+continues. :meth:`StepSync.step` hands over the buckets no hook completed (parameters
+without a gradient this step, or a step without a batch), waits for the thread, then
+steps the optimizer. The numbers are the same as with overlap off: the same buffers go
+through the same collectives in the same order; only the time they start differs.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -18,15 +33,28 @@ from torch import nn
 from sparktrain.comm import Mesh, RingAllreduce, TreeAllreduce, make_allreduce
 from sparktrain.compress.base import build as build_compressor
 from sparktrain.compress.collective import CompressedAllreduce
-from sparktrain.errors import ConfigError
+from sparktrain.compress.policy import resolve_policy
+from sparktrain.errors import CommError, ConfigError
 from sparktrain.modeling import build_optimizer
-from sparktrain.worker.buckets import GradientBuckets
+from sparktrain.worker.buckets import NONE, GradientBuckets, GradientReadiness
 from sparktrain.worker.context import WorkerContext
+
+WAIT_GRACE_S = 5.0
+"""Added to ``comm_timeout`` for the backstop on a bucket's exchange: every socket
+operation is already bounded by ``comm_timeout``, so this only fires if something below
+forgot its bound."""
+CLOSE_JOIN_S = 1.0
 
 
 class StepSync(Protocol):
-    """Called once per step after ``backward()``; leaves the next parameters in the model
-    and zeroed gradients behind."""
+    """One step's gradient exchange: ``begin_step(count)`` before ``backward()``, then
+    ``step(count)`` after it, which leaves the next parameters in the model and zeroed
+    gradients behind."""
+
+    def begin_step(self, count: int) -> None:
+        """Announce a step of ``count`` samples on this rank before its ``backward()``,
+        so exchanges can start from gradient hooks (a no-op without overlap). May be
+        skipped for a step without a batch."""
 
     def step(self, count: int) -> None:
         """``count`` = samples behind this rank's gradients in this step (0 = none)."""
@@ -43,38 +71,273 @@ class StepSync(Protocol):
         lives elsewhere (the parameter server)."""
 
 
+class OrderedWorker:
+    """One background thread that runs ``work(i)`` for submitted indices in submission
+    order, and lets the submitting thread wait for them with a bounded wait.
+
+    The first exception stops the work (later indices are skipped) and is re-raised,
+    the very same object, by :meth:`wait`.
+    """
+
+    def __init__(self, name: str, work: Callable[[int], object]) -> None:
+        self._name = name
+        self._work = work
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._done = 0
+        self._submitted = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def error(self) -> BaseException | None:
+        with self._cond:
+            return self._error
+
+    def submit(self, index: int) -> None:
+        """Queue ``work(index)``; the thread starts on first use."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        with self._cond:
+            self._submitted += 1
+        self._queue.put(index)
+
+    def _run(self) -> None:
+        while True:
+            index = self._queue.get()
+            if index is None:
+                return
+            with self._cond:
+                failed = self._error is not None
+            if not failed:
+                try:
+                    self._work(index)
+                except BaseException as exc:  # handed to the waiting thread
+                    with self._cond:
+                        self._error = exc
+            with self._cond:
+                self._done += 1
+                self._cond.notify_all()
+
+    def wait(self, stall_s: float) -> None:
+        """Wait until every submitted index is done; raise the work's first error.
+
+        The wait is bounded by progress: ``TimeoutError`` if no index finishes within
+        ``stall_s`` seconds (the deadline restarts whenever one does).
+        """
+        with self._cond:
+            done = self._done
+            deadline = time.monotonic() + stall_s
+            while self._done < self._submitted and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"{self._name}: {self._submitted - self._done} exchanges made no "
+                        f"progress in {stall_s:.0f} s"
+                    )
+                self._cond.wait(min(left, 1.0))
+                if self._done != done:
+                    done = self._done
+                    deadline = time.monotonic() + stall_s
+            if self._error is not None:
+                raise self._error
+
+    def close(self) -> None:
+        """Stop the thread after its current item; idempotent, waits at most briefly
+        (a thread blocked on a socket is woken by the mesh closing after this)."""
+        if self._closed:
+            return
+        self._closed = True
+        thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            if thread is not threading.current_thread():
+                thread.join(CLOSE_JOIN_S)
+
+
 class AllreduceSync:
     """Sample-weighted gradient averaging by ring or tree allreduce, then a local step."""
 
     def __init__(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> None:
         cfg = ctx.job.config
-        params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        self.mesh = mesh
+        self.timeout = cfg.comm_timeout
         self.optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, dict(cfg.optimizer_kwargs))
-        self.buckets = GradientBuckets(params, int(cfg.bucket_mb * (1 << 20)))
+        specs = resolve_policy(cfg.compression, [n for n, _ in named])
+        self.buckets = GradientBuckets(params, int(cfg.bucket_mb * (1 << 20)), specs)
         self.allreduce = make_allreduce(cfg.strategy, mesh)
-        self.compressed: CompressedAllreduce | None = None
-        comp = build_compressor(cfg.compression)
-        if comp is not None:
-            algo = self.allreduce
-            assert isinstance(algo, RingAllreduce | TreeAllreduce)
-            self.compressed = CompressedAllreduce(comp, algo, seed=cfg.seed)
+        # one reducer (with its per-bucket state) per distinct compressed spec
+        self.reducers: dict[str, CompressedAllreduce] = {}
+        for spec in dict.fromkeys(self.buckets.specs):
+            comp = build_compressor(spec) if spec != NONE else None
+            if comp is not None:
+                algo = self.allreduce
+                assert isinstance(algo, RingAllreduce | TreeAllreduce)
+                self.reducers[spec] = CompressedAllreduce(comp, algo, seed=cfg.seed)
+        self._per_bucket = [self.reducers.get(s) for s in self.buckets.specs]
+        self._bucket_raw = [0] * len(self.buckets.buckets)
+        self._bucket_wire = [0] * len(self.buckets.buckets)
+        self._total: float | None = None
+        self.overlap = bool(cfg.overlap)
+        self._worker: OrderedWorker | None = None
+        self._ready: GradientReadiness | None = None
+        self._begun: int | None = None
+        self._launched = 0
+        self._is_ready: list[bool] = []
+        self._lock = threading.Lock()
+        # buckets handed over from a gradient hook (overlapping backward) or by step()
+        self.launched_in_backward = 0
+        self.launched_after = 0
+        self._rank = ctx.rank
+        self.set_overlap(self.overlap)
+
+    def set_overlap(self, on: bool) -> None:
+        """Switch overlap on or off between steps (the bench compares both in one run)."""
+        if self._begun is not None:
+            raise RuntimeError("set_overlap between begin_step and step")
+        if on and self._worker is None:
+            self._worker = OrderedWorker(f"sparktrain-comm-r{self._rank}", self._exchange)
+            self._ready = GradientReadiness(
+                [b.params for b in self.buckets.buckets], self._on_ready
+            )
+        self.overlap = on
+
+    def _exchange(self, index: int) -> None:
+        """Reduce bucket ``index`` (the communication thread, or the training thread
+        without overlap); attributes the mesh's byte counts to the bucket."""
+        before = self.mesh.stats.as_dict()
+        total = self.buckets.exchange(index, self.allreduce, self._per_bucket[index])
+        after = self.mesh.stats.as_dict()
+        self._bucket_raw[index] += after["raw_bytes_sent"] - before["raw_bytes_sent"]
+        self._bucket_wire[index] += after["wire_bytes_sent"] - before["wire_bytes_sent"]
+        if index == 0:
+            self._total = total
+
+    def _on_ready(self, index: int) -> None:
+        """Hook callback: bucket ``index`` is complete; launch every bucket whose turn
+        has come (in index order only, so all ranks start the same collective)."""
+        assert self._worker is not None
+        with self._lock:
+            self._is_ready[index] = True
+            while self._launched < len(self._is_ready) and self._is_ready[self._launched]:
+                self._worker.submit(self._launched)
+                self._launched += 1
+                self.launched_in_backward += 1
+
+    def begin_step(self, count: int) -> None:
+        """Arm the gradient hooks for a step of ``count`` samples (overlap only)."""
+        if not self.overlap or self._worker is None or self._ready is None:
+            return
+        error = self._worker.error
+        if error is not None:
+            raise error
+        self.buckets.begin(count)
+        self._total = None
+        with self._lock:
+            self._begun = count
+            self._launched = 0
+            self._is_ready = [False] * len(self.buckets.buckets)
+        self._ready.arm()
 
     def step(self, count: int) -> None:
-        if self.compressed is not None:
-            self.buckets.average_compressed_(self.compressed, count)
+        """Reduce the buckets not yet handed over, wait for all (bounded), average, and
+        take the optimizer step; ``count`` as given to :meth:`begin_step`."""
+        if not self.overlap or self._worker is None or self._ready is None:
+            self.buckets.begin(count)
+            self._total = None
+            for i in range(len(self.buckets.buckets)):
+                self._exchange(i)
         else:
-            self.buckets.average_(self.allreduce, count)
+            if self._begun is None:  # no batch, no backward: nothing was armed
+                self.begin_step(count)
+            elif self._begun != count:
+                raise ValueError(f"begin_step({self._begun}) but step({count}) in one step")
+            self._ready.disarm()
+            with self._lock:
+                self._begun = None
+                while self._launched < len(self._is_ready):
+                    self._worker.submit(self._launched)
+                    self._launched += 1
+                    self.launched_after += 1
+            try:
+                self._worker.wait(self.timeout + WAIT_GRACE_S)
+            except TimeoutError as exc:
+                error = CommError(f"rank {self.mesh.rank}: {exc}")
+                raise self.mesh.abort(error) from exc
+        assert self._total is not None
+        self.buckets.finish(self._total)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"gradient_elements": self.buckets.num_elements}
-        if self.compressed is not None:
-            out["compression_path"] = self.compressed.path
+        """Bucket and overlap figures; with compression, per-bucket and per-spec bytes
+        (``raw`` = what the plain allreduce would have sent, ``wire`` = what was sent)."""
+        out: dict[str, Any] = {
+            "gradient_elements": self.buckets.num_elements,
+            "overlap": self.overlap,
+            "buckets": len(self.buckets.buckets),
+            "buckets_launched_in_backward": self.launched_in_backward,
+        }
+        if self.reducers:
+            paths = {spec: r.path for spec, r in self.reducers.items()}
+            out["compression_path"] = (
+                next(iter(paths.values())) if len(self.reducers) == 1 else paths
+            )
+            out["compression_buckets"] = [
+                {
+                    "index": b.index,
+                    "spec": b.spec,
+                    "path": self.reducers[b.spec].path if b.spec in self.reducers else "plain",
+                    "params": len(b.params),
+                    "elements": int(b.grads.numel()),
+                    "raw_bytes_sent": self._bucket_raw[b.index],
+                    "wire_bytes_sent": self._bucket_wire[b.index],
+                }
+                for b in self.buckets.buckets
+            ]
+            out["compression_by_spec"] = by_spec(out["compression_buckets"])
         return out
 
     def close(self) -> None:
-        pass
+        """Unhook the parameters and stop the communication thread."""
+        if self._ready is not None:
+            self._ready.remove()
+        if self._worker is not None:
+            self._worker.close()
+
+
+def by_spec(buckets: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-bucket compression figures summed per spec, with the spec's byte ratio
+    (what the plain allreduce would have sent / what went on the wire). Works on one
+    rank's ``compression_buckets`` or on all ranks' concatenated: bytes add up over the
+    rows, buckets and elements count each bucket index once."""
+    out: dict[str, dict[str, Any]] = {}
+    seen: set[tuple[str, int]] = set()
+    for b in buckets:
+        s = out.setdefault(
+            b["spec"],
+            {
+                "path": b["path"],
+                "buckets": 0,
+                "elements": 0,
+                "raw_bytes_sent": 0,
+                "wire_bytes_sent": 0,
+            },
+        )
+        key = (b["spec"], b.get("index", len(seen)))
+        if key not in seen:
+            seen.add(key)
+            s["buckets"] += 1
+            s["elements"] += b["elements"]
+        s["raw_bytes_sent"] += b["raw_bytes_sent"]
+        s["wire_bytes_sent"] += b["wire_bytes_sent"]
+    for s in out.values():
+        s["ratio"] = s["raw_bytes_sent"] / s["wire_bytes_sent"] if s["wire_bytes_sent"] else 1.0
+    return out
 
 
 def make_sync(ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> StepSync:

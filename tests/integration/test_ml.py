@@ -290,8 +290,6 @@ def test_clear_errors(spark):  # type: ignore[no-untyped-def]
         TorchClassifier(modelFn="sparktrain.models:mlp", modelKwargs={"in_features": 3}).fit(
             vectors
         )
-    with pytest.raises(ConfigError, match="weightCol"):
-        clf.copy({clf.weightCol: "w"}).fit(vectors)
     model = TorchClassificationModel()._set_state(b"x", num_features=64, num_outputs=10)
     model._set(modelFn=DIGITS_MODEL)
     with pytest.raises(DataError, match="no features column 'features'"):
@@ -339,3 +337,106 @@ def test_tree_aggregate_strategy(spark):  # type: ignore[no-untyped-def]
         model.transform(assembled(test))
     )
     assert accuracy >= 0.85 and model.summary["strategy"] == "tree_aggregate"
+
+
+# ------------------------------------------------------------------ sample weights
+def _weighted(frame, weight):  # type: ignore[no-untyped-def]
+    from pyspark.sql import functions as F
+
+    return assembled(frame).withColumn("w", weight(F.col("label")).cast("double"))
+
+
+def _class_share(model, frame, label: float) -> float:  # type: ignore[no-untyped-def]
+    predictions = model.transform(assembled(frame)).select("prediction").toPandas()
+    return float((predictions["prediction"] == label).mean())
+
+
+@pytest.mark.skipif(
+    not _importable("sparktrain.ps.server"), reason="sparktrain.ps is not available yet"
+)
+def test_equal_weights_give_the_unweighted_model_with_ps(spark):  # type: ignore[no-untyped-def]
+    from pyspark.sql import functions as F
+
+    train, test = pixel_frames(spark)
+    clf = TorchClassifier(
+        modelFn=DIGITS_MODEL,
+        strategy="ps",
+        optimizer="adam",
+        learningRate=0.01,
+        maxEpochs=1,
+        batchSize=128,
+        weightCol="w",
+    )
+    doubled = clf.fit(_weighted(train, lambda y: F.lit(2.0)))
+    assert doubled.getWeightCol() == "w" and doubled.summary["strategy"] == "ps"
+    # the unweighted reference on the ring: a sync parameter server takes the ring's steps
+    plain = clf.copy({clf.weightCol: "", clf.strategy: "ring"}).fit(assembled(train))
+    a, b = plain.getModule().state_dict(), doubled.getModule().state_dict()
+    for name in a:  # weights 2.0 are normalised to 1.0: the same objective, same seed
+        np.testing.assert_allclose(b[name].numpy(), a[name].numpy(), rtol=0, atol=1e-4)
+    assert doubled.summary["final_loss"] == pytest.approx(plain.summary["final_loss"], rel=1e-4)
+    # unweighted, the model predicts 3 about as often as 3 occurs (a tenth of the digits)
+    assert _class_share(plain, test, 3.0) > 0.05
+
+
+@pytest.mark.skipif(
+    not _importable("sparktrain.launch.rounds"),
+    reason="strategy='tree_aggregate' is not available yet",
+)
+def test_zero_weight_on_a_class_with_tree_aggregate(spark):  # type: ignore[no-untyped-def]
+    from pyspark.sql import functions as F
+
+    train, test = pixel_frames(spark)
+    clf = TorchClassifier(
+        modelFn=DIGITS_MODEL,
+        strategy="tree_aggregate",
+        optimizer="adam",
+        learningRate=0.01,
+        maxEpochs=2,
+        batchSize=128,
+        weightCol="w",
+    )
+    model = clf.fit(_weighted(train, lambda y: F.when(y == 3, 0.0).otherwise(1.0)))
+    # rows of class 3 weigh nothing: the model (almost) never predicts 3...
+    assert _class_share(model, test, 3.0) < 0.01
+    # ...and still learns the other nine classes
+    scored = model.transform(assembled(test)).where("label != 3")
+    accuracy = MulticlassClassificationEvaluator(metricName="accuracy").evaluate(scored)
+    assert accuracy > 0.85 and model.summary["strategy"] == "tree_aggregate"
+
+
+def test_bad_weight_columns_fail_before_training(spark):  # type: ignore[no-untyped-def]
+    from pyspark.sql import functions as F
+
+    from sparktrain import TrainConfig, Trainer
+
+    train, _ = pixel_frames(spark)
+    vectors = assembled(train)
+    clf = TorchClassifier(modelFn=DIGITS_MODEL, maxEpochs=1, weightCol="w")
+    with pytest.raises(DataError, match="no weight column 'w' \\(weightCol\\)"):
+        clf.fit(vectors)
+    with pytest.raises(DataError, match="'w' \\(weightCol\\) has type string.*numeric"):
+        clf.fit(vectors.withColumn("w", F.lit("heavy")))
+    cases = {
+        "negative weight": F.when(F.col("label") == 1, -1.0).otherwise(1.0),
+        "null, NaN or infinite weight": F.when(F.col("label") == 2, float("nan")).otherwise(1.0),
+        "every weight is 0": F.lit(0.0),
+    }
+    for needle, weight in cases.items():
+        with pytest.raises(DataError, match=needle):
+            clf.fit(vectors.withColumn("w", weight))
+    inf = vectors.withColumn("w", F.when(F.col("label") == 2, float("inf")).otherwise(1.0))
+    with pytest.raises(DataError, match="infinite"):
+        clf.fit(inf)
+    trainer = Trainer(DIGITS_MODEL, TrainConfig(epochs=1, progress=False), spark=spark)
+    with pytest.raises(DataError, match="weight_col='w' needs a DataFrame"):
+        trainer.fit(vectors.rdd.map(lambda r: (r.features.toArray(), r.label)), weight_col="w")
+
+    def sum_of_squares(out, target):  # type: ignore[no-untyped-def]
+        return ((out - target) ** 2).sum()
+
+    custom = Trainer(
+        DIGITS_MODEL, TrainConfig(epochs=1, loss=sum_of_squares, progress=False), spark=spark
+    )
+    with pytest.raises(ConfigError, match="cannot take sample weights.*reduction"):
+        custom.fit(vectors.withColumn("w", F.lit(1.0)), weight_col="w")

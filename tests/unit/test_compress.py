@@ -103,6 +103,18 @@ def test_sign_is_scaled_sign_and_bits_pack_8_per_byte():
     np.testing.assert_array_equal(packed.numpy(), np.packbits(bits.numpy()))
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 32, 1000])
+def test_chunked_sign_has_one_scale_per_chunk(chunk):
+    x = _x(1001) * np.linspace(0.01, 10, 1001, dtype=np.float32)  # uneven magnitudes
+    got = _roundtrip(f"sign:chunk={chunk}", x)
+    m = -(-x.size // chunk)
+    pad = np.concatenate([np.abs(x), np.full(m * chunk - x.size, np.nan, np.float32)])
+    scale = np.repeat(np.nanmean(pad.reshape(m, chunk), axis=1), chunk)[: x.size]
+    np.testing.assert_allclose(got, np.where(x >= 0, scale, -scale), rtol=1e-5)
+    comp = build(f"sign:chunk={chunk}")
+    assert comp is not None and comp.payload_nbytes(1001) == 126 + 4 * m
+
+
 def test_powersgd_is_exact_for_low_rank_matrices_and_passes_vectors():
     rng = np.random.default_rng(0)
     m = (rng.standard_normal((40, 2)) @ rng.standard_normal((2, 30))).astype(np.float32)
@@ -327,7 +339,8 @@ def test_honest_byte_figures():
     n = 1_000_000
     topk = build("topk:0.01+ef")
     assert topk is not None
-    assert topk.payload_nbytes(n) == n // 100 * 8  # 50x, not 100x
+    assert topk.payload_nbytes(n) == n // 100 * 8  # 50x, not 100x (int32 indices)
+    assert topk.payload_nbytes(50_000) == 500 * 6  # uint16 indices up to 65,536 elements
     assert 4 * n / topk.payload_nbytes(n) == 50
     # a sparse all-gather grows with the world; a summable reduce does not
     assert bytes_per_rank(topk, n, 4) == 3 * bytes_per_rank(topk, n, 2)
@@ -336,5 +349,153 @@ def test_honest_byte_figures():
     assert bytes_per_rank(fp16, n, 4) == pytest.approx(1.5 * 2 * n)
     sign, int8 = build("sign"), build("int8")
     assert sign is not None and int8 is not None
-    assert sign.payload_nbytes(n) == n // 8
+    assert sign.payload_nbytes(n) == n // 8 + 4  # bits and one fp32 scale
     assert int8.payload_nbytes(n) == n + 4 * math.ceil(n / 1024)
+
+
+# ---------------------------------------------------------------- path choice
+def test_path_choice_moves_the_fewest_bytes():
+    from sparktrain.compress.collective import path_bytes, path_for
+
+    def comp(spec: str):
+        c = build(spec)
+        assert c is not None
+        return c
+
+    for spec in ("fp16", "bf16", "randomk:0.01", "powersgd:2+ef"):
+        assert {path_for(comp(spec), w, a) for w in (2, 3, 4) for a in ("ring", "tree")} == {
+            "reduce"
+        }
+    for spec in ("int8", "int8+ef", "sign", "sign+ef"):
+        assert path_for(comp(spec), 2) == "allgather"  # a tie: the exact path
+        assert path_for(comp(spec), 3) == path_for(comp(spec), 4) == "recompress"
+        assert path_for(comp(spec), 4, "tree") == "allgather"  # the tree has no ring hops
+    for spec in ("topk:0.01", "topk:0.01,sampled+ef"):
+        assert {path_for(comp(spec), w) for w in (2, 3, 4)} == {"allgather"}
+    n = 1 << 20
+    int8 = comp("int8")
+    b = path_bytes(int8, n, 4)
+    assert b["allgather"] == 3 * int8.payload_nbytes(n)
+    assert b["recompress"] == pytest.approx(1.5 * int8.payload_nbytes(n), rel=1e-3)
+    assert bytes_per_rank(int8, n, 4) == b["recompress"]
+
+
+def _ring_reduce(world: int, spec: str, inputs: list[np.ndarray], steps: int = 1):
+    """Reduce ``inputs[r]`` (the same each step) ``steps`` times on a world-sized ring in
+    threads; per rank: outputs, final residual, count, path and byte deltas."""
+    from sparktrain.compress.collective import CompressedAllreduce
+    from sparktrain.compress.feedback import RESIDUAL
+
+    from . import comm_harness
+
+    def body(rank: int, mesh):
+        comp = build(spec)
+        assert comp is not None
+        red = CompressedAllreduce(comp, comm_harness.make_allreduce("ring", mesh))
+        before = mesh.stats.as_dict()
+        outs, counts = [], []
+        for _ in range(steps):
+            grads = torch.from_numpy(inputs[rank].copy())
+            counts.append(red.reduce_(0, grads, float(rank + 1)))
+            outs.append(grads.numpy().copy())
+        after = mesh.stats.as_dict()
+        residual = red.states[0].slots.get(RESIDUAL)
+        return {
+            "outs": outs,
+            "counts": counts,
+            "path": red.path,
+            "residual": None if residual is None else residual.numpy().copy(),
+            "wire": after["wire_bytes_sent"] - before["wire_bytes_sent"],
+        }
+
+    results = comm_harness.run_ranks(world, body, timeout=20.0, join_timeout=120.0)
+    comm_harness.raise_first(results)
+    return results
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("spec", ["int8", "int8:chunk=64", "sign"])
+def test_recompress_ring_matches_the_numpy_sum_within_the_bound(world, spec):
+    n = 10_007
+    inputs = [_x(n, seed=r) * (r + 1) for r in range(world)]
+    results = _ring_reduce(world, spec, inputs)
+    total = np.sum(inputs, axis=0, dtype=np.float64)
+    outs = [r["outs"][0] for r in results]
+    for out in outs[1:]:
+        assert out.tobytes() == outs[0].tobytes()  # every rank holds the same bits
+    assert {r["path"] for r in results} == {"recompress"}
+    assert {r["counts"][0] for r in results} == {world * (world + 1) / 2}
+    if spec.startswith("int8"):
+        # each segment is encoded `world` times (n - 1 hops and the final one), each
+        # time off by at most half a step of its chunk's scale: max |partial| / 254
+        bound = world * np.sum(np.abs(inputs), axis=0).max() / 254 * (1 + 1e-5)
+        assert np.abs(outs[0] - total).max() <= bound
+    else:  # sign keeps the sign where the sum is not tiny, and one magnitude per segment
+        big = np.abs(total) > 0.5 * np.abs(total).mean()
+        agree = np.mean(np.sign(outs[0][big]) == np.sign(total[big]))
+        assert agree > 0.8
+    # fewer bytes than the all-gather would have sent: 2 (n - 1) / n against n - 1
+    comp = build(spec)
+    assert comp is not None
+    for r in results:
+        assert r["wire"] < (world - 1) * comp.payload_nbytes(n)
+
+
+@pytest.mark.parametrize("spec", ["int8+ef", "sign+ef"])
+def test_recompress_ring_error_feedback_loses_nothing(spec):
+    """Every rank feeds back the error of every encoding it made (its own segment and the
+    partial sums it re-encoded), so over T steps sum(outputs) = T sum(inputs) - sum of
+    the final residuals, over all ranks."""
+    world, n, steps = 3, 4099, 6
+    inputs = [_x(n, seed=10 + r) for r in range(world)]
+    results = _ring_reduce(world, spec, inputs, steps)
+    sent = np.sum(results[0]["outs"], axis=0, dtype=np.float64)
+    # the ring reduces count * gradient; the residual is kept per sample (ef.scale)
+    want = steps * np.sum(inputs, axis=0, dtype=np.float64) - sum(
+        (rank + 1) * r["residual"].astype(np.float64) for rank, r in enumerate(results)
+    )
+    np.testing.assert_allclose(sent, want, rtol=0, atol=1e-3 * np.abs(want).max())
+
+
+def test_ef_momentum_masks_only_for_sparse_compressors():
+    """Dense compressors send every coordinate, so masking would erase the momentum; they
+    keep it (EF on the momentum update), sparse ones forget what they sent (DGC)."""
+    from sparktrain.compress.feedback import MOMENTUM
+
+    x = torch.from_numpy(_x(1000))
+    for spec, masked in (
+        ("sign:chunk=32+ef:momentum=0.9", False),
+        ("topk:0.1+ef:momentum=0.9", True),
+    ):
+        comp = build(spec)
+        assert comp is not None
+        state = BucketState()
+        payload, ctx = comp.compress(x, state)
+        sent = comp.decompress(payload, ctx)
+        u = state.slots[MOMENTUM]
+        if masked:
+            assert torch.all(u[sent != 0] == 0) and torch.equal(u[sent == 0], x[sent == 0])
+        else:
+            assert torch.equal(u, x)
+
+
+@pytest.mark.parametrize("n", [1000, 65_536 * 2 + 5, 300_017])
+@pytest.mark.parametrize("threshold", [0.0, 1.5, 3.0, 100.0])
+def test_striped_threshold_search_finds_exactly_the_survivors(n, threshold):
+    from sparktrain.compress.topk import above
+
+    x = _x(n, seed=n)
+    got = np.sort(above(torch.from_numpy(x), torch.tensor(threshold)).numpy())
+    np.testing.assert_array_equal(got, np.flatnonzero(np.abs(x) >= threshold))
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 1024, 1025, 3 * 1024 + 7])
+def test_int8_sizes_around_the_chunk(n):
+    x = _x(n, seed=3) if n else np.zeros(0, np.float32)
+    got = _roundtrip("int8", x)
+    assert got.shape == x.shape
+    if n:
+        m = -(-n // 1024)
+        pad = np.concatenate([np.abs(x), np.zeros(m * 1024 - n, np.float32)]).reshape(m, 1024)
+        bound = np.repeat(pad.max(1) / 254, 1024)[:n] * (1 + 1e-5)
+        assert np.all(np.abs(got - x) <= bound)

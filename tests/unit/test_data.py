@@ -7,6 +7,7 @@ from sparktrain.worker.data import (
     FEATURES,
     IS_VALIDATION,
     LABEL,
+    WEIGHT,
     PartitionData,
     check_labels,
     epoch_batches,
@@ -15,10 +16,12 @@ from sparktrain.worker.data import (
 )
 
 
-def _batch(rows, labels, val=None):
+def _batch(rows, labels, val=None, weight=None):
     cols = {FEATURES: pa.array(rows, pa.list_(pa.float32())), LABEL: pa.array(labels, pa.float64())}
     if val is not None:
         cols[IS_VALIDATION] = pa.array(val)
+    if weight is not None:
+        cols[WEIGHT] = pa.array(weight, pa.float64())
     return pa.RecordBatch.from_pydict(cols)
 
 
@@ -81,3 +84,33 @@ def test_epoch_batches_cover_every_row_once():
     idx = np.concatenate(list(epoch_batches(10, 3, np.random.default_rng(0))))
     assert sorted(idx.tolist()) == list(range(10))
     assert [len(b) for b in epoch_batches(10, 3, None)] == [3, 3, 3, 1]
+
+
+def test_weights_travel_with_their_rows():
+    batches = [
+        _batch([[1, 2], [3, 4]], [0, 1], weight=[0.5, 0.0]),
+        _batch([[5, 6]], [1], weight=[2.5]),
+    ]
+    data = from_arrow(batches, width=2, rank=0)
+    assert data.w is not None and data.w.dtype == np.float64
+    np.testing.assert_array_equal(data.w, [0.5, 0.0, 2.5])
+    picked = data.select(np.array([True, False, True]))
+    np.testing.assert_array_equal(picked.w, [0.5, 2.5])
+    np.testing.assert_array_equal(data.weights_at(np.array([2, 0])).numpy(), [2.5, 0.5])
+    train, val = data.split(0.5, seed=1, rank=0)
+    assert train.w is not None and val.w is not None and train.w.size + val.w.size == 3
+    both = PartitionData.concat([picked, data], width=2)
+    np.testing.assert_array_equal(both.w, [0.5, 2.5, 0.5, 0.0, 2.5])
+    unweighted = from_arrow([_batch([[1, 2]], [0])], width=2, rank=0)
+    assert unweighted.w is None and unweighted.weights_at(np.array([0])) is None
+    with pytest.raises(DataError, match="weighted and unweighted"):
+        PartitionData.concat([data, unweighted], width=2)
+
+
+@pytest.mark.parametrize(
+    ("weight", "needle"),
+    [([None, 1.0], "null weight"), ([1.0, -1.0], "finite and >= 0"), ([1.0, np.inf], "finite")],
+)
+def test_bad_weights_are_refused_on_the_worker(weight, needle):
+    with pytest.raises(DataError, match=needle):
+        from_arrow([_batch([[1, 2], [3, 4]], [0, 1], weight=weight)], width=2, rank=3)

@@ -182,14 +182,20 @@ def test_model_copy_shares_weights_and_keeps_params_apart() -> None:
 def test_fit_refuses_unsupported_settings_before_spark() -> None:
     with pytest.raises(ConfigError, match="set modelFn"):
         TorchClassifier()._resolve()
-    with pytest.raises(ConfigError, match="weightCol='w'.*not supported"):
-        TorchClassifier(modelFn="sparktrain.models:mlp", weightCol="w")._resolve()
     with pytest.raises(
         ConfigError, match="TorchRegressor does not train with loss='cross_entropy'"
     ):
         TorchRegressor(modelFn="sparktrain.models:mlp", loss="cross_entropy")._resolve()
     with pytest.raises(ConfigError, match="TorchClassifier does not train with loss='mse'"):
         TorchClassifier(modelFn="sparktrain.models:mlp", loss="mse")._resolve()
+
+
+def test_weight_col_is_accepted_and_copied_to_the_model() -> None:
+    clf = TorchClassifier(modelFn="sparktrain.models:mlp", weightCol="w")
+    clf._resolve()  # sample weights are supported: no ConfigError
+    assert clf.getWeightCol() == "w"
+    assert clf.copy().getWeightCol() == "w"
+    assert TorchRegressor(modelFn="sparktrain.models:mlp").setWeightCol("v").getWeightCol() == "v"
 
 
 def test_weights_round_trip_and_refuse_arbitrary_pickles() -> None:

@@ -249,18 +249,22 @@ class _NoVolume:
 
 
 @pytest.mark.parametrize("local_steps", [1, 4])
-def test_driver_loop_learns_and_reports(local_steps: int) -> None:
+@pytest.mark.parametrize("in_closure", [True, False])
+def test_driver_loop_learns_and_reports(local_steps: int, in_closure: bool) -> None:
     cfg = _cfg(epochs=6, local_steps=local_steps, lr=0.2)
     blocks = _blocks((90, 70))
     model = _model()
     spec = _spec(cfg, model, blocks, f"loop{local_steps}")
     sc = _FakeContext()
-    runner = RoundRunner(sc, _FakeBlocks(blocks), spec)  # type: ignore[arg-type]
+    # small weights ride in the task closure; closure_max_bytes=0 forces a broadcast
+    limit = 1 << 20 if in_closure else 0
+    runner = RoundRunner(sc, _FakeBlocks(blocks), spec, closure_max_bytes=limit)  # type: ignore[arg-type]
     messages: list[dict[str, Any]] = []
     loop = _Loop(model, cfg, runner, messages.append, _NoVolume(), 160, 2, True)  # type: ignore[arg-type]
     loop.train()
     rpe = spec.rounds_per_epoch
-    assert runner.rounds == cfg.epochs * rpe + 1 and len(sc.handles) == runner.rounds
+    assert runner.rounds == cfg.epochs * rpe + 1
+    assert len(sc.handles) == (0 if in_closure else runner.rounds)
     assert all(h.destroyed for h in sc.handles)  # every round's broadcast is released
     kinds = [m["type"] for m in messages]
     assert kinds[0] == "start" and messages[0]["steps_per_epoch"] == rpe

@@ -1,0 +1,445 @@
+"""Regenerate the README's results section from the benchmarks' JSON files.
+
+    sparktrain bench report                  # rewrite README.md between the markers
+    sparktrain bench report --check          # exit 1 when the README section is stale
+    sparktrain bench report --print          # the section on stdout, README untouched
+
+Every benchmark writes JSON (and most a PNG) under one folder (``--results``, default
+``docs/results``). This command renders one subsection per benchmark — the command that
+produced it, a table built from the JSON by the benchmark's own ``table`` function, the
+plot — plus a description of the machine and today's date, and replaces the README text
+between ``<!-- results:begin -->`` and ``<!-- results:end -->``. A missing file gives a
+"not run" line instead of a table.
+
+Prose that interprets the figures is written by people and kept next to the data:
+``RESULTS/notes/<key>.before.md`` (method, shown above the table) and
+``RESULTS/notes/<key>.after.md`` (what the figures mean, shown below it). Whoever reruns a
+benchmark should reread its notes.
+
+``--check`` compares the section without its machine-and-date block, so a check on another
+machine or day fails only when the figures, notes or layout changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparktrain.errors import SparkTrainError
+
+BEGIN = "<!-- results:begin -->"
+END = "<!-- results:end -->"
+MACHINE_BEGIN = "<!-- results:machine:begin -->"
+MACHINE_END = "<!-- results:machine:end -->"
+
+
+# ---------------------------------------------------------------------- renderers
+def _digits(data: Any) -> str:
+    s = data
+    return "\n".join(
+        [
+            "| strategy | test accuracy | wall | training loop | bytes sent | on the wire |",
+            "|---|---:|---:|---:|---:|---:|",
+            f"| {s['strategy']} | {s['metric_value']:.4f} | {s['wall_s']:.1f} s "
+            f"| {s['train_s']:.2f} s | {s['bytes_sent'] / 1e6:.1f} MB "
+            f"| {s['wire_bytes'] / 1e6:.1f} MB |",
+        ]
+    )
+
+
+def _allreduce(data: Any) -> str:
+    from sparktrain.bench import allreduce
+
+    return allreduce.table(data)
+
+
+def _ps(data: Any) -> str:
+    from sparktrain.bench import ps
+
+    return ps.table(data)
+
+
+def _mllib(data: Any) -> str:
+    from sparktrain.bench import mllib
+
+    return mllib.table(data)
+
+
+def _pipeline(data: Any) -> str:
+    from sparktrain.bench import pipeline
+
+    return pipeline.table(data)
+
+
+def _compression(data: Any) -> str:
+    from sparktrain.bench import compression
+
+    return compression.quality_table(data)
+
+
+def _train(data: Any) -> str:
+    from sparktrain.bench import train
+
+    parts = [train.table(data)]
+    derived = data.get("derived", {})
+    verdicts = []
+    head = derived.get("ring_vs_torchdistributor")
+    if head:
+        verdicts.append(
+            f"- ring / TorchDistributor, whole process to {data['target']:.2f} accuracy: "
+            f"{_num(head['ring_whole_process_to_target_s'], '{:.1f} s')} / "
+            f"{_num(head['torchdistributor_whole_process_to_target_s'], '{:.1f} s')} = "
+            f"{_num(head['ratio'], '{:.2f}')} (target <= 0.5: {_met(head['met'])})"
+        )
+    pair = derived.get("tree_aggregate_vs_mllib")
+    if pair:
+        verdicts.append(
+            f"- tree_aggregate / MLlib MLP, time to {data['target']:.2f}: "
+            f"{_num(pair['tree_aggregate_time_to_target_s'], '{:.1f} s')} / "
+            f"{_num(pair['mllib_time_to_target_s'], '{:.1f} s')} = "
+            f"{_num(pair['ratio'], '{:.2f}')} (target <= 1: {_met(pair['met'])})"
+        )
+    if verdicts:
+        parts += ["", *verdicts]
+    rows = derived.get("compression_vs_ideal") or []
+    if rows:
+        parts += [
+            "",
+            "Under the 5g link: compression's saving in training time against the ideal "
+            "1 - 1/ratio, judged where moving the uncompressed run's bytes at the link's "
+            "bandwidth takes at least half of its training time (compression shrinks bytes, "
+            "not round trips; target >= 70 % of the ideal). comm share: the measured "
+            "communication time's share; bytes share: the bandwidth-bound part's.",
+            "",
+            "| workload | strategy | compression | train s (none) | train s | comm share (none) "
+            "| bytes share (none) | ratio | saving | ideal | of ideal | target |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in rows:
+            target = "-" if r["met"] is None else _met(r["met"])
+            parts.append(
+                f"| {r['workload']} | {r['strategy']} | `{r['compression']}` "
+                f"| {r['train_s_none']:.2f} | {r['train_s']:.2f} "
+                f"| {_num(r['comm_share_none'], '{:.0%}')} "
+                f"| {_num(r.get('transfer_share_none'), '{:.0%}')} | {r['ratio']:.1f} "
+                f"| {r['saving']:.0%} | {r['ideal_saving']:.0%} "
+                f"| {_num(r['fraction_of_ideal'], '{:.0%}')} | {target} |"
+            )
+    autos = derived.get("auto_vs_best") or []
+    if autos:
+        parts += [
+            "",
+            "| workload | link | measure | auto | auto chose | best fixed | best | gap | target |",
+            "|---|---|---|---:|---|---|---:|---:|---|",
+        ]
+        for r in autos:
+            chose = r.get("auto_chose") or {}
+            parts.append(
+                f"| {r['workload']} | {r['link']} | {r['measure']} | {r['auto']:.2f} "
+                f"| {chose.get('strategy', '?')} / `{chose.get('compression', '?')}` "
+                f"| {' / '.join(r['best_fixed'])} | {r['best_fixed_score']:.2f} "
+                f"| {r['gap']:+.0%} | {_met(r['met'])} (<= 10 %) |"
+            )
+    return "\n".join(parts)
+
+
+def _overlap(data: Any) -> str:
+    from sparktrain.bench import overlap
+
+    return str(overlap.table(data["records"]))
+
+
+def _scaling(data: Any) -> str:
+    parts = []
+    if data.get("oversubscription"):
+        parts += [str(data["oversubscription"]), ""]
+    if data.get("measured"):
+        parts += ["Measured:", "", generic_table(data["measured"]), ""]
+    if data.get("predictions"):
+        if data.get("predictions_note"):
+            parts += [str(data["predictions_note"]), ""]
+        parts.append(generic_table(data["predictions"]))
+    return "\n".join(parts).strip()
+
+
+def _auto(data: Any) -> str:
+    parts = [generic_table(data.get("runs", []))]
+    if data.get("verdicts"):
+        parts += ["", generic_table(data["verdicts"])]
+    return "\n".join(parts)
+
+
+def _num(value: Any, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _met(flag: Any) -> str:
+    return "met" if flag else "MISSED"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list | tuple):
+        return ", ".join(_cell(v) for v in value)
+    return str(value).replace("|", "\\|")
+
+
+def generic_table(rows: Any) -> str:
+    """A markdown table of a list of flat dicts (nested values are left out)."""
+    if isinstance(rows, dict):
+        rows = [{"key": k, **v} if isinstance(v, dict) else {"key": k, "value": v}
+                for k, v in rows.items()]  # fmt: skip
+    rows = [r for r in rows if isinstance(r, dict)]
+    if not rows:
+        return "(no rows)"
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k, v in r.items() if k not in keys and not isinstance(v, dict)]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r.get(k)) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class Section:
+    """One benchmark's subsection: where its JSON is, how to render it, what made it."""
+
+    key: str
+    title: str
+    command: str
+    json_name: str
+    render: Callable[[Any], str]
+    images: tuple[str, ...] = field(default=())
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section(
+        "digits", "Digits, the main job",
+        "./dev digits --summary-json docs/results/digits_ring.json", "digits_ring.json", _digits,
+    ),
+    Section(
+        "allreduce", "Allreduce between barrier tasks against torch.distributed Gloo",
+        "sparktrain bench allreduce --world 2 4 --sizes 4K 1M 16M 64M --algos ring tree gloo \\\n"
+        "    --json docs/results/allreduce.json        "
+        "# also: spark-submit jobs/bench_allreduce.py ...",
+        "allreduce.json", _allreduce, ("allreduce.png",),
+    ),
+    Section(
+        "allreduce_ps", "One parameter-server round against one ring allreduce",
+        "sparktrain bench allreduce --world 2 4 --sizes 1M 16M --algos ring ps --shards 1 4 \\\n"
+        "    --json docs/results/allreduce_ps.json",
+        "allreduce_ps.json", _allreduce,
+    ),
+    Section(
+        "bench_mllib", "tree_aggregate against MLlib's MultilayerPerceptronClassifier",
+        "sparktrain bench mllib --json docs/results/bench_mllib.json",
+        "bench_mllib.json", _mllib, ("bench_mllib.png",),
+    ),
+    Section(
+        "bench_ps", "Parameter server: async and ssp, with and without staleness_lr",
+        "sparktrain bench ps --world 2 --epochs 10 --seeds 0 1 2 --json docs/results/bench_ps.json",
+        "bench_ps.json", _ps,
+    ),
+    Section(
+        "bench_pipeline", "Pipeline schedules: GPipe against 1F1B",
+        "sparktrain bench pipeline --stages 2 4 --micro-batches 8 "
+        "--json docs/results/bench_pipeline.json",
+        "bench_pipeline.json", _pipeline,
+    ),
+    Section(
+        "compression_quality", "Compression: accuracy against bytes",
+        "sparktrain bench compression --quality --json docs/results/compression_quality.json \\\n"
+        "    --plot docs/results/compression_quality.png",
+        "compression_quality.json", _compression, ("compression_quality.png",),
+    ),
+    Section(
+        "bench_train", "Head to head: every strategy and compressor, TorchDistributor, MLlib",
+        "sparktrain bench train --out docs/results      # also: spark-submit jobs/bench_train.py",
+        "bench_train.json", _train, ("bench_train.png",),
+    ),
+    Section(
+        "bench_overlap", "Overlapping communication with the backward pass",
+        "sparktrain bench overlap --strategies ring ps --out docs/results",
+        "bench_overlap.json", _overlap, ("bench_overlap.png",),
+    ),
+    Section(
+        "scaling", "Scaling: measured worlds and alpha-beta predictions",
+        "sparktrain bench scaling --worlds 1 2 4 --links none 5g --out docs/results",
+        "scaling.json", _scaling, ("scaling.png",),
+    ),
+    Section(
+        "auto_vs_fixed", "auto against every fixed strategy and compressor",
+        "sparktrain bench scaling --auto --links none 5g --out docs/results",
+        "auto_vs_fixed.json", _auto,
+    ),
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- machine
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return "not installed"
+
+
+def _java() -> str:
+    try:
+        out = subprocess.run(
+            ["java", "-version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "not found"
+    first = (out.stderr or out.stdout).strip().splitlines()
+    return first[0] if first else "unknown"
+
+
+def machine() -> dict[str, Any]:
+    """CPU model and count, RAM, OS and the versions that matter to the figures."""
+    cpuinfo = _read("/proc/cpuinfo")
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    mem = re.search(r"^MemTotal:\s*(\d+) kB", _read("/proc/meminfo"), re.M)
+    os_name = re.search(r'^PRETTY_NAME="?([^"\n]+)"?', _read("/etc/os-release"), re.M)
+    return {
+        "cpu": model.group(1).strip() if model else platform.processor() or "unknown",
+        "cpus": os.cpu_count(),
+        "ram_gib": round(int(mem.group(1)) / (1 << 20), 1) if mem else None,
+        "os": os_name.group(1) if os_name else platform.platform(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "pyspark": _version("pyspark"),
+        "java": _java(),
+    }
+
+
+def machine_block(info: dict[str, Any], today: str) -> str:
+    ram = f"{info['ram_gib']} GiB RAM" if info["ram_gib"] is not None else "RAM unknown"
+    return "\n".join(
+        [
+            MACHINE_BEGIN,
+            f"Generated by `sparktrain bench report` on {today} on {info['cpus']} × "
+            f"{info['cpu']}, {ram}, {info['os']}; Python {info['python']}, torch "
+            f"{info['torch']}, pyspark {info['pyspark']}, {info['java']}.",
+            MACHINE_END,
+        ]
+    )
+
+
+# ---------------------------------------------------------------------- the section
+def render_section(section: Section, results: Path, link_prefix: str) -> str:
+    """One subsection: heading, command, notes before, table, images, notes after."""
+    notes = results / "notes"
+    out = [f"### {section.title}", "", "```bash", section.command, "```", ""]
+    before = _read(str(notes / f"{section.key}.before.md")).strip()
+    if before:
+        out += [before, ""]
+    path = results / section.json_name
+    if not path.exists():
+        out += [f"Not run yet (no `{link_prefix}{section.json_name}`).", ""]
+        return "\n".join(out)
+    try:
+        data = json.loads(path.read_text())
+        out += [section.render(data).rstrip(), ""]
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise SparkTrainError(
+            f"{path} does not have the shape the {section.key!r} table expects ({exc!r}); "
+            f"rerun its benchmark: {section.command.splitlines()[0]}"
+        ) from exc
+    for image in section.images:
+        if (results / image).exists():
+            out += [f"![{section.title}]({link_prefix}{image})", ""]
+    after = _read(str(notes / f"{section.key}.after.md")).strip()
+    if after:
+        out += [after, ""]
+    return "\n".join(out)
+
+
+def render(results: Path, link_prefix: str, info: dict[str, Any], today: str) -> str:
+    """The whole results section (without the markers)."""
+    intro = _read(str(results / "notes" / "intro.md")).strip()
+    parts = ["## Results", "", machine_block(info, today), ""]
+    if intro:
+        parts += [intro, ""]
+    parts += [render_section(s, results, link_prefix) for s in SECTIONS]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _strip_machine(text: str) -> str:
+    return re.sub(
+        re.escape(MACHINE_BEGIN) + r".*?" + re.escape(MACHINE_END), "", text, flags=re.S
+    ).strip()
+
+
+def splice(readme: str, section: str) -> str:
+    """``readme`` with the text between the markers replaced by ``section``."""
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise SparkTrainError(
+            f"README has no {BEGIN} ... {END} pair: put the markers around the results "
+            "section once, then rerun"
+        )
+    return readme[: start + len(BEGIN)] + "\n" + section + readme[end:]
+
+
+def current_section(readme: str) -> str:
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise SparkTrainError(f"README has no {BEGIN} ... {END} pair")
+    return readme[start + len(BEGIN) : end]
+
+
+# ---------------------------------------------------------------------- entry
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--results", default="docs/results", help="folder of the JSON and PNGs")
+    parser.add_argument("--readme", default="README.md")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 if the README is stale")
+    mode.add_argument("--print", action="store_true", help="print the section, write nothing")
+
+
+def main(args: argparse.Namespace) -> int:
+    results, readme_path = Path(args.results), Path(args.readme)
+    if not readme_path.exists():
+        raise SparkTrainError(f"{readme_path} not found; run from the repository root")
+    # image links relative to the README
+    rel = os.path.relpath(results.resolve(), readme_path.resolve().parent)
+    prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+    today = dt.datetime.now(dt.UTC).date().isoformat()
+    section = render(results, prefix, machine(), today)
+    readme = readme_path.read_text()
+    if args.print:
+        sys.stdout.write(section)
+        return 0
+    if args.check:
+        stale = _strip_machine(current_section(readme)) != _strip_machine(section)
+        print(f"{readme_path}: results section is {'STALE' if stale else 'up to date'}")
+        if stale:
+            print("regenerate it with: sparktrain bench report", file=sys.stderr)
+        return 1 if stale else 0
+    readme_path.write_text(splice(readme, section))
+    print(f"{readme_path}: results section regenerated from {results}")
+    return 0

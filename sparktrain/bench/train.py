@@ -1,0 +1,866 @@
+"""Head-to-head training benchmark (issue 9): the same jobs, in the same run, trained by
+every sparktrain strategy × compressor, by pyspark's ``TorchDistributor`` (DDP over Gloo)
+and by pyspark.ml's ``MultilayerPerceptronClassifier``.
+
+    sparktrain bench train --json docs/results/bench_train.json
+    sparktrain bench train --workloads digits --links none --strategies ring tree \\
+        --compressions none fp16 --repeats 1        # a small matrix
+
+Three parts, each a fair comparison of its own:
+
+* **Headline, whole process** (``--headline``, on by default): ``ring`` and
+  ``TorchDistributor(num_processes=2, local_mode=True, use_gpu=False)`` each run in a
+  fresh Python process that starts its own SparkSession on ``local[2]`` (loopback), trains
+  the digits MLP with the same recipe (64-128-10 ReLU MLP, SGD lr 0.1 momentum 0.9, batch
+  32 per worker, 2 workers, the same train/test split; each DDP process reads every
+  second training row) and evaluates on the test split after every epoch. The parent
+  times each child from spawn to exit (``whole_process_s``) and from spawn until the
+  first epoch whose test accuracy reached the target was known
+  (``whole_process_to_target_s``). DDP's per-epoch evaluation runs on rank 0 and its cost
+  is reported (``eval_s``); ours rides in the training stage.
+* **Matrix, one shared session** (this process, after a warm-up fit): every
+  ``--strategies`` × ``--compressions`` × ``--links`` × ``--workloads`` combination
+  (``ps-sync``/``ps-async`` are ``strategy="ps"`` with that ``ps_mode``;
+  ``tree_aggregate`` runs ``local_steps=64``, one round per epoch; ``--include-auto``
+  adds ``strategy="auto", compression="auto"``). ``--links`` only sets the ``link`` key
+  (the emulation itself lives in :mod:`sparktrain.comm.link`). Time to target is measured
+  from ``fit()`` until the epoch record that first reached the target arrived at the
+  driver (its JSON line, polled every ``POLL_S``).
+* **tree_aggregate against MLlib**: :mod:`sparktrain.bench.mllib`'s two systems in the
+  same shared session (its ``fast`` recipe; MLlib timed fit by fit with growing
+  ``maxIter``).
+
+The synthetic workload (``conf/synthetic_throughput.toml``'s 256-1024-1024-10 MLP and
+teacher data, ``--synthetic-samples`` rows, ``--synthetic-epochs``) has no accuracy
+target: it reports samples/s and bytes.
+
+Derived figures (``derived`` in the JSON): the ring/TorchDistributor whole-process ratio
+(target <= 0.5), tree_aggregate/MLlib time to target (target <= 1), under the 5g link the
+compression time saving against the ideal ``1 - 1/ratio`` wherever communication dominates
+the uncompressed run (``comm_s / train_s >= COMM_DOMINATES``; target >= 70 %), and auto
+against the best fixed choice per link and workload (target within 10 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from sparktrain import datasets
+from sparktrain.errors import SparkTrainError
+
+DIGITS_MODEL = "sparktrain.models:digits_mlp"
+SYNTHETIC_MODEL = "sparktrain.models:mlp"
+SYNTHETIC_KWARGS: dict[str, Any] = {"in_features": 256, "hidden": [1024, 1024], "out_features": 10}
+STRATEGIES = ("ring", "tree", "ps-sync", "ps-async", "tree_aggregate")
+COMPRESSIONS = ("none", "fp16", "int8+ef", "topk:0.01+ef")
+RESULT_MARK = "BENCH_TRAIN_RESULT "
+POLL_S = 0.02  # resolution of the driver-side time-to-target clock
+# Compression shrinks bytes, not round trips: it is judged where moving the uncompressed
+# run's bytes at the link's bandwidth takes at least half of its training time.
+COMM_DOMINATES = 0.5
+TREE_AGGREGATE_LOCAL_STEPS = 64  # >= batches per partition on digits: one round per epoch
+SUBPROCESS_TIMEOUT_S = 900
+WORKERS = 2
+
+# The digits recipe of conf/digits_mlp.toml, shared by every contender.
+DIGITS_RECIPE: dict[str, Any] = {
+    "batch_size": 32,
+    "lr": 0.1,
+    "optimizer": "sgd",
+    "optimizer_kwargs": {"momentum": 0.9},
+}
+# conf/synthetic_throughput.toml's recipe.
+SYNTHETIC_RECIPE: dict[str, Any] = {
+    "batch_size": 256,
+    "lr": 0.05,
+    "optimizer": "sgd",
+    "bucket_mb": 4.0,
+}
+
+
+# ---------------------------------------------------------------------- time to target
+class EpochClock:
+    """Timestamps per-epoch JSON lines as they reach the driver's ``metrics_jsonl``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.arrivals: list[tuple[float, dict[str, Any]]] = []
+        self._stop = threading.Event()
+        self._offset = 0
+        self._thread = threading.Thread(target=self._run, name="epoch-clock", daemon=True)
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        self._thread.start()
+
+    def _read(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open() as fh:
+            fh.seek(self._offset)
+            chunk = fh.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self._offset += len(complete.encode())
+        now = time.perf_counter() - self.started
+        for line in complete.splitlines():
+            if line.strip():
+                self.arrivals.append((now, json.loads(line)))
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self._read()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._read()
+
+    def curve(self) -> list[tuple[float, float]]:
+        """(seconds since start, metric) per epoch; ``elapsed_s`` when the record has it."""
+        return [(float(rec.get("elapsed_s", t)), float(rec["metric"])) for t, rec in self.arrivals]
+
+
+def first_reaching(curve: list[tuple[float, float]], target: float | None) -> float | None:
+    """The time of the first point whose metric reached ``target``."""
+    if target is None:
+        return None
+    return next((t for t, metric in curve if metric >= target), None)
+
+
+# ---------------------------------------------------------------------- one sparktrain fit
+def strategy_config(name: str) -> dict[str, Any]:
+    """TrainConfig keys for a contender name of ``--strategies``."""
+    if name in ("ps-sync", "ps-async", "ps-ssp"):
+        return {"strategy": "ps", "ps_mode": name.split("-")[1]}
+    if name == "tree_aggregate":
+        return {"strategy": name, "local_steps": TREE_AGGREGATE_LOCAL_STEPS}
+    if name in ("ring", "tree", "auto"):
+        return {"strategy": name}
+    raise SparkTrainError(
+        f"unknown contender {name!r}; use ring, tree, ps-sync, ps-async, ps-ssp, "
+        "tree_aggregate or auto"
+    )
+
+
+def workload_job(
+    name: str, args: argparse.Namespace
+) -> tuple[str, dict[str, Any], dict[str, Any], float | None]:
+    """(model, model_kwargs, config keys, accuracy target or None) of a workload."""
+    if name == "digits":
+        return DIGITS_MODEL, {}, {**DIGITS_RECIPE, "epochs": args.epochs}, args.target
+    if name == "synthetic":
+        keys = {**SYNTHETIC_RECIPE, "epochs": args.synthetic_epochs}
+        return SYNTHETIC_MODEL, dict(SYNTHETIC_KWARGS), keys, None
+    raise SparkTrainError(f"unknown workload {name!r}; use digits or synthetic")
+
+
+def load_split(name: str, args: argparse.Namespace) -> datasets.Split:
+    if name == "synthetic":
+        return datasets.synthetic(n=args.synthetic_samples, features=256, classes=10)
+    return datasets.digits()
+
+
+def fit_once(
+    spark: Any,
+    frames: tuple[Any, Any],
+    model: str,
+    model_kwargs: dict[str, Any],
+    keys: dict[str, Any],
+    target: float | None,
+) -> dict[str, Any]:
+    """One sparktrain fit in the shared session, with its time-to-target clock."""
+    from sparktrain import TrainConfig, Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jsonl = Path(tmp) / "epochs.jsonl"
+        cfg = TrainConfig(
+            **{"num_workers": WORKERS, "progress": False, "comm_timeout": 120.0, **keys},
+            metrics_jsonl=str(jsonl),
+        )
+        clock = EpochClock(jsonl)
+        clock.start()
+        try:
+            result = Trainer(model, cfg, model_kwargs=model_kwargs, spark=spark).fit(
+                frames[0], validation_data=frames[1]
+            )
+        finally:
+            clock.stop()
+    s = result.summary
+    curve = clock.curve()
+    return {
+        "time_to_target_s": first_reaching(curve, target),
+        "final_accuracy": s["metric_value"],
+        "fit_s": s["wall_s"],
+        "train_s": s["train_s"],
+        "comm_s": s.get("comm_s"),
+        "samples_per_s": s["samples_per_s"],
+        "wire_bytes": s["wire_bytes"],
+        "raw_bytes": s["bytes_sent"],
+        "compression_ratio": s.get("compression_ratio"),
+        "epochs": s["epochs"],
+        # strategy/compression "auto": what the stage-start probe chose
+        "chosen": {k: s["auto"][k] for k in ("strategy", "compression") if k in s["auto"]}
+        if isinstance(s.get("auto"), dict)
+        else None,
+        "curve": curve,
+    }
+
+
+def warm_up(spark: Any) -> None:
+    """One unrecorded one-epoch ring fit: the Python workers import torch and the JVM
+    compiles the query paths once, so the first recorded configuration does not pay it."""
+    split = datasets.digits()
+    frames = (
+        datasets.to_dataframe(spark, split.x_train, split.y_train, WORKERS),
+        datasets.to_dataframe(spark, split.x_test, split.y_test, WORKERS),
+    )
+    fit_once(spark, frames, DIGITS_MODEL, {}, {**DIGITS_RECIPE, "epochs": 1}, None)
+
+
+def run_matrix(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every strategy × compression × link × workload, in this process's session."""
+    records = []
+    combos = [(s, c) for s in args.strategies for c in args.compressions]
+    if args.include_auto:
+        combos.append(("auto", "auto"))
+    for workload in args.workloads:
+        model, kwargs, base, target = workload_job(workload, args)
+        split = load_split(workload, args)
+        frames = (
+            datasets.to_dataframe(spark, split.x_train, split.y_train, WORKERS).cache(),
+            datasets.to_dataframe(spark, split.x_test, split.y_test, WORKERS).cache(),
+        )
+        frames[0].count(), frames[1].count()
+        for link in args.links:
+            for strategy, compression in combos:
+                for seed in args.seeds:
+                    for repeat in range(args.repeats):
+                        keys = {
+                            **base,
+                            **strategy_config(strategy),
+                            "compression": compression,
+                            "link_profile": link,
+                            "seed": seed,
+                        }
+                        record: dict[str, Any] = {
+                            "contender": "sparktrain",
+                            "strategy": strategy,
+                            "compression": compression,
+                            "link": link,
+                            "workload": workload,
+                            "seed": seed,
+                            "repeat": repeat,
+                            "whole_process_s": None,
+                        }
+                        try:
+                            record.update(fit_once(spark, frames, model, kwargs, keys, target))
+                        except Exception as exc:  # one failed configuration, not the bench
+                            record["error"] = f"{type(exc).__name__}: {exc}"
+                        records.append(record)
+                        _progress(record)
+        frames[0].unpersist(), frames[1].unpersist()
+    return records
+
+
+def _progress(r: dict[str, Any]) -> None:
+    if "error" in r:
+        what = f"error: {r['error']}"
+    else:
+        ttt = r.get("time_to_target_s")
+        what = ", ".join(
+            [
+                f"to target {ttt:.2f} s" if ttt is not None else "target not reached (or none)",
+                f"acc {_fmt(r.get('final_accuracy'), '{:.4f}')}",
+                f"{_fmt(r.get('samples_per_s'), '{:.0f}')} samples/s",
+                f"whole process {_fmt(r.get('whole_process_s'), '{:.1f} s')}",
+            ]
+        )
+    print(
+        f"[{r['workload']} {r['link']}] {r['contender']} {r['strategy']} {r['compression']} "
+        f"seed {r['seed']}: {what}",
+        flush=True,
+    )
+
+
+# ---------------------------------------------------------------------- TorchDistributor
+def ddp_train(epochs: int, seed: int, target: float) -> dict[str, Any]:
+    """The DDP training function TorchDistributor runs in each of its processes: the
+    digits MLP, the shared recipe, every ``world``-th training row; rank 0 evaluates on
+    the test split after every epoch. Returns rank 0's record (absolute times) on every
+    rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sparktrain.models import digits_mlp
+
+    started = time.time()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)  # as ours: one thread per worker on local[2]
+    split = datasets.digits()
+    torch.manual_seed(seed)
+    model = DistributedDataParallel(digits_mlp())
+    x = torch.from_numpy(split.x_train[rank::world])
+    y = torch.from_numpy(split.y_train[rank::world])
+    x_test, y_test = torch.from_numpy(split.x_test), torch.from_numpy(split.y_test)
+    batch = int(DIGITS_RECIPE["batch_size"])
+    opt = torch.optim.SGD(
+        model.parameters(), lr=DIGITS_RECIPE["lr"], **DIGITS_RECIPE["optimizer_kwargs"]
+    )
+    # every rank takes the same number of steps (DDP needs it): the largest shard's
+    steps = -(-((len(split.x_train) + world - 1) // world) // batch)
+    curve: list[tuple[float, float]] = []
+    eval_s = train_s = 0.0
+    for epoch in range(epochs):
+        t = time.perf_counter()
+        gen = torch.Generator().manual_seed(seed * 1000 + epoch * world + rank)
+        order = torch.randperm(len(x), generator=gen)
+        model.train()
+        for step in range(steps):
+            idx = order[step * batch : (step + 1) * batch]
+            if len(idx) == 0:  # a shorter shard repeats its first batch to keep step
+                idx = order[:batch]
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+        train_s += time.perf_counter() - t
+        if rank == 0:
+            t = time.perf_counter()
+            model.eval()
+            with torch.no_grad():
+                acc = float((model.module(x_test).argmax(1) == y_test).float().mean())
+            eval_s += time.perf_counter() - t
+            curve.append((time.time(), acc))
+    record = {
+        "started_abs": started,
+        "curve_abs": curve,
+        "eval_s": eval_s,
+        "train_s": train_s,
+        "train_samples": len(split.x_train),
+        "target": target,
+    }
+    # TorchDistributor's local mode has every process pickle its return value to the same
+    # file, last writer wins: every rank returns rank 0's record
+    shared: list[Any] = [record if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    dist.destroy_process_group()
+    out: dict[str, Any] = shared[0]
+    return out
+
+
+# ---------------------------------------------------------------------- child processes
+def child_main(args: argparse.Namespace) -> int:
+    """One headline contender in this fresh process; prints one JSON line."""
+    from sparktrain.session import get_or_create_session
+
+    spark = get_or_create_session(f"local[{WORKERS}]", app_name=f"bench-train-{args.child}")
+    out: dict[str, Any] = {"contender": args.child}
+    if args.child == "ring":
+        split = datasets.digits()
+        frames = (
+            datasets.to_dataframe(spark, split.x_train, split.y_train, WORKERS),
+            datasets.to_dataframe(spark, split.x_test, split.y_test, WORKERS),
+        )
+        keys = {**DIGITS_RECIPE, "epochs": args.epochs, "strategy": "ring", "seed": args.seed}
+        fit_started = time.time()
+        rec = fit_once(spark, frames, DIGITS_MODEL, {}, keys, args.target)
+        curve_abs = [(fit_started + t, acc) for t, acc in rec.pop("curve")]
+        out.update(rec)
+    elif args.child == "torchdistributor":
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like ours
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        fit_started = time.time()
+        t = time.perf_counter()
+        result = TorchDistributor(num_processes=WORKERS, local_mode=True, use_gpu=False).run(
+            ddp_train, args.epochs, args.seed, args.target
+        )
+        if result is None:
+            raise SparkTrainError("TorchDistributor returned nothing from rank 0")
+        fit_s = time.perf_counter() - t
+        curve_abs = [(float(a), float(b)) for a, b in result["curve_abs"]]
+        out.update(
+            {
+                "fit_s": fit_s,
+                # run() until rank 0 entered the training function: torchrun, imports
+                "startup_s": float(result["started_abs"]) - fit_started,
+                "train_s": result["train_s"],
+                "eval_s": result["eval_s"],
+                "final_accuracy": curve_abs[-1][1],
+                "samples_per_s": result["train_samples"] * args.epochs / result["train_s"],
+                "wire_bytes": None,  # Gloo does not count its bytes
+                "raw_bytes": None,
+                "epochs": args.epochs,
+                "time_to_target_s": first_reaching(
+                    [(a - fit_started, b) for a, b in curve_abs], args.target
+                ),
+            }
+        )
+    else:
+        raise SparkTrainError(f"unknown child contender {args.child!r}")
+    out["target_reached_abs"] = first_reaching(curve_abs, args.target)
+    spark.stop()
+    out["exit_abs"] = time.time()
+    print(RESULT_MARK + json.dumps(out), flush=True)
+    return 0
+
+
+def run_headline(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """ring and TorchDistributor, each in a fresh process, alternating, per seed/repeat."""
+    records = []
+    env = {**os.environ, "SPARK_LOCAL_IP": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")}
+    for seed in args.seeds:
+        for repeat in range(args.repeats):
+            for contender in ("ring", "torchdistributor"):
+                cmd = [
+                    sys.executable, "-m", "sparktrain.bench.train", "--child", contender,
+                    "--epochs", str(args.epochs), "--seed", str(seed), "--target", str(args.target),
+                ]  # fmt: skip
+                spawned = time.time()
+                proc = subprocess.run(
+                    cmd, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
+                )
+                ended = time.time()
+                line = next(
+                    (x for x in proc.stdout.splitlines() if x.startswith(RESULT_MARK)), None
+                )
+                record: dict[str, Any] = {
+                    "contender": contender,
+                    "strategy": "ring" if contender == "ring" else "ddp-gloo",
+                    "compression": "none",
+                    "link": "none",
+                    "workload": "digits",
+                    "seed": seed,
+                    "repeat": repeat,
+                    "whole_process_s": ended - spawned,
+                }
+                if proc.returncode != 0 or line is None:
+                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+                    record["error"] = f"exit {proc.returncode}: " + " | ".join(tail)
+                else:
+                    child = json.loads(line[len(RESULT_MARK) :])
+                    reached = child.pop("target_reached_abs")
+                    child.pop("exit_abs")
+                    record.update(child)
+                    record["contender"] = contender
+                    record["whole_process_to_target_s"] = (
+                        reached - spawned if reached is not None else None
+                    )
+                records.append(record)
+                _progress(record)
+    return records
+
+
+# ---------------------------------------------------------------------- tree_aggregate vs MLlib
+def run_mllib_pair(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from sparktrain.bench import mllib
+
+    split = datasets.digits()
+    mllib.bench_ours(spark, split, WORKERS, TREE_AGGREGATE_LOCAL_STEPS, 1, args.target)  # warm-up
+    records = []
+    for seed_rep in range(args.repeats):
+        ours = mllib.bench_ours(
+            spark, split, WORKERS, TREE_AGGREGATE_LOCAL_STEPS, args.epochs, args.target
+        )
+        theirs = mllib.bench_mllib(spark, split, WORKERS, args.mllib_iters, args.target)
+        # "sparktrain-fast": bench/mllib.py's recipe, kept apart from the matrix's rows
+        for contender, r in (("sparktrain-fast", ours), ("mllib", theirs)):
+            records.append(
+                {
+                    "contender": contender,
+                    "strategy": "tree_aggregate" if contender != "mllib" else "mlp-lbfgs",
+                    "compression": "none",
+                    "link": "none",
+                    "workload": "digits",
+                    "seed": 0,
+                    "repeat": seed_rep,
+                    "system": r["system"],
+                    "time_to_target_s": r["time_to_target_s"],
+                    "final_accuracy": r["final_accuracy"],
+                    "fit_s": r["total_s"],
+                    "whole_process_s": None,
+                    "samples_per_s": None,
+                    "wire_bytes": r.get("spark_result_bytes"),
+                    "raw_bytes": None,
+                    "epochs": args.epochs if contender != "mllib" else None,
+                    "curve": r["curve"],
+                }
+            )
+            _progress(records[-1])
+    return records
+
+
+# ---------------------------------------------------------------------- derived figures
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def derive(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """Ratios against the targets of issue 9 (medians over seeds and repeats)."""
+    ok = [r for r in records if "error" not in r]
+
+    def pick(**where: Any) -> list[dict[str, Any]]:
+        return [r for r in ok if all(r.get(k) == v for k, v in where.items())]
+
+    out: dict[str, Any] = {"target_accuracy": target}
+    ring = pick(contender="ring")
+    td = pick(contender="torchdistributor")
+    if ring and td:
+        ring_ttt = _median([r.get("whole_process_to_target_s") for r in ring])
+        td_ttt = _median([r.get("whole_process_to_target_s") for r in td])
+        ratio = _ratio(ring_ttt, td_ttt)
+        out["ring_vs_torchdistributor"] = {
+            "ring_whole_process_to_target_s": ring_ttt,
+            "torchdistributor_whole_process_to_target_s": td_ttt,
+            "ratio": ratio,
+            "whole_process_s_ratio": _ratio(
+                _median([r["whole_process_s"] for r in ring]),
+                _median([r["whole_process_s"] for r in td]),
+            ),
+            "torchdistributor_eval_s": _median([r.get("eval_s") for r in td]),
+            "target": "<= 0.5",
+            "met": ratio is not None and ratio <= 0.5,
+        }
+    ta = pick(contender="sparktrain-fast")
+    ml = pick(contender="mllib")
+    if ta and ml:
+        a, b = (
+            _median([r["time_to_target_s"] for r in ta]),
+            _median([r["time_to_target_s"] for r in ml]),
+        )
+        ratio = _ratio(a, b)
+        out["tree_aggregate_vs_mllib"] = {
+            "tree_aggregate_time_to_target_s": a,
+            "mllib_time_to_target_s": b,
+            "ratio": ratio,
+            "target": "<= 1",
+            "met": ratio is not None and ratio <= 1.0,
+        }
+    matrix = [r for r in pick(contender="sparktrain") if "system" not in r]
+    out["compression_vs_ideal"] = _compression_vs_ideal(matrix)
+    out["auto_vs_best"] = _auto_vs_best(matrix)
+    return out
+
+
+def _group(
+    records: list[dict[str, Any]], *keys: str
+) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
+
+
+def _bandwidth(profile: str) -> float:
+    """Bytes/s of a link profile (comm/link.py's figures)."""
+    from sparktrain.comm.link import PROFILES
+
+    return float(PROFILES[profile].bandwidth)
+
+
+def _compression_vs_ideal(matrix: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Under 5g, per workload and strategy: the training-time saving of each compressor
+    against the uncompressed run, next to the ideal ``1 - 1/ratio``."""
+    rows = []
+    groups = _group([r for r in matrix if r["link"] == "5g"], "workload", "strategy", "compression")
+    for (workload, strategy, compression), runs in sorted(groups.items()):
+        base = groups.get((workload, strategy, "none"))
+        if compression in ("none", "auto") or not base:
+            continue
+        t0 = _median([r["train_s"] for r in base])
+        t = _median([r["train_s"] for r in runs])
+        comm0 = _median([r.get("comm_s") for r in base])
+        wire0 = _median([r.get("wire_bytes") for r in base])
+        ratio = _median([r.get("compression_ratio") for r in runs])
+        if t0 is None or t is None or ratio is None or t0 <= 0:
+            continue
+        saving = 1.0 - t / t0
+        ideal = 1.0 - 1.0 / ratio if ratio > 0 else 0.0
+        # each rank has a link of its own: its share of the bytes at the 5g bandwidth
+        transfer = wire0 / WORKERS / _bandwidth("5g") if wire0 is not None else None
+        dominates = transfer is not None and transfer / t0 >= COMM_DOMINATES
+        fraction = saving / ideal if ideal > 0 else None
+        rows.append(
+            {
+                "workload": workload,
+                "strategy": strategy,
+                "compression": compression,
+                "train_s_none": t0,
+                "train_s": t,
+                "comm_share_none": comm0 / t0 if comm0 is not None else None,
+                "transfer_share_none": transfer / t0 if transfer is not None else None,
+                "ratio": ratio,
+                "saving": saving,
+                "ideal_saving": ideal,
+                "fraction_of_ideal": fraction,
+                "comm_dominates": dominates,
+                "met": (fraction is not None and fraction >= 0.7) if dominates else None,
+            }
+        )
+    return rows
+
+
+def _score(runs: list[dict[str, Any]]) -> float | None:
+    """Lower is better: time to target on digits, training time on the synthetic job."""
+    if runs[0]["workload"] == "digits":
+        return _median([r["time_to_target_s"] for r in runs])
+    return _median([r["train_s"] for r in runs])
+
+
+def _auto_vs_best(matrix: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for (workload, link), runs in sorted(_group(matrix, "workload", "link").items()):
+        by_choice = _group(runs, "strategy", "compression")
+        auto = by_choice.get(("auto", "auto"))
+        if not auto:
+            continue
+        # auto picks among costmodel's strategies and compressors: the best fixed choice
+        # is sought among the same ones (tree_aggregate's local SGD is another algorithm)
+        from sparktrain import costmodel
+
+        fixed: dict[tuple[Any, ...], float] = {}
+        for k, v in by_choice.items():
+            score = _score(v)
+            if (
+                k[0] in costmodel.AUTO_STRATEGIES
+                and k[1] in costmodel.AUTO_COMPRESSIONS
+                and score is not None
+            ):
+                fixed[k] = score
+        auto_score = _score(auto)
+        if not fixed or auto_score is None:
+            continue
+        best_key = min(fixed, key=lambda k: fixed[k])
+        gap = auto_score / fixed[best_key] - 1.0
+        rows.append(
+            {
+                "workload": workload,
+                "link": link,
+                "measure": "time_to_target_s" if workload == "digits" else "train_s",
+                "auto": auto_score,
+                "auto_chose": auto[0].get("chosen"),
+                "best_fixed": list(best_key),
+                "best_fixed_score": fixed[best_key],
+                "gap": gap,
+                "met": gap <= 0.10,
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------- output
+def _fmt(value: float | None, pattern: str, missing: str = "-") -> str:
+    return missing if value is None else pattern.format(value)
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def table(report: dict[str, Any]) -> str:
+    """Markdown: one row per contender configuration (medians over seeds and repeats)."""
+    lines = [
+        "| workload | link | contender | strategy | compression | time to target | "
+        "whole process (to target) | final acc | samples/s | wire MB | ratio |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = ("workload", "link", "contender", "strategy", "compression")
+    for key, runs in _group(report["runs"], *keys).items():
+        head = "| " + " | ".join(map(str, key)) + " | "
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            lines.append(head + "error | - | - | - | - | - |")
+            continue
+
+        def med(k: str, rows: list[dict[str, Any]] = good) -> float | None:
+            return _median([r.get(k) for r in rows])
+
+        whole, whole_t = med("whole_process_s"), med("whole_process_to_target_s")
+        cells = [
+            _fmt(med("time_to_target_s"), "{:.2f} s", "not reached" if key[0] == "digits" else "-"),
+            f"{whole:.1f} s ({_fmt(whole_t, '{:.1f} s', 'not reached')})" if whole else "-",
+            _fmt(med("final_accuracy"), "{:.4f}"),
+            _fmt(med("samples_per_s"), "{:,.0f}"),
+            _fmt(_scaled(med("wire_bytes"), 1e-6), "{:.2f}"),
+            _fmt(med("compression_ratio"), "{:.1f}"),
+        ]
+        lines.append(head + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Time-to-target bars per contender (digits, no link) and, under 5g, a strategy ×
+    compressor heatmap per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = [r for r in report["runs"] if "error" not in r]
+    digits_none = [r for r in runs if r["workload"] == "digits" and r["link"] == "none"]
+    bars = []
+    for key, group in _group(digits_none, "contender", "strategy", "compression").items():
+        value = _median(
+            [r.get("whole_process_to_target_s") or r.get("time_to_target_s") for r in group]
+        )
+        if value is not None:
+            if key[0] == "ring":
+                label = "ring, fresh process (from spawn)"
+            elif key[0] == "torchdistributor":
+                label = "TorchDistributor DDP/Gloo, fresh process (from spawn)"
+            elif key[0] == "mllib":
+                label = "MLlib MLP (L-BFGS), cheapest fit"
+            elif key[0] == "sparktrain-fast":
+                label = "tree_aggregate, bench mllib's fast recipe"
+            else:
+                label = f"{key[1]} {key[2]}" if key[2] != "none" else key[1]
+            bars.append((label, value))
+    heat = [r for r in runs if r["link"] == "5g" and r["contender"] == "sparktrain"]
+    workloads = sorted({r["workload"] for r in heat})
+    fig, axes = plt.subplots(
+        1, 1 + len(workloads), figsize=(6.4 + 4.2 * len(workloads), 0.3 * max(len(bars), 8) + 1.5)
+    )
+    axes = np.atleast_1d(axes)
+    ax = axes[0]
+    if bars:
+        bars.sort(key=lambda b: b[1])
+        ax.barh([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
+        ax.invert_yaxis()
+    ax.set_xlabel(f"seconds to {report['target']:.2f} test accuracy (digits)")
+    ax.set_title("digits, no link: time to accuracy (from fit() unless noted)", fontsize=9)
+    ax.tick_params(axis="y", labelsize=7)
+    for ax, workload in zip(axes[1:], workloads, strict=True):
+        rows = [r for r in heat if r["workload"] == workload]
+        strategies = sorted({r["strategy"] for r in rows})
+        seen = {r["compression"] for r in rows}
+        comps = [c for c in report.get("args", {}).get("compressions", []) if c in seen]
+        comps += sorted(seen - set(comps))  # auto, or anything not asked for by name
+        grid = np.full((len(strategies), len(comps)), np.nan)
+        for (s, c), group in _group(rows, "strategy", "compression").items():
+            value = _score(group)
+            if value is not None:
+                grid[strategies.index(s), comps.index(c)] = value
+        im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
+        ax.set_xticks(range(len(comps)), comps, rotation=30, fontsize=7)
+        ax.set_yticks(range(len(strategies)), strategies, fontsize=7)
+        for i in range(len(strategies)):
+            for j in range(len(comps)):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize=7)
+        measure = "s to target" if workload == "digits" else "training s"
+        ax.set_title(f"5g, {workload}: {measure}", fontsize=9)
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+# ---------------------------------------------------------------------- entry
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS))
+    parser.add_argument("--workloads", nargs="+", default=["digits", "synthetic"])
+    parser.add_argument("--links", nargs="+", default=["none", "5g"])
+    parser.add_argument(
+        "--include-auto", action="store_true", help="add strategy=auto, compression=auto"
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=10, help="digits epochs per fit")
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--synthetic-samples", type=int, default=20_000)
+    parser.add_argument("--synthetic-epochs", type=int, default=1)
+    parser.add_argument("--mllib-iters", type=int, nargs="+", default=[10, 20, 40, 80])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=["headline", "matrix", "mllib"],
+        default=["headline", "matrix", "mllib"],
+        help="which comparisons to run",
+    )
+    parser.add_argument("--out", default="docs/results", help="folder for bench_train.json/.png")
+    parser.add_argument("--json", metavar="PATH", help="JSON path (default OUT/bench_train.json)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from sparktrain.session import get_or_create_session
+
+    for name in args.strategies:
+        strategy_config(name)  # refuse a typo before minutes of work
+    for name in args.workloads:
+        workload_job(name, args)
+    started = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    if "headline" in args.parts:
+        runs += run_headline(args)
+    if "matrix" in args.parts or "mllib" in args.parts:
+        spark = get_or_create_session(f"local[{WORKERS}]", app_name="sparktrain-bench-train")
+        spark.sparkContext.parallelize(range(4), 2).count()
+        warm_up(spark)
+        if "matrix" in args.parts:
+            runs += run_matrix(spark, args)
+        if "mllib" in args.parts:
+            runs += run_mllib_pair(spark, args)
+    report: dict[str, Any] = {
+        "target": args.target,
+        "workers": WORKERS,
+        "master": f"local[{WORKERS}]",
+        "args": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "machine": machine(),
+        "bench_s": time.perf_counter() - started,
+        "runs": runs,
+    }
+    report["derived"] = derive(runs, args.target)
+    print(table(report))
+    print(json.dumps(report["derived"], indent=1))
+    path = Path(args.json) if args.json else Path(args.out) / "bench_train.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, path.with_suffix(".png"))
+    print(f"report written to {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+def _child_entry(argv: list[str]) -> int:
+    import logging
+
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    parser = argparse.ArgumentParser(prog="python -m sparktrain.bench.train")
+    parser.add_argument("--child", choices=["ring", "torchdistributor"], required=True)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target", type=float, default=0.95)
+    return child_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(_child_entry(sys.argv[1:]))

@@ -1,0 +1,239 @@
+"""The head-to-head bench's bookkeeping (time to target, derived ratios, table, plot), the
+README results generator, and tree_aggregate's sizing round — all without Spark."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pickle
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from sparktrain import TrainConfig
+from sparktrain.bench import report as rep
+from sparktrain.bench import train as bt
+from sparktrain.errors import SparkTrainError
+from sparktrain.launch import rounds_worker as rw
+from sparktrain.models import mlp
+from sparktrain.worker.data import PartitionData
+
+
+# ------------------------------------------------------------------ bench train
+def test_first_reaching_and_strategy_names():
+    curve = [(1.0, 0.90), (2.0, 0.95), (3.0, 0.97)]
+    assert bt.first_reaching(curve, 0.95) == 2.0
+    assert bt.first_reaching(curve, 0.99) is None
+    assert bt.first_reaching(curve, None) is None
+    assert bt.strategy_config("ps-async") == {"strategy": "ps", "ps_mode": "async"}
+    assert bt.strategy_config("tree_aggregate")["local_steps"] == bt.TREE_AGGREGATE_LOCAL_STEPS
+    with pytest.raises(SparkTrainError, match="unknown contender 'rnig'"):
+        bt.strategy_config("rnig")
+
+
+def test_epoch_clock_timestamps_complete_lines_only(tmp_path: Path):
+    path = tmp_path / "epochs.jsonl"
+    clock = bt.EpochClock(path)
+    clock.start()
+    with path.open("w") as fh:
+        fh.write(json.dumps({"type": "epoch", "metric": 0.5}) + "\n")
+        fh.write('{"type": "epoch", "met')  # half a line: not read yet
+        fh.flush()
+        time.sleep(bt.POLL_S * 5)
+        fh.write('ric": 0.96, "elapsed_s": 7.5}\n')
+    clock.stop()
+    curve = clock.curve()
+    assert [m for _, m in curve] == [0.5, 0.96]
+    assert curve[1][0] == 7.5  # a record's own elapsed_s wins over the arrival time
+    assert 0 <= curve[0][0] < 5
+
+
+def _run(**kw: Any) -> dict[str, Any]:
+    base = {
+        "contender": "sparktrain", "strategy": "ring", "compression": "none", "link": "none",
+        "workload": "digits", "seed": 0, "repeat": 0, "whole_process_s": None,
+        "time_to_target_s": 2.0, "final_accuracy": 0.96, "train_s": 10.0, "comm_s": 8.0,
+        "samples_per_s": 1000.0, "wire_bytes": 1e6, "raw_bytes": 1e6, "compression_ratio": 1.0,
+        "epochs": 10, "curve": [],
+    }  # fmt: skip
+    return {**base, **kw}
+
+
+def _runs() -> list[dict[str, Any]]:
+    return [
+        _run(contender="ring", whole_process_s=20.0, whole_process_to_target_s=12.0),
+        _run(contender="ring", whole_process_s=22.0, whole_process_to_target_s=14.0, repeat=1),
+        _run(
+            contender="torchdistributor",
+            strategy="ddp-gloo",
+            whole_process_s=40.0,
+            whole_process_to_target_s=30.0,
+            eval_s=0.01,
+        ),
+        _run(contender="sparktrain-fast", strategy="tree_aggregate", system="ours"),
+        _run(contender="mllib", strategy="mlp-lbfgs", system="MLlib", time_to_target_s=2.5),
+        # under 5g: fp16 halves the bytes and saves 45 % of a bandwidth-bound run
+        # (250 MB over two links at 12.5 MB/s: 10 s, all of the training time)
+        _run(link="5g", train_s=10.0, comm_s=8.0, wire_bytes=250e6),
+        _run(link="5g", compression="fp16", train_s=5.5, compression_ratio=2.0),
+        _run(
+            link="5g",
+            strategy="auto",
+            compression="auto",
+            time_to_target_s=2.1,
+            chosen={"strategy": "ring", "compression": "fp16"},
+        ),
+        _run(link="5g", compression="int8+ef", error="boom"),
+    ]
+
+
+def test_derive_checks_every_target():
+    d = bt.derive(_runs(), 0.95)
+    head = d["ring_vs_torchdistributor"]
+    assert head["ring_whole_process_to_target_s"] == 13.0  # median of two repeats
+    assert head["ratio"] == pytest.approx(13.0 / 30.0) and head["met"]
+    assert d["tree_aggregate_vs_mllib"]["ratio"] == pytest.approx(0.8)
+    (row,) = d["compression_vs_ideal"]
+    assert row["compression"] == "fp16" and row["comm_dominates"]
+    assert row["transfer_share_none"] == pytest.approx(1.0)
+    assert row["saving"] == pytest.approx(0.45) and row["ideal_saving"] == pytest.approx(0.5)
+    assert row["fraction_of_ideal"] == pytest.approx(0.9) and row["met"]
+    (auto,) = d["auto_vs_best"]
+    assert auto["link"] == "5g" and auto["best_fixed"] == ["ring", "none"]
+    assert auto["gap"] == pytest.approx(0.05) and auto["met"]
+
+
+def test_compression_is_not_judged_where_compute_dominates():
+    runs = [
+        _run(link="5g", train_s=10.0, comm_s=9.0, wire_bytes=1e6),  # latency, not bytes
+        _run(link="5g", compression="fp16", train_s=9.9, compression_ratio=2.0),
+    ]
+    (row,) = bt.derive(runs, 0.95)["compression_vs_ideal"]
+    assert not row["comm_dominates"] and row["met"] is None
+
+
+def test_table_and_plot(tmp_path: Path):
+    report = {"target": 0.95, "runs": _runs()}
+    report["derived"] = bt.derive(report["runs"], 0.95)
+    text = bt.table(report)
+    assert "| digits | none | ring | ring | none | 2.00 s | 21.0 s (13.0 s) | 0.9600 |" in text
+    assert "| digits | 5g | sparktrain | ring | int8+ef | error |" in text
+    bt.plot(report, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    section = rep._train({**report, "derived": report["derived"]})
+    assert "ring / TorchDistributor" in section and "(target <= 0.5: met)" in section
+    assert "| digits | ring | `fp16` |" in section
+
+
+def test_arguments_defaults_cover_the_issue_matrix():
+    parser = argparse.ArgumentParser()
+    bt.add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.strategies == ["ring", "tree", "ps-sync", "ps-async", "tree_aggregate"]
+    assert args.compressions == ["none", "fp16", "int8+ef", "topk:0.01+ef"]
+    assert args.workloads == ["digits", "synthetic"] and args.links == ["none", "5g"]
+
+
+# ------------------------------------------------------------------ bench report
+def _readme(tmp_path: Path) -> Path:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nintro\n\n{rep.BEGIN}\n## Results\nold\n{rep.END}\n\n## Layout\n")
+    return readme
+
+
+def _args(readme: Path, results: Path, **kw: bool) -> argparse.Namespace:
+    return argparse.Namespace(
+        readme=str(readme), results=str(results), check=kw.get("check", False), print=False
+    )
+
+
+def test_report_regenerates_between_the_markers_and_checks(tmp_path: Path, capsys):
+    results = tmp_path / "docs" / "results"
+    (results / "notes").mkdir(parents=True)
+    (results / "digits_ring.json").write_text(
+        json.dumps(
+            {
+                "strategy": "ring",
+                "metric_value": 0.9756,
+                "wall_s": 12.3,
+                "train_s": 0.53,
+                "bytes_sent": 33.8e6,
+                "wire_bytes": 34.0e6,
+            }
+        )
+    )
+    (results / "notes" / "digits.after.md").write_text("Most of the wall time is Spark.\n")
+    readme = _readme(tmp_path)
+    assert rep.main(_args(readme, results, check=True)) == 1  # "old" is stale
+    assert rep.main(_args(readme, results)) == 0
+    text = readme.read_text()
+    assert text.startswith("# x\n\nintro\n") and text.endswith(f"{rep.END}\n\n## Layout\n")
+    assert "| ring | 0.9756 | 12.3 s | 0.53 s | 33.8 MB | 34.0 MB |" in text
+    assert "Most of the wall time is Spark." in text
+    assert "Not run yet (no `docs/results/allreduce.json`)" in text
+    assert "Generated by `sparktrain bench report` on" in text and "RAM" in text
+    assert rep.main(_args(readme, results, check=True)) == 0
+    # another day, another machine: still up to date
+    other = re.sub(r"on \d{4}-\d{2}-\d{2} on \d+ ×", "on 1999-01-01 on 64 ×", text)
+    assert other != text
+    readme.write_text(other)
+    assert rep.main(_args(readme, results, check=True)) == 0
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_report_refuses_a_readme_without_markers_and_bad_json(tmp_path: Path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n## Results\n")
+    with pytest.raises(SparkTrainError, match="no <!-- results:begin -->"):
+        rep.main(_args(readme, tmp_path))
+    readme = _readme(tmp_path)
+    (tmp_path / "digits_ring.json").write_text("{}")
+    with pytest.raises(SparkTrainError, match="rerun its benchmark"):
+        rep.main(_args(readme, tmp_path))
+
+
+def test_generic_table_flattens_rows():
+    text = rep.generic_table([{"a": 1, "b": 0.123456, "c": {"nested": 1}}, {"a": 2, "d": True}])
+    assert text.splitlines()[0] == "| a | b | d |"
+    assert "| 1 | 0.1235 | - |" in text and "| 2 | - | true |" in text
+
+
+def test_the_repository_readme_is_generated_from_its_results():
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    assert rep.BEGIN in readme and rep.END in readme
+
+
+# ------------------------------------------------------------------ the sizing round
+def test_sizing_round_reports_row_counts_and_trains_round_zero():
+    torch.manual_seed(0)
+    model = mlp(4, (3,), 2)
+    rng = np.random.default_rng(0)
+
+    def data(n: int, val: bool) -> PartitionData:
+        x = rng.standard_normal((n, 4)).astype(np.float32)
+        return PartitionData(x, (x[:, 0] > 0).astype(np.float64), np.full(n, val))
+
+    blocks = [
+        rw.Block(0, data(30, False), data(5, True)),
+        rw.Block(1, data(12, False), data(7, True)),
+    ]
+    cfg = TrainConfig(strategy="tree_aggregate", batch_size=8, lr=0.1, progress=False)
+    sized = rw.RoundSpec("sizing", cfg, pickle.dumps(model), 0, False, size_slots=2)
+    weights = rw.flatten(list(model.parameters()))
+    parts = [rw.partition_round(sized, weights, b, 0) for b in blocks]
+    stats = parts[0][1] + parts[1][1]
+    assert stats.shape == (rw.NUM_STATS + 4,)
+    assert list(stats[rw.NUM_STATS :]) == [30, 12, 5, 7]
+    # the same contribution as round 0 of a spec that knew rounds_per_epoch
+    known = dataclasses.replace(sized, job_id="known", rounds_per_epoch=4, size_slots=0)
+    again = [rw.partition_round(known, weights, b, 0) for b in blocks]
+    for (p, _), (q, s) in zip(parts, again, strict=True):
+        np.testing.assert_array_equal(p, q)
+        assert s.shape == (rw.NUM_STATS,)

@@ -1,0 +1,146 @@
+"""The link probe over a thread mesh on loopback, the compute measurements and the
+auto resolution every rank must agree on."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError
+from sparktrain.modeling import build_loss
+from sparktrain.worker.context import JobSpec, WorkerContext
+from sparktrain.worker.probe import (
+    measure_compressors,
+    probe_links,
+    resolve_auto,
+    time_compute,
+)
+
+from .comm_harness import SECRET, raise_first, run_ranks
+
+
+def _same_but_timing(estimates):  # type: ignore[no-untyped-def]
+    return {dataclasses.replace(e, probe_s=0.0) for e in estimates}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_probe_gives_sane_figures_that_every_rank_agrees_on(world):
+    started = time.perf_counter()
+    results = run_ranks(
+        world, lambda rank, mesh: probe_links(mesh, compute_s=0.001 * (rank + 1)), timeout=10.0
+    )
+    raise_first(results)
+    assert len(_same_but_timing(results)) == 1
+    est = results[0]
+    assert est.world == world
+    assert 0 < est.alpha_s < 0.05  # loopback: tens of microseconds, a loaded CI box less
+    assert 0 < est.beta_s_per_byte < 1e-6  # faster than 1 MB/s on loopback
+    assert est.compute_s == pytest.approx(0.001 * world)  # the slowest rank's
+    assert 0 < est.probe_s < 2.0
+    assert time.perf_counter() - started < 10.0
+
+
+def test_probe_of_one_worker_sends_nothing():
+    results = run_ranks(1, lambda rank, mesh: (probe_links(mesh), mesh.stats.wire_bytes_sent))
+    raise_first(results)
+    est, sent = results[0]
+    assert (est.alpha_s, est.beta_s_per_byte, sent) == (0.0, 0.0, 0)
+
+
+def test_probe_refuses_bad_arguments():
+    results = run_ranks(2, lambda rank, mesh: probe_links(mesh, rank=1 - rank))
+    assert all(isinstance(r, ConfigError) for r in results)
+
+
+def test_compressor_measurements():
+    shapes = [(64, 128), (128,)]
+    got = {
+        c.spec: c
+        for c in measure_compressors(
+            ["fp16", "int8+ef", "topk:0.01+ef", "powersgd:2+ef"], 64 * 128 + 128, shapes
+        )
+    }
+    assert got["fp16"].summable and got["fp16"].ratio == pytest.approx(2.0)
+    assert got["fp16"].calls == 1
+    assert got["powersgd:2+ef"].summable and got["powersgd:2+ef"].calls == 2  # P, then Q
+    assert got["powersgd:2+ef"].ratio > 10
+    assert not got["topk:0.01+ef"].summable and got["topk:0.01+ef"].ratio > 20
+    assert not got["int8+ef"].summable and 3 < got["int8+ef"].ratio < 4
+    for c in got.values():
+        assert c.fixed_s_per_elem > 0
+    assert got["int8+ef"].per_peer_s_per_elem > 0
+
+
+def test_time_compute_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    rng = torch.get_rng_state()
+    t = time_compute(model, build_loss("cross_entropy", {}), x, y)
+    assert t > 0
+    assert model.training
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert time_compute(model, build_loss("cross_entropy", {}), x[:0], y[:0]) == 0.0
+
+
+def _ctx(rank: int, world: int, **cfg) -> WorkerContext:  # type: ignore[no-untyped-def]
+    spec = JobSpec(
+        job_id="test-job",
+        attempt=0,
+        secret=SECRET,
+        config=TrainConfig(**cfg),
+        model_fn=None,
+        model_kwargs={},
+        feature_width=8,
+        num_outputs=3,
+    )
+    return WorkerContext(rank, world, "127.0.0.1", lambda m: [m], lambda: None, spec)
+
+
+def _resolve(world: int, **cfg):  # type: ignore[no-untyped-def]
+    def body(rank, mesh):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 3))
+        x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+        ctx, auto = resolve_auto(
+            _ctx(rank, world, **cfg), mesh, model, build_loss("cross_entropy", {}), x, y
+        )
+        return ctx.job.config, auto
+
+    results = run_ranks(world, body, timeout=10.0)
+    raise_first(results)
+    return results
+
+
+def test_resolve_auto_gives_every_rank_the_same_choice():
+    results = _resolve(2, strategy="auto", compression="auto")
+    configs = {(c.strategy, c.compression) for c, _ in results}
+    assert len(configs) == 1
+    strategy, compression = configs.pop()
+    assert strategy in ("ring", "tree")
+    # a 1539-parameter model on loopback: nothing to gain from compressing
+    assert compression == "none"
+    auto = results[0][1]
+    assert auto["asked"] == {"strategy": "auto", "compression": "auto"}
+    assert auto["strategy"] == strategy and auto["reason"]
+    assert auto["probe"]["alpha_s"] > 0
+    assert {"ring/none", "tree/topk:0.01+ef"} <= set(auto["candidates"])
+    assert results[0][1]["candidates"] == results[1][1]["candidates"]
+
+
+def test_resolve_auto_chooses_only_what_is_auto():
+    for c, _ in _resolve(2, strategy="ring", compression="auto"):
+        assert c.strategy == "ring"
+    for c, auto in _resolve(2, strategy="auto", compression="fp16"):
+        assert c.compression == "fp16" and c.strategy in ("ring", "tree")
+        assert set(auto["candidates"]) == {"ring/fp16", "tree/fp16"}
+    for c, auto in _resolve(2, strategy="tree", compression="none"):
+        assert (c.strategy, auto) == ("tree", None)
