@@ -87,6 +87,25 @@ def _compression(data: Any) -> str:
     return compression.quality_table(data)
 
 
+def _per_layer(data: Any) -> str:
+    from sparktrain.bench import compression
+
+    return compression.per_layer_table(data)
+
+
+def _speed(data: Any) -> str:
+    lines = [
+        "| spec | elements | compress ms | decompress ms | GB/s (compress+decompress) | ratio |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in data:
+        lines.append(
+            f"| `{r['spec']}` | {r['elements']:,} | {r['compress_s'] * 1e3:.1f} "
+            f"| {r['decompress_s'] * 1e3:.1f} | {r['gb_per_s']:.2f} | {r['ratio']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def _train(data: Any) -> str:
     from sparktrain.bench import train
 
@@ -163,17 +182,49 @@ def _scaling(data: Any) -> str:
     parts = []
     if data.get("oversubscription"):
         parts += [str(data["oversubscription"]), ""]
-    if data.get("measured"):
-        parts += ["Measured:", "", generic_table(data["measured"]), ""]
-    if data.get("predictions"):
+    measured = data.get("measured") or []
+    if measured:
+        parts += [
+            "| world | oversubscription | step (measured) | of which exchange | model step "
+            "| samples/s | speedup vs world 1 |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in measured:
+            parts.append(
+                f"| {r['world']} | {r['oversubscription']:g}× | {r['step_s'] * 1e3:.1f} ms "
+                f"| {r['comm_step_s'] * 1e3:.1f} ms | {r['predicted_step_s'] * 1e3:.1f} ms "
+                f"| {r['samples_per_s']:,.0f} | {r['speedup']:.2f} |"
+            )
+        parts.append("")
+    predictions = data.get("predictions") or []
+    if predictions:
         if data.get("predictions_note"):
             parts += [str(data["predictions_note"]), ""]
-        parts.append(generic_table(data["predictions"]))
+        parts += [
+            "| link | model | workers | ring | tree | ps | tree_aggregate |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in predictions:
+            if r["world"] not in (8, 64, 1024):
+                continue  # the plot has every size; the table keeps three
+            parts.append(
+                f"| {r['link']} | {r['model']} | {r['world']} | {_secs(r['ring_s'])} "
+                f"| {_secs(r['tree_s'])} | {_secs(r['ps_s'])} | {_secs(r['tree_aggregate_s'])} |"
+            )
     return "\n".join(parts).strip()
 
 
+def _secs(value: float) -> str:
+    return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.3g} s"
+
+
 def _auto(data: Any) -> str:
-    parts = [generic_table(data.get("runs", []))]
+    keep = ("link", "strategy", "compression", "chosen", "time_s", "metric", "wire_bytes")
+    runs = [{k: r.get(k) for k in keep} for r in data.get("runs", [])]
+    parts = [generic_table(runs)]
+    reasons = [f"- {r['link']}: {r['reason']}" for r in data.get("runs", []) if r.get("reason")]
+    if reasons:
+        parts += ["", "Why auto chose what it chose:", "", *reasons]
     if data.get("verdicts"):
         parts += ["", generic_table(data["verdicts"])]
     return "\n".join(parts)
@@ -268,6 +319,25 @@ SECTIONS: tuple[Section, ...] = (
         "compression_quality.json", _compression, ("compression_quality.png",),
     ),
     Section(
+        "compression_quality_followup", "Compression follow-up: chunked sign, world 4, PS top-k",
+        "sparktrain bench compression --quality --models mlp cnn --worlds 2 4 \\\n"
+        "    --specs none int8+ef sign+ef sign:chunk=32+ef:momentum=0.9 topk:0.01+ef \\\n"
+        "    --json docs/results/compression_quality_followup.json",
+        "compression_quality_followup.json", _compression,
+    ),
+    Section(
+        "compression_per_layer", "Compression: per-layer sensitivity and a mixed policy",
+        "sparktrain bench compression --per-layer --models mlp cnn --epochs 20 \\\n"
+        "    --json docs/results/compression_per_layer.json",
+        "compression_per_layer.json", _per_layer,
+    ),
+    Section(
+        "compression_speed", "Compressor speed",
+        "sparktrain bench compression --specs fp16 bf16 int8 topk:0.01,sampled topk:0.01 sign \\\n"
+        "    --elements 16M --repeats 7 --threads 2 --json docs/results/compression_speed.json",
+        "compression_speed.json", _speed,
+    ),
+    Section(
         "bench_train", "Head to head: every strategy and compressor, TorchDistributor, MLlib",
         "sparktrain bench train --out docs/results      # also: spark-submit jobs/bench_train.py",
         "bench_train.json", _train, ("bench_train.png",),
@@ -276,6 +346,12 @@ SECTIONS: tuple[Section, ...] = (
         "bench_overlap", "Overlapping communication with the backward pass",
         "sparktrain bench overlap --strategies ring ps --out docs/results",
         "bench_overlap.json", _overlap, ("bench_overlap.png",),
+    ),
+    Section(
+        "bench_overlap_lan", "Overlap on an emulated 1 Gbit/s link",
+        "sparktrain bench overlap --name bench_overlap_lan_batch512 --link lan --batch 512 \\\n"
+        "    --steps 10 --repeats 6 --out docs/results",
+        "bench_overlap_lan_batch512.json", _overlap, ("bench_overlap_lan_batch512.png",),
     ),
     Section(
         "scaling", "Scaling: measured worlds and alpha-beta predictions",
