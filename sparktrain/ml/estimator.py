@@ -443,37 +443,43 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
 
 
 # ---------------------------------------------------------------------- driver checks
-def _check_label_column(dataset: DataFrame, label_col: str) -> None:
+def _check_numeric_column(
+    dataset: DataFrame, column: str, param: str, missing_hint: str, type_hint: str
+) -> None:
+    """A schema-only check that ``column`` (the value of ``param``) exists and is numeric."""
     from pyspark.sql.types import NumericType
 
-    if label_col not in dataset.columns:
+    if column not in dataset.columns:
         raise DataError(
-            f"fit: the input has no label column {label_col!r} (labelCol); its columns are "
-            f"{dataset.columns}. Call setLabelCol(...)"
+            f"fit: the input has no {param.removesuffix('Col')} column {column!r} ({param}); "
+            f"its columns are {dataset.columns}. {missing_hint}"
         )
-    ltype = dataset.schema[label_col].dataType
-    if not isinstance(ltype, NumericType):
+    dtype = dataset.schema[column].dataType
+    if not isinstance(dtype, NumericType):
         raise DataError(
-            f"fit: column {label_col!r} (labelCol) has type {ltype.simpleString()}; labels must "
-            "be numeric (index string labels with pyspark.ml.feature.StringIndexer)"
+            f"fit: column {column!r} ({param}) has type {dtype.simpleString()}; {type_hint}"
         )
+
+
+def _check_label_column(dataset: DataFrame, label_col: str) -> None:
+    _check_numeric_column(
+        dataset,
+        label_col,
+        "labelCol",
+        "Call setLabelCol(...)",
+        "labels must be numeric (index string labels with pyspark.ml.feature.StringIndexer)",
+    )
 
 
 def _check_weight_column(dataset: DataFrame, weight_col: str) -> None:
     """A schema-only check; the values are checked in the Trainer's one weight job."""
-    from pyspark.sql.types import NumericType
-
-    if weight_col not in dataset.columns:
-        raise DataError(
-            f"fit: the input has no weight column {weight_col!r} (weightCol); its columns are "
-            f"{dataset.columns}. Call setWeightCol(...) with a numeric column, or clear it"
-        )
-    wtype = dataset.schema[weight_col].dataType
-    if not isinstance(wtype, NumericType):
-        raise DataError(
-            f"fit: column {weight_col!r} (weightCol) has type {wtype.simpleString()}; sample "
-            "weights must be numeric (cast the column to double)"
-        )
+    _check_numeric_column(
+        dataset,
+        weight_col,
+        "weightCol",
+        "Call setWeightCol(...) with a numeric column, or clear it",
+        "sample weights must be numeric (cast the column to double)",
+    )
 
 
 def _column_stats(dataset: DataFrame, features: Any, label_col: str) -> Row:
