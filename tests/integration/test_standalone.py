@@ -26,7 +26,9 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def _submit(cluster: StandaloneCluster, tmp_path: Path, *overrides: str) -> subprocess.Popen:
+def _submit(
+    cluster: StandaloneCluster, tmp_path: Path, *overrides: str, confs: tuple[str, ...] = ()
+) -> subprocess.Popen:
     args = [
         str(spark_home() / "bin" / "spark-submit"),
         "--master",
@@ -43,6 +45,7 @@ def _submit(cluster: StandaloneCluster, tmp_path: Path, *overrides: str) -> subp
         "spark.cores.max=2",
         "--conf",
         "spark.executor.memory=768m",
+        *[arg for conf in confs for arg in ("--conf", conf)],
         str(ROOT / "jobs" / "train.py"),
         str(ROOT / "conf" / "digits_mlp.toml"),
         "--set",
@@ -103,6 +106,42 @@ def test_submit_then_kill_an_executor_mid_training(cluster, tmp_path):
     assert summary["metric_value"] >= 0.95 and summary["replicas_in_sync"]
     log = (tmp_path / "submit.log").read_text(errors="replace")
     assert "from the checkpoint of step" in log
+
+
+DYNAMIC_ALLOCATION = (
+    "spark.dynamicAllocation.enabled=true",
+    # no external shuffle service on this cluster: track shuffle files instead
+    "spark.dynamicAllocation.shuffleTracking.enabled=true",
+    "spark.dynamicAllocation.minExecutors=0",
+    "spark.dynamicAllocation.maxExecutors=2",
+    "spark.dynamicAllocation.executorIdleTimeout=5s",
+)
+
+
+def test_tree_aggregate_runs_under_dynamic_allocation_with_fewer_slots_than_partitions(
+    cluster, tmp_path
+):
+    """tree_aggregate needs no gang scheduling: with dynamic allocation on (executors come
+    and go) and 4 partitions for at most 2 one-core executors, it trains to the target;
+    a barrier strategy under the same settings is refused at once with our message."""
+    proc = _submit(
+        cluster,
+        tmp_path,
+        "strategy='tree_aggregate'",
+        "num_workers=4",
+        "local_steps=8",
+        confs=DYNAMIC_ALLOCATION,
+    )
+    summary = _finish(proc, tmp_path)
+    assert summary["strategy"] == "tree_aggregate" and summary["world_size"] == 4
+    assert summary["metric_value"] >= 0.95
+    refused = tmp_path / "ring"
+    refused.mkdir()
+    proc = _submit(cluster, refused, confs=DYNAMIC_ALLOCATION)
+    code = proc.wait(timeout=300)
+    log = _log(refused)
+    assert code == 2, log[-3000:]
+    assert "spark.dynamicAllocation.enabled=false" in log
 
 
 def test_a_lost_worker_leaves_too_few_slots_and_the_run_says_so(cluster, tmp_path):
