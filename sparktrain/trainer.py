@@ -15,6 +15,7 @@ import logging
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -123,10 +124,18 @@ class Trainer:
             check_can_launch(sc, cfg.num_workers)
         if weight_col:  # before any Spark job: can the loss take sample weights?
             check_weighted_loss(cfg.loss, dict(cfg.loss_kwargs))
-        prepared = prepare(
-            data, validation_data, features_col, label_col, cfg.num_workers, weight_col
-        )
-        model, num_outputs = self._check_model(prepared.feature_width)
+        # The model, loss and optimizer are built while the driver waits on Spark's
+        # data-preparation jobs: the first torch optimizer of a process imports
+        # torch._dynamo (~1.5 s), time that would otherwise sit on the path to training.
+        # Errors keep their order: data errors first, then the width check, then the
+        # loss/optimizer settings.
+        with ThreadPoolExecutor(1, thread_name_prefix="sparktrain-model") as pool:
+            built = pool.submit(self._build_model)
+            prepared = prepare(
+                data, validation_data, features_col, label_col, cfg.num_workers, weight_col
+            )
+            model, settings_error = built.result()
+        model, num_outputs = self._check_model(prepared.feature_width, model, settings_error)
         from sparktrain.parallel.pipeline import check_param_cap
 
         check_param_cap(model, cfg)  # no-op for pipelines (each stage is checked instead)
@@ -252,12 +261,26 @@ class Trainer:
 
         return get_or_create_session()
 
-    def _check_model(self, width: int) -> tuple[nn.Module, int]:
-        """Build the model once on the driver: does it take this feature width, and do the
-        loss and optimizer settings fit it? Fails here rather than in every task."""
+    def _build_model(self) -> tuple[nn.Module, Exception | None]:
+        """Build the model once on the driver (seeded as the workers do) and try the loss
+        and optimizer settings on it; their error, if any, is returned for
+        :meth:`_check_model` to raise after the width check."""
         cfg = self.config
         torch.manual_seed(cfg.seed)
         model = build_model(resolve_model_fn(self.model_fn, self.model_kwargs))
+        try:
+            build_loss(cfg.loss, dict(cfg.loss_kwargs))
+            build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, dict(cfg.optimizer_kwargs))
+        except Exception as exc:
+            return model, exc
+        return model, None
+
+    def _check_model(
+        self, width: int, model: nn.Module, settings_error: Exception | None = None
+    ) -> tuple[nn.Module, int]:
+        """Does the driver's model take this feature width, and do the loss and optimizer
+        settings fit it? Fails here rather than in every task."""
+        cfg = self.config
         model.eval()
         try:
             with torch.no_grad():
@@ -273,8 +296,8 @@ class Trainer:
                 f"loss='cross_entropy' needs one output per class, the model has {num_outputs}; "
                 "use bce_with_logits for a single logit"
             )
-        build_loss(cfg.loss, dict(cfg.loss_kwargs))
-        build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, dict(cfg.optimizer_kwargs))
+        if settings_error is not None:
+            raise settings_error
         return model.train(), num_outputs
 
     def _launch(self, prepared: PreparedData, spec: JobSpec) -> list[Record]:

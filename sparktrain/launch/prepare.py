@@ -116,6 +116,13 @@ def _prepare_frame(
     width = int(first["w"])
     if width <= 0:
         raise DataError("the features column holds empty arrays; each row needs at least one value")
+    if val is not None:
+        # A union never feeds a barrier stage as it is (Spark refuses RDD chains whose
+        # partition counts differ, and a union's inputs each have fewer partitions than
+        # it), so shuffle at once: asking the union for its partition count would first
+        # run its inputs' shuffles under adaptive execution, only to shuffle again.
+        log.info("shuffling the data and validation_data into num_workers=%d", num_workers)
+        return PreparedData(combined.repartition(num_workers), None, width, mean_weight)
     parts = combined.rdd.getNumPartitions()
     if parts != num_workers:
         log.info("repartitioning the data from %d partitions to num_workers=%d", parts, num_workers)
