@@ -120,6 +120,15 @@ def _train(data: Any) -> str:
             f"{_num(head['torchdistributor_whole_process_to_target_s'], '{:.1f} s')} = "
             f"{_num(head['ratio'], '{:.2f}')} (target <= 0.5: {_met(head['met'])})"
         )
+    warm = derived.get("ring_vs_torchdistributor_warm")
+    if warm:
+        verdicts.append(
+            f"- the same, second call in the already-running process (as in a notebook; not "
+            f"the issue's measure): ring fit() / TorchDistributor run() to "
+            f"{data['target']:.2f}: {_num(warm['ring_time_to_target_s'], '{:.1f} s')} / "
+            f"{_num(warm['torchdistributor_time_to_target_s'], '{:.1f} s')} = "
+            f"{_num(warm['ratio'], '{:.2f}')}"
+        )
     pair = derived.get("tree_aggregate_vs_mllib")
     if pair:
         verdicts.append(

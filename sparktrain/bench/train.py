@@ -377,6 +377,13 @@ def child_main(args: argparse.Namespace) -> int:
         rec = fit_once(spark, frames, DIGITS_MODEL, {}, keys, args.target)
         curve_abs = [(fit_started + t, acc) for t, acc in rec.pop("curve")]
         out.update(rec)
+        # the same fit again in this now-warm process: what a notebook user sees the
+        # second time (JVM, Python workers and imports already up)
+        warm_started = time.perf_counter()
+        warm = fit_once(spark, frames, DIGITS_MODEL, {}, keys, args.target)
+        out["warm_time_to_target_s"] = warm["time_to_target_s"]
+        out["warm_fit_s"] = warm["fit_s"]
+        out["warm_total_s"] = time.perf_counter() - warm_started
     elif args.child == "torchdistributor":
         from pyspark.ml.torch.distributor import TorchDistributor
 
@@ -391,6 +398,19 @@ def child_main(args: argparse.Namespace) -> int:
             raise SparkTrainError("TorchDistributor returned nothing from rank 0")
         fit_s = time.perf_counter() - t
         curve_abs = [(float(a), float(b)) for a, b in result["curve_abs"]]
+        # the same run() again in this now-warm process (torchrun still starts afresh:
+        # that is how TorchDistributor works)
+        warm_started = time.time()
+        t = time.perf_counter()
+        td_warm: dict[str, Any] | None = TorchDistributor(
+            num_processes=WORKERS, local_mode=True, use_gpu=False
+        ).run(ddp_train, args.epochs, args.seed, args.target)
+        warm_fit_s = time.perf_counter() - t
+        if td_warm is None:
+            raise SparkTrainError("TorchDistributor returned nothing from rank 0")
+        warm_ttt = first_reaching(
+            [(float(a) - warm_started, float(b)) for a, b in td_warm["curve_abs"]], args.target
+        )
         out.update(
             {
                 "fit_s": fit_s,
@@ -406,6 +426,9 @@ def child_main(args: argparse.Namespace) -> int:
                 "time_to_target_s": first_reaching(
                     [(a - fit_started, b) for a, b in curve_abs], args.target
                 ),
+                "warm_time_to_target_s": warm_ttt,
+                "warm_fit_s": warm_fit_s,
+                "warm_total_s": warm_fit_s,
             }
         )
     else:
@@ -454,6 +477,8 @@ def run_headline(args: argparse.Namespace) -> list[dict[str, Any]]:
                     reached = child.pop("target_reached_abs")
                     child.pop("exit_abs")
                     record.update(child)
+                    # the second (warm) call is not part of the first run's whole process
+                    record["whole_process_s"] -= float(child.get("warm_total_s", 0.0))
                     record["contender"] = contender
                     record["whole_process_to_target_s"] = (
                         reached - spawned if reached is not None else None
@@ -538,6 +563,16 @@ def derive(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
             "target": "<= 0.5",
             "met": ratio is not None and ratio <= 0.5,
         }
+        ring_warm = _median([r.get("warm_time_to_target_s") for r in ring])
+        td_warm = _median([r.get("warm_time_to_target_s") for r in td])
+        if ring_warm is not None and td_warm is not None:
+            # not the measure (that is whole-process): the second fit()/run() in an
+            # already-running process, as in a notebook
+            out["ring_vs_torchdistributor_warm"] = {
+                "ring_time_to_target_s": ring_warm,
+                "torchdistributor_time_to_target_s": td_warm,
+                "ratio": _ratio(ring_warm, td_warm),
+            }
     ta = pick(contender="sparktrain-fast")
     ml = pick(contender="mllib")
     if ta and ml:
