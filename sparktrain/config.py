@@ -80,6 +80,11 @@ class TrainConfig:
         is given to :meth:`Trainer.fit`.
     threads_per_worker:
         ``torch.set_num_threads`` in each task; 0 means ``spark.task.cpus``.
+    drop_last:
+        Leave out each partition's final short mini-batch every epoch (its rows land in
+        full batches in later epochs, as the order is reshuffled). Steps of one to a few
+        samples are high-variance; aggressive compressors such as
+        ``sign:chunk=32+ef:momentum=0.9`` can diverge on them.
     progress, metrics_jsonl:
         Show a live progress bar on the driver; append per-epoch metrics to this file.
     ps_mode, staleness, ps_shards, staleness_lr:
@@ -130,6 +135,7 @@ class TrainConfig:
     bucket_mb: float = 25.0
     validation_fraction: float = 0.0
     shuffle: bool = True
+    drop_last: bool = False
     threads_per_worker: int = 0
     progress: bool = True
     metrics_jsonl: str = ""
@@ -364,7 +370,7 @@ def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -
         if not spec:
             raise ConfigError(
                 "compression as a per-layer table needs at least one 'pattern = spec' entry, "
-                "e.g. {\"fc3.*\" = \"fp16\", \"*\" = \"int8+ef\"}"
+                'e.g. {"fc3.*" = "fp16", "*" = "int8+ef"}'
             )
         for pattern, sub in spec.items():
             if not isinstance(pattern, str) or not isinstance(sub, str) or sub == "auto":

@@ -98,7 +98,7 @@ from sparktrain.launch.rounds_worker import (
 from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
 from sparktrain.modeling import build_optimizer
 from sparktrain.trainer import TrainResult
-from sparktrain.worker.data import PartitionData, check_labels, from_arrow, from_rows
+from sparktrain.worker.data import PartitionData, check_labels, from_arrow, from_rows, steps_for
 from sparktrain.worker.evaluate import finish_metric, metric_name
 
 if TYPE_CHECKING:
@@ -382,7 +382,13 @@ def run_rounds(
         if world_train == 0:
             raise DataError("the training data is empty on every partition")
         k = cfg.local_steps
-        rounds_per_epoch = max(1, math.ceil(max(train_rows) / (cfg.batch_size * k)))
+        steps = steps_for(max(train_rows), cfg.batch_size, cfg.drop_last)
+        if steps == 0:
+            raise DataError(
+                f"drop_last=true but no partition holds a full batch of {cfg.batch_size} "
+                "rows: lower batch_size or set drop_last=false"
+            )
+        rounds_per_epoch = max(1, math.ceil(steps / k))
         runner.spec = dataclasses.replace(
             sizing,
             rounds_per_epoch=rounds_per_epoch,

@@ -372,7 +372,10 @@ class _WorkerState:
         if cached is None or cached[0] != epoch:
             cfg = spec.config
             rng = np.random.default_rng([cfg.seed, block.index, epoch]) if cfg.shuffle else None
-            cached = (epoch, list(epoch_batches(block.train.size, cfg.batch_size, rng)))
+            cached = (
+                epoch,
+                list(epoch_batches(block.train.size, cfg.batch_size, rng, cfg.drop_last)),
+            )
             self.orders[block.index] = cached
         return cached[1]
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from sparktrain.worker.data import (
     PartitionData,
     epoch_batches,
     split_labels_weights,
+    steps_for,
     weights_at,
 )
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
@@ -149,8 +149,10 @@ class _StageRunner:
         self.world_train = sum(i["train"] for i in infos)
         self.n_eval = sum(infos[r]["val" if self.has_validation else "train"] for r in self.row)
         self.steps_per_epoch = max(
-            math.ceil(
-                sum(infos[spec.rank_of(s, d)]["train"] for s in range(self.P)) / self.cfg.batch_size
+            steps_for(
+                sum(infos[spec.rank_of(s, d)]["train"] for s in range(self.P)),
+                self.cfg.batch_size,
+                self.cfg.drop_last,
             )
             for d in range(self.D)
         )
@@ -404,7 +406,7 @@ class _StageRunner:
         for epoch in range(cfg.epochs):
             epoch_started = time.perf_counter()
             rng = np.random.default_rng([cfg.seed, self.replica, epoch]) if cfg.shuffle else None
-            batches = list(epoch_batches(self.n_train, cfg.batch_size, rng))
+            batches = list(epoch_batches(self.n_train, cfg.batch_size, rng, cfg.drop_last))
             loss_sum = 0.0
             loss_rows = 0
             for step in range(self.steps_per_epoch):

@@ -234,8 +234,18 @@ def check_labels(y: np.ndarray, num_classes: int, rank: int) -> None:
         )
 
 
-def epoch_batches(n: int, batch_size: int, rng: np.random.Generator | None) -> Iterator[np.ndarray]:
-    """Index arrays of one epoch's mini-batches (shuffled when ``rng`` is given)."""
+def epoch_batches(
+    n: int, batch_size: int, rng: np.random.Generator | None, drop_last: bool = False
+) -> Iterator[np.ndarray]:
+    """Index arrays of one epoch's mini-batches (shuffled when ``rng`` is given); with
+    ``drop_last`` the final short batch is left out (its rows come back shuffled into
+    other batches in later epochs)."""
     order = rng.permutation(n) if rng is not None else np.arange(n)
-    for start in range(0, n, batch_size):
+    for start in range(0, steps_for(n, batch_size, drop_last) * batch_size, batch_size):
         yield order[start : start + batch_size]
+
+
+def steps_for(n: int, batch_size: int, drop_last: bool = False) -> int:
+    """Mini-batches in an epoch of ``n`` rows: ``ceil(n / b)``, or ``n // b`` with
+    ``drop_last``."""
+    return n // batch_size if drop_last else -(-n // batch_size)

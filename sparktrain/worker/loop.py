@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ from sparktrain.errors import CheckpointError
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_model, label_dtype, resolve_model_fn
 from sparktrain.worker.context import WorkerContext
-from sparktrain.worker.data import PartitionData, check_labels, epoch_batches
+from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
 from sparktrain.worker.probe import resolve_auto
 from sparktrain.worker.sync import StepSync, make_sync
@@ -66,7 +65,12 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
     try:
         world_train = sum(i["train"] for i in infos)
         world_val = sum(i["val"] for i in infos)
-        steps_per_epoch = max(math.ceil(i["train"] / cfg.batch_size) for i in infos)
+        steps_per_epoch = max(steps_for(i["train"], cfg.batch_size, cfg.drop_last) for i in infos)
+        if steps_per_epoch == 0:
+            raise errors.DataError(
+                f"drop_last=true but no partition holds a full batch of {cfg.batch_size} "
+                "rows: lower batch_size or set drop_last=false"
+            )
         return _train(
             ctx,
             mesh,
@@ -222,7 +226,7 @@ def _train(
             epoch_started = time.perf_counter()
             model.train()
             rng = np.random.default_rng([cfg.seed, ctx.rank, epoch]) if cfg.shuffle else None
-            batches = list(epoch_batches(train.size, cfg.batch_size, rng))
+            batches = list(epoch_batches(train.size, cfg.batch_size, rng, cfg.drop_last))
             loss_sum = 0.0
             loss_rows = 0
             # after a mid-epoch resume, the epoch's first steps are already done

@@ -114,3 +114,16 @@ def test_weights_travel_with_their_rows():
 def test_bad_weights_are_refused_on_the_worker(weight, needle):
     with pytest.raises(DataError, match=needle):
         from_arrow([_batch([[1, 2], [3, 4]], [0, 1], weight=weight)], width=2, rank=3)
+
+
+def test_drop_last_leaves_out_the_short_batch_and_keeps_every_full_one():
+    from sparktrain.worker.data import epoch_batches, steps_for
+
+    assert steps_for(673, 32) == 22 and steps_for(673, 32, drop_last=True) == 21
+    assert steps_for(31, 32, drop_last=True) == 0 and steps_for(0, 32) == 0
+    rng = np.random.default_rng(0)
+    batches = list(epoch_batches(673, 32, rng, drop_last=True))
+    assert [len(b) for b in batches] == [32] * 21
+    flat = np.concatenate(batches)
+    assert len(np.unique(flat)) == 672  # no row twice; one row sits this epoch out
+    assert [len(b) for b in epoch_batches(673, 32, None)][-1] == 1
