@@ -153,9 +153,11 @@ def quality_run(
     spec: str | dict[str, str],
     world: int,
     epochs: int,
+    drop_last: bool = False,
 ) -> dict[str, Any]:
     """One training run; its figures as a JSON-able record. ``spec`` may be a per-layer
-    table (:mod:`sparktrain.compress.policy`)."""
+    table (:mod:`sparktrain.compress.policy`); ``drop_last`` leaves out each partition's
+    short final batch (for every spec alike, the baseline included)."""
     from sparktrain import TrainConfig, Trainer
     from sparktrain.compress.base import build
 
@@ -172,6 +174,7 @@ def quality_run(
         compression=spec,
         num_workers=world,
         epochs=epochs,
+        drop_last=drop_last,
     )
     path = QUALITY_MODELS[model]
     started = time.perf_counter()
@@ -189,6 +192,7 @@ def quality_run(
         "in_sync": bool(s.get("replicas_in_sync", True)),
         "wall_s": time.perf_counter() - started,
         "epochs": epochs,
+        "drop_last": drop_last,
     }
     if strategy == "ps":
         for direction in ("push", "pull"):
@@ -298,7 +302,9 @@ def quality_main(args: argparse.Namespace) -> int:
             for strategy in strategies:
                 extra = PS_ONLY_SPECS if strategy == "ps" and args.specs == DEFAULT_SPECS else []
                 for spec in [*specs, *extra]:
-                    rec = quality_run(spark, frames, model, strategy, spec, world, args.epochs)
+                    rec = quality_run(
+                        spark, frames, model, strategy, spec, world, args.epochs, args.drop_last
+                    )
                     records.append(rec)
                     print(json.dumps(rec), flush=True)
         spark.stop()
@@ -414,6 +420,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the records here")
     parser.add_argument("--plot", metavar="PATH", help="--quality: write the PNG plot here")
     parser.add_argument("--epochs", type=int, default=20, help="--quality: epochs per run")
+    parser.add_argument(
+        "--drop-last",
+        action="store_true",
+        help="--quality: leave out each partition's short final batch (drop_last=true)",
+    )
     parser.add_argument(
         "--worlds", type=int, nargs="+", default=[2], help="--quality: worker counts (4: ring)"
     )

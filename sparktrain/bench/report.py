@@ -335,6 +335,13 @@ SECTIONS: tuple[Section, ...] = (
         "compression_quality_followup.json", _compression,
     ),
     Section(
+        "compression_quality_droplast", "Sign compression with drop_last",
+        "sparktrain bench compression --quality --drop-last --models mlp cnn \\\n"
+        "    --strategies ring ps --specs none sign+ef sign:chunk=32+ef:momentum=0.9 \\\n"
+        "    --json docs/results/compression_quality_droplast.json",
+        "compression_quality_droplast.json", _compression,
+    ),
+    Section(
         "compression_per_layer", "Compression: per-layer sensitivity and a mixed policy",
         "sparktrain bench compression --per-layer --models mlp cnn --epochs 20 \\\n"
         "    --json docs/results/compression_per_layer.json",
