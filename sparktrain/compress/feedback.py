@@ -27,8 +27,9 @@ not keep being pushed by stale momentum. Dense compressors send every coordinate
 step, so masking would clear all momentum (plain SGD): they keep ``u`` whole, which is
 error feedback on the momentum update (Zheng et al. 2019, "Communication-efficient
 distributed blockwise momentum SGD with error-feedback"). That is what makes ``sign``
-train with momentum: ``sign:chunk=32+ef:momentum=0.9`` (optimizer momentum 0) stays
-within 1 pp of the uncompressed run on the digits models, where ``sign+ef`` with the
+train with momentum: ``sign:chunk=32+ef:momentum=0.9`` (optimizer momentum 0, and
+``drop_last=true`` so that no step has only a sample or two) stays within 1 pp of the
+uncompressed run on the digits models, where ``sign+ef`` with the
 optimizer's momentum diverges (see :mod:`sparktrain.compress.sign`).
 """
 

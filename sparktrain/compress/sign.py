@@ -14,7 +14,9 @@ Per-chunk scales alone are not enough (``sign:chunk=32+ef`` still diverges on th
 at lr 0.1; at lr 0.05 it is fine there but 2 pp short on the MLP). What works at the
 recipe's lr 0.1: per-chunk scales *and* the momentum moved inside the error-feedback
 loop, ``sign:chunk=32+ef:momentum=0.9`` with optimizer momentum 0 (see
-:mod:`sparktrain.compress.feedback`): 16x smaller than fp32.
+:mod:`sparktrain.compress.feedback`): 16x smaller than fp32. It still needs
+``drop_last=true`` on the digits CNN: an epoch's final step of one or two samples per
+rank is enough to make it diverge there.
 
 Path: not summable (each rank has its own scales). At world 2 the payloads are
 all-gathered; from world 3 the decompress-add-recompress ring moves fewer bytes
