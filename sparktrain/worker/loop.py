@@ -14,7 +14,6 @@ Order of events on each rank:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import threading
@@ -60,7 +59,6 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
     spec, cfg = ctx.job, ctx.job.config
     torch.set_num_threads(max(1, spec.threads))
     started = time.perf_counter()
-    _warm_optimizer_import()
     mesh, infos, train, val = rendezvous(ctx, data)
     try:
         world_train = sum(i["train"] for i in infos)
@@ -83,20 +81,6 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
         )
     finally:
         mesh.close()
-
-
-def _warm_optimizer_import() -> None:
-    """Start, in the background, the import that a process's first torch optimizer makes
-    (``torch._dynamo``, about a second). It then overlaps the rendezvous, where a rank that
-    arrives first waits for its peers, and Spark's barrier RPC only looks for the answer
-    once a second; otherwise every rank would pay it after the rendezvous. Once imported,
-    later calls cost nothing; an error here is left for the real optimizer to raise."""
-
-    def warm() -> None:
-        with contextlib.suppress(Exception):  # the real optimizer reports any problem
-            torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
-
-    threading.Thread(target=warm, name="sparktrain-warm-optim", daemon=True).start()
 
 
 def rendezvous(
