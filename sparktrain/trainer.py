@@ -28,6 +28,7 @@ from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError, DataError, SparkTrainError, WorkerError
 from sparktrain.launch import barrier
 from sparktrain.launch.prepare import PreparedData, prepare
+from sparktrain.launch.rendezvous import RendezvousServer
 from sparktrain.launch.resources import check_can_launch, check_transport_security, task_cpus
 from sparktrain.metrics import MetricsServer, ProgressDisplay
 from sparktrain.modeling import (
@@ -243,14 +244,28 @@ class Trainer:
     def _attempt(
         self, prepared: PreparedData, spec: JobSpec, host: str, display: ProgressDisplay
     ) -> list[Record]:
-        """One barrier stage, with its own progress channel (the handshake names the
-        attempt, so a straggler of an earlier attempt cannot report into this one)."""
+        """One barrier stage, with its own progress channel and rendezvous (the handshake
+        names the attempt, so a straggler of an earlier attempt cannot report into this
+        one or join its all-gather)."""
         server = MetricsServer(
             host, secret=spec.secret, job_id=spec.job_id, attempt=spec.attempt, on_message=display
         )
+        meeting = RendezvousServer(
+            host,
+            secret=spec.secret,
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            world_size=self.config.num_workers,
+        )
         try:
-            return self._launch(prepared, dataclasses.replace(spec, metrics_address=server.address))
+            return self._launch(
+                prepared,
+                dataclasses.replace(
+                    spec, metrics_address=server.address, rendezvous_address=meeting.address
+                ),
+            )
         finally:
+            meeting.stop()
             server.stop()
 
     # ------------------------------------------------------------------ internals

@@ -32,6 +32,7 @@ import ipaddress
 import logging
 import os
 import queue
+import select
 import socket
 import struct
 import threading
@@ -378,6 +379,23 @@ class Connection:
     def closed(self) -> bool:
         """True once the connection was closed (by :meth:`close` or after an error)."""
         return self._closed
+
+    def peer_gone(self) -> bool:
+        """True if the peer has closed or reset its end; never blocks, consumes nothing.
+
+        For a server holding a connection that should stay silent (a task waiting on a
+        reply): data waiting to be read, or nothing at all, means the peer is there.
+        """
+        if self._closed:
+            return True
+        try:
+            # select first: a socket with a timeout would wait that long inside recv
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if not readable:
+                return False
+            return self._sock.recv(1, socket.MSG_PEEK) == b""
+        except (ValueError, OSError):  # closed under us, reset
+            return True
 
     def set_timeout(self, timeout: float) -> None:
         """Change the per-operation socket timeout (seconds, > 0; never unbounded)."""

@@ -8,11 +8,13 @@ The task functions close over the picklable :class:`JobSpec` only.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from sparktrain.launch import rendezvous
 from sparktrain.launch.prepare import PreparedData
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import from_arrow, from_rows
@@ -29,18 +31,40 @@ OUTPUT_DDL = "rank int, kind string, seq int, data binary"
 
 
 def worker_context(spec: JobSpec | None) -> WorkerContext:
-    """Rank, world, this task's own host and the collectives, from Spark's barrier context."""
+    """Rank, world, this task's own host and the collectives, from Spark's barrier context.
+
+    The all-gather goes through the driver's :mod:`~sparktrain.launch.rendezvous` when
+    the job has one (Spark's own answers on a once-a-second poll), else through
+    ``BarrierTaskContext.allGather``.
+    """
     from pyspark import BarrierTaskContext
 
     tc = BarrierTaskContext.get()
     infos = tc.getTaskInfos()
     rank = tc.partitionId()
     host = infos[rank].address.rsplit(":", 1)[0]
+    gather = None
+    if spec is not None and spec.rendezvous_address:
+        gather = functools.partial(
+            rendezvous.all_gather,
+            spec.rendezvous_address,
+            secret=spec.secret,
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            rank=rank,
+            timeout=spec.config.comm_timeout,
+        )
+
+    def all_gather(message: str) -> list[str]:
+        if gather is not None:
+            return gather(message=message)
+        return list(tc.allGather(message))
+
     return WorkerContext(
         rank=rank,
         world_size=len(infos),
         host=host,
-        all_gather=lambda message: list(tc.allGather(message)),
+        all_gather=all_gather,
         barrier=tc.barrier,
         spec=spec,
     )

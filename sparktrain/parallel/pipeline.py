@@ -36,6 +36,7 @@ from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, SparkTrainError, WorkerError
 from sparktrain.launch import barrier
 from sparktrain.launch.prepare import PreparedData
+from sparktrain.launch.rendezvous import RendezvousServer
 from sparktrain.launch.resources import task_cpus
 from sparktrain.metrics import MetricsServer, ProgressDisplay
 from sparktrain.parallel.partition import Partition, partition
@@ -187,11 +188,18 @@ def run_pipeline(
     server = MetricsServer(
         host, secret=job.secret, job_id=job.job_id, attempt=0, on_message=display
     )
+    meeting = RendezvousServer(
+        host, secret=job.secret, job_id=job.job_id, attempt=0, world_size=cfg.num_workers
+    )
     launched = time.perf_counter()
     try:
-        spec = replace(spec, job=replace(job, metrics_address=server.address))
+        spec = replace(
+            spec,
+            job=replace(job, metrics_address=server.address, rendezvous_address=meeting.address),
+        )
         records = _launch(prepared, spec)
     finally:
+        meeting.stop()
         server.stop()
         display.close()
     now = time.perf_counter()

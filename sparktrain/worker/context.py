@@ -30,6 +30,7 @@ class JobSpec:
     feature_width: int
     num_outputs: int
     metrics_address: str | None = None
+    rendezvous_address: str | None = None  # the driver's all-gather (launch/rendezvous.py)
     threads: int = 1
     state_chunk_bytes: int = 4 << 20
     ps_addresses: tuple[str, ...] = ()  # one "host:port" per parameter-server shard
