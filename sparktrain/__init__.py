@@ -2,10 +2,31 @@
 
 The public API is these three names; everything else is reached through them, the
 ``sparktrain`` command line, or ``jobs/*.py`` for spark-submit.
+
+They are imported on first use (PEP 562), not with the package: ``import
+sparktrain.session`` then costs no torch import, so :func:`sparktrain.session.get_or_create_session`
+can import torch while the JVM starts instead of before it.
 """
 
-from sparktrain.config import TrainConfig
-from sparktrain.trainer import Trainer, TrainResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sparktrain.config import TrainConfig
+    from sparktrain.trainer import Trainer, TrainResult
 
 __all__ = ["TrainConfig", "TrainResult", "Trainer"]
 __version__ = "0.1.0"
+
+_HOMES = {"TrainConfig": "sparktrain.config", "Trainer": "sparktrain.trainer"}
+_HOMES["TrainResult"] = _HOMES["Trainer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'sparktrain' has no attribute {name!r}")

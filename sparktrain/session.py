@@ -4,8 +4,10 @@ one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,8 @@ DEFAULTS: dict[str, str] = {
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.sql.shuffle.partitions": "4",
     "spark.python.worker.reuse": "true",
+    # Python workers fork from a daemon that has torch loaded (launch/daemon.py)
+    "spark.python.daemon.module": "sparktrain.launch.daemon",
 }
 
 
@@ -33,10 +37,19 @@ def log4j_options() -> str:
     return f"-Dlog4j2.configurationFile={path}"
 
 
+def _import_torch() -> None:
+    with contextlib.suppress(ImportError):  # the fit's own import then says what is wrong
+        import torch  # noqa: F401
+
+
 def get_or_create_session(
     master: str | None = None, app_name: str = "sparktrain", conf: dict[str, str] | None = None
 ) -> SparkSession:
-    """The active session, or a new one with sparktrain's loopback defaults."""
+    """The active session, or a new one with sparktrain's loopback defaults.
+
+    While a new session's JVM starts, torch is imported in a background thread (it is
+    needed by any fit, and the two overlap).
+    """
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()
@@ -46,6 +59,9 @@ def get_or_create_session(
     # Python workers run the driver's interpreter unless the user chose another: the
     # executors then see the same torch and sparktrain.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if "torch" not in sys.modules:
+        # the JVM takes seconds to start; the driver needs torch for any fit
+        threading.Thread(target=_import_torch, name="sparktrain-import-torch", daemon=True).start()
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)

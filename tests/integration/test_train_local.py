@@ -177,3 +177,38 @@ def test_more_workers_than_slots(spark):
 
 def test_session_is_still_usable_after_failures(spark):
     assert spark.sparkContext.parallelize(range(10), 2).sum() == 45
+
+
+def test_the_stage_meets_in_the_drivers_rendezvous_once(spark, monkeypatch):
+    import sparktrain.trainer as trainer_module
+    from sparktrain.launch.rendezvous import RendezvousServer
+
+    servers: list[RendezvousServer] = []
+
+    class Recorded(RendezvousServer):
+        def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(*args, **kwargs)
+            servers.append(self)
+
+    monkeypatch.setattr(trainer_module, "RendezvousServer", Recorded)
+    train, test = digits_frames(spark)
+    result = Trainer(DIGITS_MODEL, fast_config(epochs=2), spark=spark).fit(
+        train, validation_data=test
+    )
+    assert result.summary["replicas_in_sync"]
+    # one attempt, one all-gather through our server (none through Spark's polled one)
+    assert [s.rounds_completed for s in servers] == [1]
+
+
+def test_python_workers_fork_from_the_daemon_that_preloaded_torch(spark):
+    def inspect(_rows):  # type: ignore[no-untyped-def]
+        import os
+        import sys
+
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
+            parent = fh.read().replace(b"\0", b" ").decode()
+        yield parent, "torch" in sys.modules, "torch._dynamo" in sys.modules
+
+    seen = spark.sparkContext.parallelize(range(2), 2).mapPartitions(inspect).collect()
+    assert all("sparktrain.launch.daemon" in parent for parent, _, _ in seen), seen
+    assert all(torch and dynamo for _, torch, dynamo in seen), seen
