@@ -120,6 +120,18 @@ def _train(data: Any) -> str:
             f"{_num(head['torchdistributor_whole_process_to_target_s'], '{:.1f} s')} = "
             f"{_num(head['ratio'], '{:.2f}')} (target <= 0.5: {_met(head['met'])})"
         )
+        if head.get("floor_ratio") is not None:
+            verdicts.append(
+                f"- the floor under that target: a fresh Python process that only starts "
+                f"the SparkSession and stops it takes "
+                f"{_num(head['session_only_process_s'], '{:.1f} s')} = "
+                f"{_num(head['floor_ratio'], '{:.2f}')} x TorchDistributor's whole process "
+                f"(the session is up {_num(head['session_ready_s'], '{:.1f} s')} after "
+                f"spawn). From that point to {data['target']:.2f} accuracy: ring "
+                f"{_num(head['ring_after_session_s'], '{:.1f} s')}, TorchDistributor "
+                f"{_num(head['torchdistributor_after_session_s'], '{:.1f} s')} = "
+                f"{_num(head['after_session_ratio'], '{:.2f}')}"
+            )
     warm = derived.get("ring_vs_torchdistributor_warm")
     if warm:
         verdicts.append(

@@ -109,6 +109,39 @@ def test_derive_checks_every_target():
     assert auto["gap"] == pytest.approx(0.05) and auto["met"]
 
 
+def test_the_session_floor_and_the_part_after_it():
+    runs = [
+        _run(contender="ring", whole_process_to_target_s=13.0, session_ready_s=6.0),
+        _run(contender="torchdistributor", whole_process_to_target_s=12.0, session_ready_s=6.5),
+        _run(contender="session", strategy="none", whole_process_s=6.6, session_ready_s=6.1),
+    ]
+    head = bt.derive(runs, 0.95)["ring_vs_torchdistributor"]
+    assert head["floor_ratio"] == pytest.approx(6.6 / 12.0)  # above 0.5: no trainer meets it
+    assert head["ring_after_session_s"] == pytest.approx(7.0)
+    assert head["after_session_ratio"] == pytest.approx(7.0 / 5.5)
+    assert "the floor under that target" in rep._train(
+        {"target": 0.95, "runs": runs, "derived": {"ring_vs_torchdistributor": head}}
+    )
+
+
+def test_merge_replaces_only_the_cells_measured_again():
+    old = {
+        "args": {"parts": ["headline", "matrix"]},
+        "bench_s": 100.0,
+        "runs": [_run(contender="ring", repeat=0), _run(link="5g", compression="fp16")],
+        "headline_rerun": {"stale": True},
+    }
+    new = {"args": {"parts": ["headline"]}, "bench_s": 10.0, "runs": [_run(contender="ring")]}
+    merged = bt.merge_reports(old, new)
+    assert [(r["contender"], r["link"]) for r in merged["runs"]] == [
+        ("sparktrain", "5g"),
+        ("ring", "none"),
+    ]
+    assert "measured" in merged["runs"][1] and "measured" not in merged["runs"][0]
+    assert merged["args"] == old["args"] and merged["bench_s"] == 110.0
+    assert merged["merged"][0]["args"] == new["args"] and "headline_rerun" not in merged
+
+
 def test_compression_is_not_judged_where_compute_dominates():
     runs = [
         _run(link="5g", train_s=10.0, comm_s=9.0, wire_bytes=1e6),  # latency, not bytes
