@@ -78,9 +78,4 @@ def to_dataframe(spark: Any, x: np.ndarray, y: np.ndarray, partitions: int) -> A
     table = pa.table(
         {"features": features.cast(pa.list_(pa.float32())), "label": pa.array(y.astype(np.float64))}
     )
-    df = spark.createDataFrame(table)
-    # Arrow input is sliced into the default parallelism; shuffle only if that differs
-    # (a shuffle costs a Spark stage now and another run of it in every later job)
-    if df.rdd.getNumPartitions() != partitions:
-        df = df.repartition(partitions)
-    return df
+    return spark.createDataFrame(table).repartition(partitions)
