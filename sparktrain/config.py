@@ -45,7 +45,9 @@ class TrainConfig:
     compression:
         Gradient compression spec: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
         ``"topk:0.01"``, ``"randomk:0.01"``, ``"sign"``, ``"powersgd:2"``, optionally
-        ``delta+`` in front and ``+ef`` (error feedback) behind, e.g. ``"topk:0.01+ef"``;
+        ``delta+`` in front (``ps`` and ``tree_aggregate``: also compress the weights the
+        driver sends, as deltas) and ``+ef`` (error feedback) behind, e.g.
+        ``"topk:0.01+ef"``;
         grammar and options in :mod:`sparktrain.compress.base`. ``"auto"`` picks one from
         the link probe. A table ``{"pattern" = "spec", ...}`` is a per-layer policy:
         parameter names are matched against the glob patterns in order, first match wins,
@@ -389,12 +391,16 @@ def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -
 
     comp = build(spec)
     parts = split_spec(spec)
-    if strategy in ("ring", "tree", "tree_aggregate") and parts.delta:
+    if strategy in ("ring", "tree") and parts.delta:
         raise ConfigError(
             f"compression={spec!r}: delta encodes repeated sends of a value the receiver "
-            f"already holds (parameter-server pulls); {strategy} exchanges fresh gradients, "
-            "so drop 'delta+' (e.g. use 'int8+ef')"
+            "already holds (parameter-server pulls, tree_aggregate's weight downloads); "
+            f"{strategy} exchanges fresh gradients, so drop 'delta+' (e.g. use 'int8+ef')"
         )
+    if strategy == "tree_aggregate":
+        from sparktrain.launch.weights_server import download_compressor
+
+        download_compressor(spec)  # refuses delta+powersgd
     if strategy == "ps":
         from sparktrain.ps.protocol import make_compression
 

@@ -151,6 +151,16 @@ def _train(data: Any) -> str:
         )
     if verdicts:
         parts += ["", *verdicts]
+    deltas = sorted(
+        {r["strategy"] for r in data["runs"] if str(r.get("spec", "")).startswith("delta+")}
+    )
+    if deltas:
+        parts += [
+            "",
+            f"The compressed cells of {', '.join(deltas)} ran `delta+<spec>`: the weights the "
+            "driver sends are compressed as deltas too, and bytes and ratios count both "
+            "directions.",
+        ]
     rows = derived.get("compression_vs_ideal") or []
     if rows:
         parts += [

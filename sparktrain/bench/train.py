@@ -21,9 +21,12 @@ Three parts, each a fair comparison of its own:
 * **Matrix, one shared session** (this process, after a warm-up fit): every
   ``--strategies`` × ``--compressions`` × ``--links`` × ``--workloads`` combination
   (``ps-sync``/``ps-async`` are ``strategy="ps"`` with that ``ps_mode``;
-  ``tree_aggregate`` runs ``local_steps=64``, one round per epoch; ``--include-auto``
-  adds ``strategy="auto", compression="auto"``). ``--links`` only sets the ``link`` key
-  (the emulation itself lives in :mod:`sparktrain.comm.link`). Time to target is measured
+  ``tree_aggregate`` runs ``local_steps=64``, one round per epoch on digits, and 4 on
+  the synthetic job; ``--include-auto`` adds ``strategy="auto", compression="auto"``;
+  the parameter server's and tree_aggregate's compressed cells run ``delta+<spec>``, so
+  the weights the driver sends are compressed too, unless ``--no-delta-downloads``).
+  ``--links`` only sets the ``link`` key (the emulation itself lives in
+  :mod:`sparktrain.comm.link`). Time to target is measured
   from ``fit()`` until the epoch record that first reached the target arrived at the
   driver (its JSON line, polled every ``POLL_S``).
 * **tree_aggregate against MLlib**: :mod:`sparktrain.bench.mllib`'s two systems in the
@@ -69,6 +72,12 @@ POLL_S = 0.02  # resolution of the driver-side time-to-target clock
 # run's bytes at the link's bandwidth takes at least half of its training time.
 COMM_DOMINATES = 0.5
 TREE_AGGREGATE_LOCAL_STEPS = 64  # >= batches per partition on digits: one round per epoch
+# On the synthetic job 64 would be a single round, which train_s (after the cache round)
+# does not see; 4 local steps make 9 rounds of its 36 batches per partition.
+SYNTHETIC_TREE_AGGREGATE_LOCAL_STEPS = 4
+# Strategies whose driver sends the weights every step or round: with --delta-downloads
+# (the default) their compressed cells run delta+<spec>, compressing both directions.
+DRIVER_MODEL_STRATEGIES = ("ps-sync", "ps-async", "ps-ssp", "tree_aggregate")
 SUBPROCESS_TIMEOUT_S = 900
 WORKERS = 2
 
@@ -227,6 +236,15 @@ def warm_up(spark: Any) -> None:
     fit_once(spark, frames, DIGITS_MODEL, {}, {**DIGITS_RECIPE, "epochs": 1}, None)
 
 
+def run_spec(strategy: str, compression: str, delta_downloads: bool) -> str:
+    """The spec a matrix cell runs: ``delta+<spec>`` for a compressed cell of a strategy
+    whose driver sends the weights (both directions compressed), else ``compression``."""
+    plain = compression in ("none", "auto") or compression.startswith("delta+")
+    if delta_downloads and strategy in DRIVER_MODEL_STRATEGIES and not plain:
+        return f"delta+{compression}"
+    return compression
+
+
 def run_matrix(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every strategy × compression × link × workload, in this process's session."""
     records = []
@@ -245,17 +263,21 @@ def run_matrix(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             for strategy, compression in combos:
                 for seed in args.seeds:
                     for repeat in range(args.repeats):
+                        spec = run_spec(strategy, compression, args.delta_downloads)
                         keys = {
                             **base,
                             **strategy_config(strategy),
-                            "compression": compression,
+                            "compression": spec,
                             "link_profile": link,
                             "seed": seed,
                         }
+                        if strategy == "tree_aggregate" and workload == "synthetic":
+                            keys["local_steps"] = SYNTHETIC_TREE_AGGREGATE_LOCAL_STEPS
                         record: dict[str, Any] = {
                             "contender": "sparktrain",
                             "strategy": strategy,
                             "compression": compression,
+                            "spec": spec,
                             "link": link,
                             "workload": workload,
                             "seed": seed,
@@ -861,6 +883,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--links", nargs="+", default=["none", "5g"])
     parser.add_argument(
         "--include-auto", action="store_true", help="add strategy=auto, compression=auto"
+    )
+    parser.add_argument(
+        "--no-delta-downloads",
+        dest="delta_downloads",
+        action="store_false",
+        help="run ps and tree_aggregate cells with the plain spec (uploads compressed only) "
+        "instead of delta+<spec> (the weights the driver sends compressed too)",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--repeats", type=int, default=1)

@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -77,6 +78,7 @@ from sparktrain.launch.prepare import PreparedData
 from sparktrain.launch.resources import task_cpus
 from sparktrain.launch.rounds_worker import (
     COMPUTE_S,
+    DOWN_BYTES,
     EVAL_ROWS,
     EVAL_TOTAL,
     LOSS_SUM,
@@ -95,6 +97,7 @@ from sparktrain.launch.rounds_worker import (
     num_elements,
     zero_stats,
 )
+from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, download_compressor
 from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
 from sparktrain.modeling import build_optimizer
 from sparktrain.trainer import TrainResult
@@ -275,11 +278,13 @@ class RoundRunner:
         blocks: RDD[Block],
         spec: RoundSpec,
         closure_max_bytes: int = CLOSURE_WEIGHTS_MAX_BYTES,
+        downloads: WeightsServer | None = None,
     ) -> None:
         self.sc = sc
         self.blocks = blocks
         self.spec = spec
         self.closure_max_bytes = closure_max_bytes
+        self.downloads = downloads  # delta+ specs: compressed weight downloads
         self.broadcast_bytes = 0
         self.closure_bytes = 0
         self.rounds = 0
@@ -290,14 +295,25 @@ class RoundRunner:
         """The summed contribution of every partition: (decoded vector or None, stats)."""
         spec = self.spec
         handle: Any
-        if weights.nbytes <= self.closure_max_bytes:
+        broadcast = None
+        small = weights.nbytes <= self.closure_max_bytes
+        exact = self.downloads is None or self.rounds == 0 or not train
+        if not exact:
+            assert self.downloads is not None
+            handle = self.downloads.next(weights)  # C(w - mirror); tasks add it to theirs
+            self.closure_bytes += handle.message.nbytes if handle.message is not None else 0
+        elif small:
             # pickled with the closure when the job is submitted, i.e. inside
             # treeAggregate below: the caller may reuse its buffer after we return
-            handle, broadcast = weights, None
+            handle = weights
             self.closure_bytes += weights.nbytes
         else:
             handle = broadcast = self.sc.broadcast(weights)
             self.broadcast_bytes += weights.nbytes
+        if self.downloads is not None and exact:
+            # the first round's mirror starts exact; the final evaluation's metric is then
+            # the driver model's own, not its compressed copy's
+            handle = self.downloads.next(weights, broadcast, force=True)
         try:
             out = self.blocks.treeAggregate(
                 None,
@@ -330,6 +346,7 @@ def run_rounds(
 
     try:  # fail on the driver, before any Spark job, for a spec the rounds cannot use
         make_codec(cfg.compression)
+        download_compressor(cfg.compression)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     sc = _spark_context(prepared)
@@ -341,6 +358,7 @@ def run_rounds(
     launched = time.perf_counter()
     blocks = cache_blocks(prepared, cfg, num_outputs)
     model_handle = None
+    downloads: WeightsServer | None = None
     try:
         partitions = blocks.getNumPartitions()
         model_handle = sc.broadcast(dumps(model))
@@ -354,7 +372,15 @@ def run_rounds(
             task_hook=task_hook,
             size_slots=partitions,
         )
-        runner = RoundRunner(sc, blocks, sizing)
+        comp = download_compressor(cfg.compression)
+        if comp is not None:
+            secret = secrets.token_bytes(32)
+            host = sc.getConf().get("spark.driver.host", "127.0.0.1")
+            downloads = WeightsServer(
+                host, DownloadEncoder(comp, cfg.seed), secret=secret, job_id=job_id
+            )
+            sizing = dataclasses.replace(sizing, weights_address=downloads.address, secret=secret)
+        runner = RoundRunner(sc, blocks, sizing, downloads=downloads)
         # The first round converts and caches the data, reports every partition's row
         # counts and (unless resuming, which must know rounds_per_epoch first) trains:
         # one Spark job where a separate sizing job used to cost one more job overhead.
@@ -410,6 +436,8 @@ def run_rounds(
     finally:
         display.close()
         blocks.unpersist(blocking=False)
+        if downloads is not None:
+            downloads.stop()
         if model_handle is not None:
             model_handle.destroy(blocking=False)
         sc.setLocalProperty("spark.jobGroup.id", previous_group)  # type: ignore[arg-type]
@@ -436,8 +464,14 @@ def run_rounds(
         "train_s": train_s,
         "comm_s": loop.overhead_s,
         "samples_per_s": world_train * cfg.epochs / train_s if train_s > 0 else 0.0,
-        "bytes_sent": int(loop.raw_bytes),
-        "wire_bytes": int(loop.wire_bytes),
+        # both directions, as the parameter server counts pushes and pulls
+        "bytes_sent": int(loop.raw_bytes + loop.down_raw),
+        "wire_bytes": int(loop.wire_bytes + loop.down_wire),
+        "upload_bytes": int(loop.raw_bytes),
+        "upload_wire_bytes": int(loop.wire_bytes),
+        "download_bytes": int(loop.down_raw),
+        "download_wire_bytes": int(loop.down_wire),
+        "mirror_fetches": downloads.fetches if downloads is not None else 0,
         "restarts": 0,
         "replicas_in_sync": True,  # one model, on the driver
         "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
@@ -504,8 +538,10 @@ class _Loop:
         self.weights = np.empty(num_elements(self.params), dtype=np.float32)
         self.history: list[dict[str, Any]] = []
         self.overhead_s = 0.0
-        self.raw_bytes = 0.0
-        self.wire_bytes = 0.0
+        self.raw_bytes = 0.0  # uploads: the partitions' vectors, uncompressed
+        self.wire_bytes = 0.0  # uploads, encoded
+        self.down_raw = 0.0  # weight downloads, uncompressed (one copy per task)
+        self.down_wire = 0.0  # what the tasks received (delta+: deltas, fetched mirrors)
         self._pending: dict[str, Any] | None = None  # last epoch, waiting for its metric
         # round 0, already run by the sizing job: (weights, vector, stats)
         self.first_round: tuple[np.ndarray, np.ndarray | None, np.ndarray] | None = None
@@ -576,6 +612,8 @@ class _Loop:
         self.overhead_s += max(0.0, seconds - float(stats[COMPUTE_S]))
         self.raw_bytes += float(stats[RAW_BYTES])
         self.wire_bytes += float(stats[WIRE_BYTES])
+        self.down_raw += self.weights.nbytes * self.world_size  # one copy per task
+        self.down_wire += float(stats[DOWN_BYTES])
         if self.runner.rounds % VOLUME_POLL_ROUNDS == 0:
             self.volume.poll()
         if evaluate:

@@ -64,13 +64,19 @@ from sparktrain.compress.base import (
 )
 from sparktrain.compress.feedback import SCALE
 from sparktrain.config import TrainConfig
+from sparktrain.launch.weights_server import (
+    Download,
+    apply_delta,
+    download_compressor,
+    fetch_mirror,
+)
 from sparktrain.modeling import build_loss, build_optimizer, label_dtype
 from sparktrain.worker.data import PartitionData, epoch_batches
 from sparktrain.worker.evaluate import evaluate, target_like
 
-# Slots of a contribution's stats vector.
-SAMPLES, LOSS_SUM, EVAL_TOTAL, EVAL_ROWS, RAW_BYTES, WIRE_BYTES, COMPUTE_S = range(7)
-NUM_STATS = 7
+# Slots of a contribution's stats vector (DOWN_BYTES: weight bytes the task received).
+SAMPLES, LOSS_SUM, EVAL_TOTAL, EVAL_ROWS, RAW_BYTES, WIRE_BYTES, COMPUTE_S, DOWN_BYTES = range(8)
+NUM_STATS = 8
 
 Contribution = tuple[Any, np.ndarray]  # (encoded payload or None, stats)
 
@@ -186,20 +192,16 @@ class CompressedCodec:
 
 
 def make_codec(compression: str | Mapping[str, str]) -> PayloadCodec:
-    """The codec for a ``compression`` spec (``delta+`` is refused: contributions are fresh
-    every round; so is a per-layer table: a contribution is one flat vector)."""
+    """The upload codec for a ``compression`` spec: its gradient part (a ``delta+``
+    prefix compresses the weight downloads, :mod:`sparktrain.launch.weights_server`); a
+    per-layer table is refused: a contribution is one flat vector."""
     if not isinstance(compression, str):
         raise ValueError(
             "tree_aggregate compresses each partition's flat vector with one spec; give one "
             "spec such as 'int8+ef' instead of a per-layer table"
         )
     parts = split_spec(compression)
-    if parts.delta:
-        raise ValueError(
-            f"compression {compression!r}: tree_aggregate sends fresh contributions every "
-            "round, drop 'delta+'"
-        )
-    comp = build(compression)
+    comp = build(parts.gradient)  # delta+: the weight downloads' part (weights_server.py)
     return IdentityCodec() if comp is None else CompressedCodec(comp)
 
 
@@ -319,6 +321,9 @@ class RoundSpec:
     evaluate_on_validation: bool
     threads: int = 1
     task_hook: Callable[[int, int], None] | None = field(default=None, compare=False)
+    # delta+ specs: where a task fetches the round's full mirror, and the job secret
+    weights_address: str | None = None
+    secret: bytes = field(default=b"", repr=False)
     # > 0 only in the sizing round (the job's first): the number of partitions whose row
     # counts the stats carry; that round's rounds_per_epoch is 0 (not known yet)
     size_slots: int = 0
@@ -349,6 +354,8 @@ class _WorkerState:
         self.lock = threading.Lock()
         self.codec = make_codec(spec.config.compression)
         self.comp_states: dict[int, dict[int, BucketState]] = {}
+        self.download_comp = download_compressor(spec.config.compression)
+        self.mirror: tuple[int, np.ndarray] | None = None  # (seq, weights) for delta+
 
     def bucket_state(self, spec: RoundSpec, partition: int, round_index: int) -> BucketState:
         """The compressor state for ``(partition, round)``: a copy of the state left by
@@ -394,6 +401,39 @@ def worker_state(spec: RoundSpec) -> _WorkerState:
         return state
 
 
+def receive_weights(spec: RoundSpec, download: Download, partition: int) -> tuple[np.ndarray, int]:
+    """A ``delta+`` round's weights in this Python worker, and the bytes the task had to
+    receive for them: the delta on the mirror this worker holds from the previous round,
+    else the round's full mirror fetched from the driver (weights_server.py)."""
+    state = worker_state(spec)
+    with state.lock:
+        held = state.mirror
+        if download.message is None:  # the mirror restarts from the exact weights
+            first = np.asarray(_value(download.first), dtype=np.float32)
+            state.mirror = (download.seq, np.array(first, copy=True))
+            return state.mirror[1], first.nbytes
+        got = download.message.nbytes
+        if held is not None and held[0] == download.seq:  # another partition's task did it
+            return held[1], got
+        if held is not None and held[0] == download.seq - 1 and state.download_comp is not None:
+            apply_delta(state.download_comp, held[1], download.message)
+            state.mirror = (download.seq, held[1])
+            return held[1], got
+        if spec.weights_address is None:
+            raise ValueError("a delta+ round without the driver's weights server; this is a bug")
+        fresh = fetch_mirror(
+            spec.weights_address,
+            secret=spec.secret,
+            job_id=spec.job_id,
+            partition=partition,
+            seq=download.seq,
+            numel=download.numel,
+            timeout=spec.config.comm_timeout,
+        )
+        state.mirror = (download.seq, fresh)
+        return fresh, got + fresh.nbytes
+
+
 def partition_round(
     spec: RoundSpec,
     weights: np.ndarray,
@@ -401,19 +441,23 @@ def partition_round(
     round_index: int,
     train: bool = True,
     evaluate_first: bool = False,
+    received_bytes: int | None = None,
 ) -> Contribution:
     """One partition's contribution to round ``round_index`` (global, from 0), starting
     from ``weights``. With ``evaluate_first`` the metric sums of ``weights`` on the
-    partition's evaluation rows ride along (that is the previous epoch's metric)."""
+    partition's evaluation rows ride along (that is the previous epoch's metric).
+    ``received_bytes``: what the task received for ``weights`` (default: all of them)."""
     if spec.task_hook is not None:
         spec.task_hook(block.index, round_index)
     torch.set_num_threads(max(1, spec.threads))
+    down = weights.nbytes if received_bytes is None else received_bytes
     # Emulated link (comm/link.py), per task: receiving the weights, not counted as compute.
-    emulate_task_transfer(spec.config, weights.nbytes, block.index, round_index, 0)
+    emulate_task_transfer(spec.config, down, block.index, round_index, 0)
     started = time.perf_counter()
     cfg = spec.config
     state = worker_state(spec)
     stats = zero_stats(spec.size_slots)
+    stats[DOWN_BYTES] = down
     if spec.size_slots:  # the sizing round: report this partition's row counts
         if not 0 <= block.index < spec.size_slots:
             raise ValueError(f"partition {block.index} outside the {spec.size_slots} sized ones")
@@ -458,11 +502,17 @@ def make_seq_op(
     spec: RoundSpec, weights: Any, round_index: int, train: bool, evaluate_first: bool
 ) -> Callable[[Contribution | None, Block], Contribution | None]:
     """treeAggregate's seqOp for one round; closes over picklable values only (the spec,
-    the weights' broadcast handle and three plain values)."""
+    the weights, their broadcast handle or a delta+ :class:`Download`, and three plain
+    values)."""
     codec = spec.codec
 
     def seq_op(acc: Contribution | None, block: Block) -> Contribution | None:
-        mine = partition_round(spec, _value(weights), block, round_index, train, evaluate_first)
+        if isinstance(weights, Download):
+            values, got = receive_weights(spec, weights, block.index)
+        else:
+            values = _value(weights)
+            got = values.nbytes
+        mine = partition_round(spec, values, block, round_index, train, evaluate_first, got)
         return merge(acc, mine, codec)
 
     return seq_op

@@ -86,5 +86,20 @@ def test_digits_tree_aggregate_compressed_payloads_shrink_sparks_own_bytes(spark
     print({k: (v["metric_value"], v["spark_result_bytes"]) for k, v in runs.items()})
     assert q["metric_value"] >= base["metric_value"] - 0.01
     assert q["bytes_sent"] == base["bytes_sent"]
-    assert q["compression_ratio"] >= 3.5
+    # both directions count; only the uploads are compressed without delta+
+    assert q["upload_bytes"] / q["upload_wire_bytes"] >= 3.5
+    assert q["download_wire_bytes"] == q["download_bytes"] == base["download_bytes"]
     assert q["spark_result_bytes"] < 0.5 * base["spark_result_bytes"]
+
+
+def test_digits_tree_aggregate_delta_compresses_the_weight_downloads_too(spark):
+    """delta+int8+ef: int8 deltas of the weights go down, int8+ef gradients come up."""
+    common = {"strategy": "tree_aggregate", "local_steps": 8, "epochs": 15}
+    base = _digits_run(spark, compression="none", **common)
+    both = _digits_run(spark, compression="delta+int8+ef", **common)
+    print({k: both[k] for k in ("metric_value", "download_wire_bytes", "mirror_fetches")})
+    assert both["metric_value"] >= base["metric_value"] - 0.02
+    assert both["download_bytes"] == base["download_bytes"]
+    # int8 deltas: about 1/4 of the float32 weights, plus the exact first and last rounds
+    assert both["download_wire_bytes"] < 0.45 * both["download_bytes"]
+    assert both["compression_ratio"] >= 2.5

@@ -281,14 +281,116 @@ def test_driver_loop_learns_and_reports(local_steps: int, in_closure: bool) -> N
     assert history[-1]["metric_name"] == "accuracy"
 
 
-def test_delta_compression_is_refused_on_the_driver() -> None:
+def test_delta_powersgd_is_refused_on_the_driver() -> None:
     from sparktrain.errors import ConfigError
     from sparktrain.launch.prepare import PreparedData
     from sparktrain.launch.rounds import run_rounds
 
+    with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):
+        _cfg(compression="delta+powersgd:2+ef")
     cfg = _cfg()
-    cfg.compression = "delta+int8"  # bypasses validation on purpose
-    with pytest.raises(ConfigError, match="drop 'delta"):
+    cfg.compression = "delta+powersgd:2"  # bypasses validation on purpose
+    with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):
         run_rounds(PreparedData(None, None, WIDTH), _model(), cfg, num_outputs=3, started=0.0)
-    with pytest.raises(ValueError, match="drop 'delta"):
-        rw.make_codec("delta+int8")
+    assert isinstance(rw.make_codec("delta+int8+ef"), rw.CompressedCodec)  # uploads: int8+ef
+
+
+# ------------------------------------------------------------------ compressed downloads
+class _ForgetfulBlocks(_FakeBlocks):
+    """As _FakeBlocks, but every ``forget``-th round runs in a "new Python worker": the
+    worker-side state (model, mirror) is dropped first, so the task fetches the mirror."""
+
+    def __init__(self, blocks: list[Block], forget: int) -> None:
+        super().__init__(blocks)
+        self.forget, self.calls = forget, 0
+
+    def treeAggregate(self, zero: Any, seq: Any, comb: Any, depth: int = 2) -> Any:
+        self.calls += 1
+        if self.forget and self.calls % self.forget == 0:
+            rw._STATES.clear()
+        return super().treeAggregate(zero, seq, comb, depth)
+
+
+def _delta_run(spec_text: str, forget: int) -> tuple[list[dict[str, Any]], _Loop, Any]:
+    import secrets
+
+    from sparktrain.launch.weights_server import (
+        DownloadEncoder,
+        WeightsServer,
+        download_compressor,
+    )
+
+    cfg = _cfg(epochs=5, lr=0.2, compression=spec_text)
+    blocks = _blocks((90, 70))
+    model = _model()
+    secret = secrets.token_bytes(32)
+    comp = download_compressor(spec_text)
+    assert comp is not None
+    server = WeightsServer("127.0.0.1", DownloadEncoder(comp, cfg.seed), secret=secret, job_id="dl")
+    try:
+        spec = _spec(cfg, model, blocks, "dl")
+        spec = RoundSpec(
+            **{**spec.__dict__, "job_id": "dl", "weights_address": server.address, "secret": secret}
+        )
+        rw._STATES.clear()
+        runner = RoundRunner(
+            _FakeContext(),  # type: ignore[arg-type]
+            _ForgetfulBlocks(blocks, forget),  # type: ignore[arg-type]
+            spec,
+            downloads=server,
+        )
+        loop = _Loop(model, cfg, runner, lambda m: None, _NoVolume(), 160, 2, True)  # type: ignore[arg-type]
+        loop.train()
+        held = rw._STATES["dl"].mirror
+        return loop.history, loop, (server, held, model)
+    finally:
+        server.stop()
+
+
+# no +ef: a "new worker" starts the uploads' residual from zero by design, which would
+# make the forgetful run differ for reasons that are not the downloads'
+@pytest.mark.parametrize("spec_text", ["delta+int8", "delta+topk:0.1"])
+def test_compressed_downloads_learn_and_every_copy_of_the_mirror_is_the_same(
+    spec_text: str,
+) -> None:
+    history, loop, (server, held, model) = _delta_run(spec_text, forget=0)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert server.fetches == 0  # the one "worker" always held the previous mirror
+    # the final evaluation sent the exact weights: the metric is the driver model's own
+    seq, mirror = held
+    np.testing.assert_array_equal(mirror, rw.flatten(list(model.parameters())))
+    assert seq == loop.runner.rounds - 1
+    assert loop.down_wire < 0.6 * loop.down_raw  # the downloads shrank
+    # a run in which "new workers" fetch the mirror from the driver is bitwise the same
+    again, _, (server2, _, _) = _delta_run(spec_text, forget=3)
+    assert server2.fetches > 0
+    assert [h["loss"] for h in again] == [h["loss"] for h in history]
+    assert [h["metric"] for h in again] == [h["metric"] for h in history]
+
+
+def test_the_weights_server_serves_only_the_current_mirror_to_the_job() -> None:
+    import secrets
+
+    from sparktrain.compress.base import build
+    from sparktrain.errors import CommError, HandshakeError
+    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, fetch_mirror
+
+    comp = build("int8")
+    assert comp is not None
+    secret = secrets.token_bytes(32)
+    server = WeightsServer("127.0.0.1", DownloadEncoder(comp, 0), secret=secret, job_id="j")
+    try:
+        w = np.arange(10, dtype=np.float32)
+        first = server.next(w)
+        assert first.message is None and first.seq == 0
+        d = server.next(w + 1)
+        assert d.message is not None and d.seq == 1
+        kw: dict[str, Any] = {"secret": secret, "job_id": "j", "partition": 0, "timeout": 5.0}
+        got = fetch_mirror(server.address, seq=1, numel=10, **kw)
+        np.testing.assert_array_equal(got, server._encoder.mirror)
+        with pytest.raises(CommError, match="mirror 0 is gone"):
+            fetch_mirror(server.address, seq=0, numel=10, **kw)
+        with pytest.raises(HandshakeError):
+            fetch_mirror(server.address, seq=1, numel=10, **{**kw, "job_id": "other"})
+    finally:
+        server.stop()

@@ -1,0 +1,207 @@
+"""Compressed weight downloads for ``strategy="tree_aggregate"`` (``delta+`` specs).
+
+Without ``delta+``, every round ships the full float32 weights to every task (in the
+closure or a broadcast): on a slow link that is half of a round's bytes, and the half no
+gradient compressor touches. With ``compression="delta+X"`` (``delta+int8``,
+``delta+topk:0.01+ef``, ...) the driver sends each round only ``C_X(w - mirror)``, the
+compressed change to the copy the tasks already hold, and advances its ``mirror`` by the
+decoded message, exactly as the parameter server's pulls do (:mod:`sparktrain.ps.protocol`):
+the tasks compute on ``mirror``, which trails the driver's weights by the compression
+error that the next delta re-sends (so the error never accumulates). Uploads use ``X``
+with its ``+ef`` as before.
+
+Python workers keep the mirror between rounds (``rounds_worker._WorkerState``). A
+worker that ran the previous round adds the delta; one that did not (a new executor, a
+worker that sat a round out) fetches the round's full mirror from the driver's
+:class:`WeightsServer` over an authenticated connection.
+Only such tasks pay the full weights, and only when they need them: a Spark broadcast
+would ship them to every executor every round. Sender and receivers apply the same
+decoded bytes with the same ops, so every copy of ``mirror`` is bitwise equal and a
+retried task computes the same contribution.
+
+``delta+powersgd`` is refused (its decode depends on the thread count, so copies would
+drift), as for the parameter server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from sparktrain.comm import wire
+from sparktrain.compress.base import (
+    BucketState,
+    Compressor,
+    build,
+    decode_message,
+    encode_message,
+    split_spec,
+)
+from sparktrain.errors import CommError, ConfigError
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+def download_compressor(compression: object) -> Compressor | None:
+    """The compressor for weight downloads: ``X`` of a ``delta+X`` spec, else ``None``."""
+    if not isinstance(compression, str):
+        return None
+    parts = split_spec(compression)
+    if not parts.delta:
+        return None
+    if parts.base.partition(":")[0].lower() == "powersgd":
+        raise ConfigError(
+            f"compression={compression!r}: delta+powersgd cannot compress tree_aggregate's "
+            "weight downloads (its decode depends on the thread count, so the copies would "
+            "drift); use delta+int8, delta+fp16 or delta+topk:R, or plain powersgd:R+ef for "
+            "the uploads only"
+        )
+    return build(parts.base)
+
+
+@dataclass(frozen=True)
+class Download:
+    """What a round's closure carries instead of the weights (``delta+`` specs).
+
+    ``message`` is ``C(mirror[seq] - mirror[seq - 1])`` (an ``encode_message`` buffer),
+    or ``None`` when the mirror restarts from the exact weights in ``first`` (the first
+    round, and the final evaluation, whose metric is then the driver model's own).
+    """
+
+    seq: int
+    numel: int
+    message: np.ndarray | None
+    first: Any = None  # the exact first weights: an array or a broadcast of one
+
+
+class DownloadEncoder:
+    """The driver's side: the mirror every task computes on, advanced once a round."""
+
+    def __init__(self, comp: Compressor, seed: int) -> None:
+        self.comp = comp
+        self.state = BucketState(key=0, seed=seed)
+        self.mirror: np.ndarray | None = None
+        self.seq = -1
+        self.wire_bytes = 0
+        self.raw_bytes = 0
+
+    def next(self, weights: np.ndarray, exact: object = None, *, force: bool = False) -> Download:
+        """The download for a round that should compute on ``weights``. The first one
+        (or any with ``force``: the final evaluation) carries them exactly, in ``exact``
+        (their broadcast) or else a copy in the closure, and resets the mirror to them."""
+        self.seq += 1
+        self.raw_bytes += weights.nbytes
+        if self.mirror is None or force:
+            self.mirror = np.array(weights, dtype=np.float32, copy=True)
+            self.wire_bytes += weights.nbytes
+            values = self.mirror.copy() if exact is None else exact
+            return Download(self.seq, weights.size, None, values)
+        delta = torch.from_numpy(weights - self.mirror)
+        payload, ctx = self.comp.compress(delta, self.state)
+        self.state.step += 1
+        self.comp.add_into(torch.from_numpy(self.mirror), payload, ctx)
+        message = encode_message(payload, ctx, 0.0)
+        self.wire_bytes += message.nbytes
+        return Download(self.seq, weights.size, message)
+
+
+def apply_delta(comp: Compressor, ref: np.ndarray, message: np.ndarray) -> None:
+    """Advance a copy of the mirror by one download's message, in place."""
+    parts, ctx, _ = decode_message(message, ref.size)
+    comp.add_into(torch.from_numpy(ref), parts, ctx)
+
+
+class WeightsServer:
+    """Serves the current ``mirror`` to tasks whose Python worker does not hold it."""
+
+    def __init__(self, host: str, encoder: DownloadEncoder, *, secret: bytes, job_id: str) -> None:
+        self._encoder = encoder
+        self._lock = threading.Lock()
+        self._listener = wire.open_listener(host)
+        self._listener.settimeout(0.5)  # lets the accept loop notice stop()
+        self.address = wire.address_of(self._listener)
+        self._secret, self._job_id = secret, job_id
+        self._stop = threading.Event()
+        self.fetches = 0
+        self._thread = threading.Thread(target=self._serve, name="sparktrain-weights", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn = wire.accept(
+                    self._listener,
+                    secret=self._secret,
+                    job_id=self._job_id,
+                    attempt=0,
+                    my_rank=wire.DRIVER_RANK,
+                    timeout=HANDSHAKE_TIMEOUT_S,
+                    stats=wire.CommStats(),
+                )
+            except (CommError, OSError) as exc:
+                if not isinstance(exc, TimeoutError) and not self._stop.is_set():
+                    log.debug("weights server: refused a connection: %s", exc)
+                continue
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: wire.Connection) -> None:
+        with conn:
+            try:
+                _, request = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=1024)
+                seq = int(json.loads(request)["seq"])
+                with self._lock:
+                    enc = self._encoder
+                    current = seq == enc.seq and enc.mirror is not None
+                    values = enc.mirror.copy() if current and enc.mirror is not None else None
+                if values is None:
+                    reply = {"error": f"mirror {seq} is gone (the driver is at {enc.seq})"}
+                    conn.send_bytes(json.dumps(reply).encode(), wire.KIND_CONTROL)
+                    return
+                conn.send_bytes(b"{}", wire.KIND_CONTROL)
+                conn.send_array(values)
+                self.fetches += 1
+            except (CommError, OSError, ValueError, KeyError) as exc:
+                log.debug("weights server: a fetch failed: %s", exc)
+
+    def next(self, weights: np.ndarray, exact: object = None, *, force: bool = False) -> Download:
+        """:meth:`DownloadEncoder.next` under the server's lock."""
+        with self._lock:
+            return self._encoder.next(weights, exact, force=force)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        self._thread.join(timeout=5)
+
+
+def fetch_mirror(
+    address: str, *, secret: bytes, job_id: str, partition: int, seq: int, numel: int,
+    timeout: float,
+) -> np.ndarray:  # fmt: skip
+    """A task's side: the driver's ``mirror[seq]`` as a fresh float32 array."""
+    with wire.connect(
+        address,
+        secret=secret,
+        job_id=job_id,
+        attempt=0,
+        my_rank=partition,
+        peer_rank=wire.DRIVER_RANK,
+        timeout=timeout,
+        stats=wire.CommStats(),
+    ) as conn:
+        conn.send_bytes(json.dumps({"seq": seq}).encode(), wire.KIND_CONTROL)
+        _, status = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=4096)
+        reply = json.loads(status)
+        if "error" in reply:
+            raise CommError(f"partition {partition}: the driver's weights server: {reply['error']}")
+        out = np.empty(numel, dtype=np.float32)
+        conn.recv_into(out)
+    return out
