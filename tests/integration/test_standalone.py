@@ -123,18 +123,22 @@ def test_tree_aggregate_runs_under_dynamic_allocation_with_fewer_slots_than_part
 ):
     """tree_aggregate needs no gang scheduling: with dynamic allocation on (executors come
     and go) and 4 partitions for at most 2 one-core executors, it trains to the target;
-    a barrier strategy under the same settings is refused at once with our message."""
+    a barrier strategy under the same settings is refused at once with our message.
+    With delta+ the weights go down as int8 deltas on the copy each executor's Python
+    worker holds (a worker without one fetches it from the driver)."""
     proc = _submit(
         cluster,
         tmp_path,
         "strategy='tree_aggregate'",
         "num_workers=4",
         "local_steps=8",
+        "compression='delta+int8+ef'",
         confs=DYNAMIC_ALLOCATION,
     )
     summary = _finish(proc, tmp_path)
     assert summary["strategy"] == "tree_aggregate" and summary["world_size"] == 4
     assert summary["metric_value"] >= 0.95
+    assert summary["download_wire_bytes"] < 0.5 * summary["download_bytes"]
     refused = tmp_path / "ring"
     refused.mkdir()
     proc = _submit(cluster, refused, confs=DYNAMIC_ALLOCATION)

@@ -67,7 +67,9 @@ def test_digits_local_sgd_8_steps_reaches_95_percent_with_the_conf_defaults(spar
     assert s["rounds"] == 20 * s["rounds_per_epoch"] + 1  # + the last epoch's evaluation
     assert s["train_samples"] == len(digits().y_train)
     assert s["bytes_sent"] == s["wire_bytes"] > 0 and s["compression_ratio"] == 1.0
-    assert s["spark_result_bytes"] >= s["bytes_sent"]  # Spark's own count of the payloads
+    # Spark's own count of the payloads (the uploads; bytes_sent adds the weight downloads)
+    assert s["spark_result_bytes"] >= s["upload_bytes"]
+    assert s["bytes_sent"] == s["upload_bytes"] + s["download_bytes"]
     assert s["spark_shuffle_bytes"] == 0  # 2 partitions: treeAggregate needs no extra level
     assert s["rounds_per_s"] > 0
 
