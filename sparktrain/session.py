@@ -43,12 +43,17 @@ def _import_torch() -> None:
 
 
 def get_or_create_session(
-    master: str | None = None, app_name: str = "sparktrain", conf: dict[str, str] | None = None
+    master: str | None = None,
+    app_name: str = "sparktrain",
+    conf: dict[str, str] | None = None,
+    warm_workers: bool = True,
 ) -> SparkSession:
     """The active session, or a new one with sparktrain's loopback defaults.
 
     While a new session's JVM starts, torch is imported in a background thread (it is
-    needed by any fit, and the two overlap).
+    needed by any fit, and the two overlap). With ``warm_workers``, a new session then
+    starts its executors' Python daemon in the background
+    (:mod:`sparktrain.launch.warmup`), while the caller loads its data.
     """
     from pyspark.sql import SparkSession
 
@@ -70,4 +75,8 @@ def get_or_create_session(
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    if warm_workers:
+        from sparktrain.launch import warmup
+
+        warmup.start(spark.sparkContext)
     return spark

@@ -386,7 +386,13 @@ def child_main(args: argparse.Namespace) -> int:
     """One headline contender in this fresh process; prints one JSON line."""
     from sparktrain.session import get_or_create_session
 
-    spark = get_or_create_session(f"local[{WORKERS}]", app_name=f"bench-train-{args.child}")
+    # Only ring starts its Python daemon early (sparktrain's session helper does): the
+    # TorchDistributor user and the bare-session floor get a plain session.
+    spark = get_or_create_session(
+        f"local[{WORKERS}]",
+        app_name=f"bench-train-{args.child}",
+        warm_workers=args.child == "ring",
+    )
     out: dict[str, Any] = {"contender": args.child, "session_ready_abs": time.time()}
     curve_abs: list[tuple[float, float]] = []
     if args.child == "session":
