@@ -151,15 +151,12 @@ def _train(data: Any) -> str:
         )
     if verdicts:
         parts += ["", *verdicts]
-    deltas = sorted(
-        {r["strategy"] for r in data["runs"] if str(r.get("spec", "")).startswith("delta+")}
-    )
-    if deltas:
+    if any(str(r.get("compression", "")).startswith("delta+") for r in data["runs"]):
         parts += [
             "",
-            f"The compressed cells of {', '.join(deltas)} ran `delta+<spec>`: the weights the "
-            "driver sends are compressed as deltas too, and bytes and ratios count both "
-            "directions.",
+            "`delta+<spec>` rows (parameter server, tree_aggregate): the weights the driver "
+            "sends are compressed as deltas too. Bytes and ratios count both directions "
+            "for these strategies, with or without `delta+`.",
         ]
     rows = derived.get("compression_vs_ideal") or []
     if rows:

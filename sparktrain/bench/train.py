@@ -23,8 +23,8 @@ Three parts, each a fair comparison of its own:
   (``ps-sync``/``ps-async`` are ``strategy="ps"`` with that ``ps_mode``;
   ``tree_aggregate`` runs ``local_steps=64``, one round per epoch on digits, and 4 on
   the synthetic job; ``--include-auto`` adds ``strategy="auto", compression="auto"``;
-  the parameter server's and tree_aggregate's compressed cells run ``delta+<spec>``, so
-  the weights the driver sends are compressed too, unless ``--no-delta-downloads``).
+  ``delta+<spec>`` compressions, for ``ps-*`` and ``tree_aggregate`` only, compress the
+  weights the driver sends too).
   ``--links`` only sets the ``link`` key (the emulation itself lives in
   :mod:`sparktrain.comm.link`). Time to target is measured
   from ``fit()`` until the epoch record that first reached the target arrived at the
@@ -75,9 +75,7 @@ TREE_AGGREGATE_LOCAL_STEPS = 64  # >= batches per partition on digits: one round
 # On the synthetic job 64 would be a single round, which train_s (after the cache round)
 # does not see; 4 local steps make 9 rounds of its 36 batches per partition.
 SYNTHETIC_TREE_AGGREGATE_LOCAL_STEPS = 4
-# Strategies whose driver sends the weights every step or round: with --delta-downloads
-# (the default) their compressed cells run delta+<spec>, compressing both directions.
-DRIVER_MODEL_STRATEGIES = ("ps-sync", "ps-async", "ps-ssp", "tree_aggregate")
+
 SUBPROCESS_TIMEOUT_S = 900
 WORKERS = 2
 
@@ -236,15 +234,6 @@ def warm_up(spark: Any) -> None:
     fit_once(spark, frames, DIGITS_MODEL, {}, {**DIGITS_RECIPE, "epochs": 1}, None)
 
 
-def run_spec(strategy: str, compression: str, delta_downloads: bool) -> str:
-    """The spec a matrix cell runs: ``delta+<spec>`` for a compressed cell of a strategy
-    whose driver sends the weights (both directions compressed), else ``compression``."""
-    plain = compression in ("none", "auto") or compression.startswith("delta+")
-    if delta_downloads and strategy in DRIVER_MODEL_STRATEGIES and not plain:
-        return f"delta+{compression}"
-    return compression
-
-
 def run_matrix(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every strategy × compression × link × workload, in this process's session."""
     records = []
@@ -263,11 +252,10 @@ def run_matrix(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             for strategy, compression in combos:
                 for seed in args.seeds:
                     for repeat in range(args.repeats):
-                        spec = run_spec(strategy, compression, args.delta_downloads)
                         keys = {
                             **base,
                             **strategy_config(strategy),
-                            "compression": spec,
+                            "compression": compression,
                             "link_profile": link,
                             "seed": seed,
                         }
@@ -277,7 +265,6 @@ def run_matrix(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                             "contender": "sparktrain",
                             "strategy": strategy,
                             "compression": compression,
-                            "spec": spec,
                             "link": link,
                             "workload": workload,
                             "seed": seed,
@@ -890,13 +877,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--include-auto", action="store_true", help="add strategy=auto, compression=auto"
     )
-    parser.add_argument(
-        "--no-delta-downloads",
-        dest="delta_downloads",
-        action="store_false",
-        help="run ps and tree_aggregate cells with the plain spec (uploads compressed only) "
-        "instead of delta+<spec> (the weights the driver sends compressed too)",
-    )
+
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=10, help="digits epochs per fit")
