@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sparktrain.comm import wire
+from sparktrain.comm.service import DriverService
 from sparktrain.errors import CommError
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,10 @@ class MetricsClient:
             self._conn = None
 
 
-class MetricsServer:
+class MetricsServer(DriverService):
     """The driver's end: accepts rank 0 (of any attempt), feeds a progress display."""
+
+    name = "metrics"
 
     def __init__(
         self,
@@ -85,41 +88,21 @@ class MetricsServer:
         on_message: Callable[[dict[str, Any]], None],
         idle_timeout: float = 24 * 3600.0,
     ) -> None:
-        self._listener = wire.open_listener(host)
-        self._listener.settimeout(0.5)  # lets the accept loop notice stop()
-        self.address = wire.address_of(self._listener)
-        self._secret, self._job_id, self._attempt = secret, job_id, attempt
+        super().__init__(host, secret=secret, job_id=job_id, attempt=attempt)
         self._on_message = on_message
         self._idle_timeout = idle_timeout
-        self._stop = threading.Event()
         self._conns: list[wire.Connection] = []
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, name="sparktrain-metrics", daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn = wire.accept(
-                    self._listener,
-                    secret=self._secret,
-                    job_id=self._job_id,
-                    attempt=self._attempt,
-                    my_rank=wire.DRIVER_RANK,
-                    timeout=10.0,
-                    stats=wire.CommStats(),
-                )
-            except (CommError, OSError) as exc:
-                if not isinstance(exc, TimeoutError) and not self._stop.is_set():
-                    log.debug("metrics channel: refused a connection: %s", exc)
-                continue
-            with self._lock:
-                self._conns.append(conn)
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-
-    def _read(self, conn: wire.Connection) -> None:
+    def handle(self, conn: wire.Connection) -> None:
+        with self._lock:
+            if self.stopping:  # stop() ran between the accept and here
+                conn.close()
+                return
+            self._conns.append(conn)
         conn.set_timeout(self._idle_timeout)
-        while not self._stop.is_set():
+        while not self.stopping:
             try:
                 _, payload = conn.recv_bytes(wire.KIND_METRICS, max_bytes=1 << 20)
                 message = json.loads(payload)
@@ -133,13 +116,12 @@ class MetricsServer:
 
     def stop(self) -> None:
         """Close the listener and every connection; idempotent."""
-        self._stop.set()
+        self._stopping.set()
         with self._lock:
             for conn in self._conns:
                 conn.close()
             self._conns.clear()
-        self._listener.close()
-        self._thread.join(timeout=5)
+        super().stop()
 
 
 class ProgressDisplay:

@@ -27,6 +27,7 @@ import logging
 import threading
 
 from sparktrain.comm import wire
+from sparktrain.comm.service import HANDSHAKE_TIMEOUT_S, DriverService
 from sparktrain.errors import CommError, FrameError
 
 log = logging.getLogger(__name__)
@@ -34,57 +35,29 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 1 << 20
 """A rank's message is a small JSON object; anything larger is refused."""
 
-HANDSHAKE_TIMEOUT_S = 10.0
 
-
-class RendezvousServer:
+class RendezvousServer(DriverService):
     """The driver's end: an all-gather over ``world_size`` ranks of one attempt."""
+
+    name = "rendezvous"
 
     def __init__(
         self, host: str, *, secret: bytes, job_id: str, attempt: int, world_size: int
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self._listener = wire.open_listener(host)
-        self._listener.settimeout(0.5)  # lets the accept loop notice stop()
-        self.address = wire.address_of(self._listener)
-        self._secret, self._job_id, self._attempt = secret, job_id, attempt
+        super().__init__(host, secret=secret, job_id=job_id, attempt=attempt)
         self.world_size = world_size
         self._messages: dict[int, str] = {}
         self._waiting: dict[int, wire.Connection] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self.rounds_completed = 0
-        self._thread = threading.Thread(
-            target=self._serve, name="sparktrain-rendezvous", daemon=True
-        )
-        self._thread.start()
+        self.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn = wire.accept(
-                    self._listener,
-                    secret=self._secret,
-                    job_id=self._job_id,
-                    attempt=self._attempt,
-                    my_rank=wire.DRIVER_RANK,
-                    timeout=HANDSHAKE_TIMEOUT_S,
-                    stats=wire.CommStats(),
-                )
-            except (CommError, OSError) as exc:
-                if not isinstance(exc, TimeoutError) and not self._stop.is_set():
-                    log.debug("rendezvous: refused a connection: %s", exc)
-                continue
-            # reading the message may wait on a slow task: never in the accept loop
-            threading.Thread(
-                target=self._receive, args=(conn,), name="sparktrain-rendezvous-in", daemon=True
-            ).start()
-
-    def _receive(self, conn: wire.Connection) -> None:
+    def handle(self, conn: wire.Connection) -> None:
         rank = conn.peer_rank
         try:
-            conn.set_timeout(HANDSHAKE_TIMEOUT_S)
+            conn.set_timeout(HANDSHAKE_TIMEOUT_S)  # the message follows the handshake
             _, payload = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=MAX_MESSAGE_BYTES)
             request = json.loads(payload)
             message = request["message"]
@@ -128,14 +101,13 @@ class RendezvousServer:
 
     def stop(self) -> None:
         """Close the listener and every waiting connection; idempotent."""
-        self._stop.set()
+        self._stopping.set()
         with self._lock:
             waiting = list(self._waiting.values())
             self._messages, self._waiting = {}, {}
         for conn in waiting:
             conn.close()
-        self._listener.close()
-        self._thread.join(timeout=5)
+        super().stop()
 
 
 def all_gather(

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from sparktrain.comm import wire
+from sparktrain.comm.service import DriverService
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
@@ -46,8 +47,6 @@ from sparktrain.compress.base import (
 from sparktrain.errors import CommError, ConfigError
 
 log = logging.getLogger(__name__)
-
-HANDSHAKE_TIMEOUT_S = 10.0
 
 
 def download_compressor(compression: object) -> Compressor | None:
@@ -119,40 +118,19 @@ def apply_delta(comp: Compressor, ref: np.ndarray, message: np.ndarray) -> None:
     comp.add_into(torch.from_numpy(ref), parts, ctx)
 
 
-class WeightsServer:
+class WeightsServer(DriverService):
     """Serves the current ``mirror`` to tasks whose Python worker does not hold it."""
 
+    name = "weights"
+
     def __init__(self, host: str, encoder: DownloadEncoder, *, secret: bytes, job_id: str) -> None:
+        super().__init__(host, secret=secret, job_id=job_id, attempt=0)
         self._encoder = encoder
         self._lock = threading.Lock()
-        self._listener = wire.open_listener(host)
-        self._listener.settimeout(0.5)  # lets the accept loop notice stop()
-        self.address = wire.address_of(self._listener)
-        self._secret, self._job_id = secret, job_id
-        self._stop = threading.Event()
         self.fetches = 0
-        self._thread = threading.Thread(target=self._serve, name="sparktrain-weights", daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn = wire.accept(
-                    self._listener,
-                    secret=self._secret,
-                    job_id=self._job_id,
-                    attempt=0,
-                    my_rank=wire.DRIVER_RANK,
-                    timeout=HANDSHAKE_TIMEOUT_S,
-                    stats=wire.CommStats(),
-                )
-            except (CommError, OSError) as exc:
-                if not isinstance(exc, TimeoutError) and not self._stop.is_set():
-                    log.debug("weights server: refused a connection: %s", exc)
-                continue
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: wire.Connection) -> None:
+    def handle(self, conn: wire.Connection) -> None:
         with conn:
             try:
                 _, request = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=1024)
@@ -175,11 +153,6 @@ class WeightsServer:
         """:meth:`DownloadEncoder.next` under the server's lock."""
         with self._lock:
             return self._encoder.next(weights, exact, force=force)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._listener.close()
-        self._thread.join(timeout=5)
 
 
 def fetch_mirror(
