@@ -78,5 +78,5 @@ def get_or_create_session(
     if warm_workers:
         from sparktrain.launch import warmup
 
-        warmup.start(spark.sparkContext)
+        warmup.start(spark)
     return spark
