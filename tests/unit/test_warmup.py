@@ -8,51 +8,58 @@ from sparktrain.launch import warmup
 
 
 class _Session:
-    """Just what warmup.start touches: sparkContext and range().mapInArrow().collect()."""
+    """What warmup.start touches: sparkContext's job description and
+    range().mapInArrow()._jdf.javaRDD().countAsync()."""
 
     def __init__(self, app: str, fail: bool = False) -> None:
         self.sparkContext = self
         self.applicationId = app
         self.fail = fail
-        self.jobs: list[str] = []
-        self.description = ""
+        self.jobs: list[str | None] = []
+        self.props: dict[str, str | None] = {"spark.job.description": "the user's"}
+
+    def getLocalProperty(self, key: str) -> str | None:
+        return self.props.get(key)
+
+    def setLocalProperty(self, key: str, value: str | None) -> None:
+        self.props[key] = value
 
     def setJobDescription(self, text: str) -> None:
-        self.description = text
+        self.props["spark.job.description"] = text
 
     def range(self, n: int, numPartitions: int) -> Any:
         session = self
 
+        class _Jvm:
+            def javaRDD(self) -> Any:
+                return self
+
+            def countAsync(self) -> None:  # submitted, not waited for
+                if session.fail:
+                    raise RuntimeError("no executors")
+                session.jobs.append(session.props["spark.job.description"])
+
         class _Frame:
+            _jdf = _Jvm()
+
             def mapInArrow(self, fn: Any, schema: str) -> Any:
                 assert list(fn(iter(["batch"]))) == ["batch"]  # passes its input through
                 assert schema == "id long"
                 return self
 
-            def collect(self) -> list[Any]:
-                if session.fail:
-                    raise RuntimeError("no executors")
-                session.jobs.append(session.description)
-                return []
-
         return _Frame()
 
 
-def test_one_warm_up_job_per_application() -> None:
+def test_one_warm_up_job_per_application_and_the_description_is_restored() -> None:
     spark = _Session("app-warm-1")
-    first = warmup.start(spark)  # type: ignore[arg-type]
-    assert first is not None
-    first.join(timeout=10)
-    assert warmup.start(spark) is None  # type: ignore[arg-type]
+    assert warmup.start(spark)  # type: ignore[arg-type]
+    assert not warmup.start(spark)  # type: ignore[arg-type]
     assert spark.jobs == ["sparktrain: start the Python workers"]
-    other = warmup.start(_Session("app-warm-2"))  # type: ignore[arg-type]
-    assert other is not None
-    other.join(timeout=10)
+    assert spark.props["spark.job.description"] == "the user's"
+    assert warmup.start(_Session("app-warm-2"))  # type: ignore[arg-type]
 
 
 def test_a_failed_warm_up_is_swallowed() -> None:
     spark = _Session("app-warm-3", fail=True)
-    thread = warmup.start(spark)  # type: ignore[arg-type]
-    assert thread is not None
-    thread.join(timeout=10)
-    assert not thread.is_alive() and spark.jobs == []
+    assert not warmup.start(spark)  # type: ignore[arg-type]
+    assert spark.jobs == [] and spark.props["spark.job.description"] == "the user's"
