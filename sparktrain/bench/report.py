@@ -374,7 +374,14 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section(
         "bench_train", "Head to head: every strategy and compressor, TorchDistributor, MLlib",
-        "sparktrain bench train --out docs/results      # also: spark-submit jobs/bench_train.py",
+        "sparktrain bench train --include-auto --repeats 2 --out docs/results\n"
+        "# the delta+ rows (first run); reproduce with:\n"
+        "sparktrain bench train --parts matrix --strategies ps-sync ps-async tree_aggregate \\\n"
+        "    --compressions delta+fp16 delta+int8+ef delta+topk:0.01+ef --repeats 2 --merge\n"
+        "sparktrain bench train --parts matrix --strategies ps-sync ps-async tree_aggregate \\\n"
+        "    --repeats 2 --merge --out docs/results\n"
+        "sparktrain bench train --parts headline --repeats 3 --merge --out docs/results\n"
+        "# also: spark-submit jobs/bench_train.py",
         "bench_train.json", _train, ("bench_train.png",),
     ),
     Section(
