@@ -25,11 +25,24 @@ from torch import nn
 
 from sparktrain.checkpoint import CheckpointStore
 from sparktrain.config import TrainConfig
-from sparktrain.errors import CommError, ConfigError, DataError, SparkTrainError, WorkerError
+from sparktrain.errors import (
+    CommError,
+    ConfigError,
+    DataError,
+    ResourceError,
+    SparkTrainError,
+    WorkerError,
+)
 from sparktrain.launch import barrier
 from sparktrain.launch.prepare import PreparedData, prepare
 from sparktrain.launch.rendezvous import RendezvousServer
-from sparktrain.launch.resources import check_can_launch, check_transport_security, task_cpus
+from sparktrain.launch.resources import (
+    SlotWatchdog,
+    check_can_launch,
+    check_transport_security,
+    is_local,
+    task_cpus,
+)
 from sparktrain.metrics import MetricsServer, ProgressDisplay
 from sparktrain.modeling import (
     ModelFn,
@@ -47,6 +60,13 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
+
+# What SparkContext.setJobGroup sets in the calling thread (restored after a stage).
+_JOB_GROUP_PROPERTIES = (
+    "spark.jobGroup.id",
+    "spark.job.description",
+    "spark.job.interruptOnCancel",
+)
 
 
 @dataclass
@@ -257,6 +277,11 @@ class Trainer:
             attempt=spec.attempt,
             world_size=self.config.num_workers,
         )
+        sc = self._session().sparkContext
+        group = f"sparktrain-{spec.job_id}-{spec.attempt}"
+        saved = {k: sc.getLocalProperty(k) for k in _JOB_GROUP_PROPERTIES}
+        sc.setJobGroup(group, f"sparktrain {self.config.strategy}: training stage", True)
+        watchdog = None if is_local(sc) else SlotWatchdog(sc, self.config.num_workers, group)
         try:
             return self._launch(
                 prepared,
@@ -264,7 +289,15 @@ class Trainer:
                     spec, metrics_address=server.address, rendezvous_address=meeting.address
                 ),
             )
+        except SparkTrainError as exc:
+            if watchdog is not None and watchdog.reason:  # cancelled: it could never start
+                raise ResourceError(watchdog.reason) from exc
+            raise
         finally:
+            if watchdog is not None:
+                watchdog.stop()
+            for key, value in saved.items():
+                sc.setLocalProperty(key, value)  # type: ignore[arg-type]
             meeting.stop()
             server.stop()
 
