@@ -47,12 +47,15 @@ local optimizer starts fresh each round), so the round's result does not change.
 Spark's own view of the traffic (shuffle write/read and task result bytes per stage) is
 read from the driver's ``AppStatusStore`` through Py4J; it works with the UI disabled.
 
-Compression (``config.compression``; ``delta+`` refused before any job): each partition
-encodes its contribution (``rounds_worker.CompressedCodec``), combOp merges payloads and
-the driver decodes the sum. ``bytes_sent`` counts the partitions' uncompressed vectors,
-``wire_bytes`` their encoded payloads (what leaves each partition; merged payloads of a
-deeper tree are in Spark's shuffle figures), and ``spark_result_bytes`` /
-``spark_shuffle_bytes`` are Spark's own count of what it shipped.
+Compression (``config.compression``): each partition encodes its contribution
+(``rounds_worker.CompressedCodec``), combOp merges payloads and the driver decodes the
+sum. A ``delta+`` prefix also compresses the weights sent down, as deltas on a mirror
+the tasks hold (:mod:`sparktrain.launch.weights_server`). ``bytes_sent`` counts both
+directions uncompressed (the partitions' vectors, and one copy of the weights per
+task), ``wire_bytes`` what was encoded and received (merged payloads of a deeper tree
+are in Spark's shuffle figures); ``upload_*`` / ``download_*`` split them, and
+``spark_result_bytes`` / ``spark_shuffle_bytes`` are Spark's own count of what it
+shipped.
 """
 
 from __future__ import annotations

@@ -89,27 +89,21 @@ class DownloadEncoder:
         self.state = BucketState(key=0, seed=seed)
         self.mirror: np.ndarray | None = None
         self.seq = -1
-        self.wire_bytes = 0
-        self.raw_bytes = 0
 
     def next(self, weights: np.ndarray, exact: object = None, *, force: bool = False) -> Download:
         """The download for a round that should compute on ``weights``. The first one
         (or any with ``force``: the final evaluation) carries them exactly, in ``exact``
         (their broadcast) or else a copy in the closure, and resets the mirror to them."""
         self.seq += 1
-        self.raw_bytes += weights.nbytes
         if self.mirror is None or force:
             self.mirror = np.array(weights, dtype=np.float32, copy=True)
-            self.wire_bytes += weights.nbytes
             values = self.mirror.copy() if exact is None else exact
             return Download(self.seq, weights.size, None, values)
         delta = torch.from_numpy(weights - self.mirror)
         payload, ctx = self.comp.compress(delta, self.state)
         self.state.step += 1
         self.comp.add_into(torch.from_numpy(self.mirror), payload, ctx)
-        message = encode_message(payload, ctx, 0.0)
-        self.wire_bytes += message.nbytes
-        return Download(self.seq, weights.size, message)
+        return Download(self.seq, weights.size, encode_message(payload, ctx, 0.0))
 
 
 def apply_delta(comp: Compressor, ref: np.ndarray, message: np.ndarray) -> None:
