@@ -27,7 +27,11 @@ def cluster(tmp_path_factory):
 
 
 def _submit(
-    cluster: StandaloneCluster, tmp_path: Path, *overrides: str, confs: tuple[str, ...] = ()
+    cluster: StandaloneCluster,
+    tmp_path: Path,
+    *overrides: str,
+    confs: tuple[str, ...] = (),
+    script: Path = ROOT / "jobs" / "train.py",
 ) -> subprocess.Popen:
     args = [
         str(spark_home() / "bin" / "spark-submit"),
@@ -46,7 +50,7 @@ def _submit(
         "--conf",
         "spark.executor.memory=768m",
         *[arg for conf in confs for arg in ("--conf", conf)],
-        str(ROOT / "jobs" / "train.py"),
+        str(script),
         str(ROOT / "conf" / "digits_mlp.toml"),
         "--set",
         "progress=false",
@@ -168,6 +172,60 @@ def test_a_lost_worker_leaves_too_few_slots_and_the_run_says_so(cluster, tmp_pat
             proc.kill()
     log = _log(tmp_path)
     assert code == 2, log[-3000:]
+    assert "num_workers=2 needs 2 task slots at once, but spark://" in log
+    assert "offers 1" in log or "offers 0" in log
+
+
+HOLD_AND_TRAIN = """
+import sys, threading, time
+
+from sparktrain.cli import main
+from sparktrain.session import get_or_create_session
+
+sc = get_or_create_session().sparkContext
+
+
+def hold(_):
+    time.sleep(240)
+
+
+# another job keeps one of the two task slots busy, so the training stage waits
+threading.Thread(target=lambda: sc.parallelize([0], 1).foreach(hold), daemon=True).start()
+deadline = time.monotonic() + 120
+while not sc.statusTracker().getActiveStageIds() and time.monotonic() < deadline:
+    time.sleep(0.2)
+print("holding one task slot", flush=True)
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def test_a_stage_waiting_for_slots_that_are_lost_is_cancelled(tmp_path):
+    """Spark checks a barrier stage's slots only when its job is submitted: the stage
+    waits here for a slot held by another job, a worker dies, and only one slot is left
+    for two tasks. The slot watchdog cancels the stage and the run says why (exit 2)
+    instead of waiting forever."""
+    script = tmp_path / "hold_and_train.py"
+    script.write_text(HOLD_AND_TRAIN)
+    with StandaloneCluster(tmp_path / "cluster", workers=2) as cluster:
+        proc = _submit(cluster, tmp_path, "epochs=400", "comm_timeout=20.0", script=script)
+        try:
+            deadline = time.monotonic() + 240
+            while "ring on 2 workers" not in _log(tmp_path):
+                assert proc.poll() is None, _log(tmp_path)[-3000:]
+                assert time.monotonic() < deadline, "the job never launched its stage"
+                time.sleep(0.2)
+            assert "holding one task slot" in _log(tmp_path)
+            time.sleep(2)  # the stage is submitted and waits for its second slot
+            victim = cluster.worker_procs[1]
+            for pid in [*descendants(victim.pid), victim.pid]:
+                os.kill(pid, signal.SIGKILL)
+            code = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    log = _log(tmp_path)
+    assert code == 2, log[-3000:]
+    assert "cancelling the training stage" in log
     assert "num_workers=2 needs 2 task slots at once, but spark://" in log
     assert "offers 1" in log or "offers 0" in log
 
