@@ -163,9 +163,7 @@ def test_a_lost_worker_leaves_too_few_slots_and_the_run_says_so(cluster, tmp_pat
             assert time.monotonic() < deadline, "the job never started training"
             time.sleep(0.2)
         time.sleep(3)  # the barrier stage is running now
-        victim = cluster.worker_procs[1]
-        for pid in [*descendants(victim.pid), victim.pid]:
-            os.kill(pid, signal.SIGKILL)
+        _kill_worker(cluster, 1)
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
@@ -216,9 +214,7 @@ def test_a_stage_waiting_for_slots_that_are_lost_is_cancelled(tmp_path):
                 time.sleep(0.2)
             assert "holding one task slot" in _log(tmp_path)
             time.sleep(2)  # the stage is submitted and waits for its second slot
-            victim = cluster.worker_procs[1]
-            for pid in [*descendants(victim.pid), victim.pid]:
-                os.kill(pid, signal.SIGKILL)
+            _kill_worker(cluster, 1)
             code = proc.wait(timeout=240)
         finally:
             if proc.poll() is None:
@@ -228,6 +224,13 @@ def test_a_stage_waiting_for_slots_that_are_lost_is_cancelled(tmp_path):
     assert "cancelling the training stage" in log
     assert "num_workers=2 needs 2 task slots at once, but spark://" in log
     assert "offers 1" in log or "offers 0" in log
+
+
+def _kill_worker(cluster: StandaloneCluster, index: int) -> None:
+    """SIGKILL a whole worker with its executor: nothing replaces it."""
+    victim = cluster.worker_procs[index]
+    for pid in [*descendants(victim.pid), victim.pid]:
+        os.kill(pid, signal.SIGKILL)
 
 
 def _log(tmp_path: Path) -> str:
