@@ -123,6 +123,29 @@ def rendezvous(
     return mesh, infos, train, val
 
 
+def _start_from_rank0(model: nn.Module, allreduce: Any, rank: int) -> None:
+    """Every replica starts from rank 0's floating-point parameters and buffers, as DDP
+    does when it wraps a model. Seeding torch's global RNG before the build is not
+    enough: another thread of the same process drawing from that RNG meanwhile gives
+    this rank other initial weights (measured: 44 of 100 thread-harness runs diverged
+    with a thread calling ``torch.rand``; CI saw it once in a full suite). One
+    allreduce of rank 0's values against zeros elsewhere; float32 -> float64 -> float32
+    is exact."""
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    if not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]).numpy()
+    if rank != 0:
+        flat[:] = 0.0
+    allreduce.allreduce_(flat)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(torch.from_numpy(flat[offset : offset + n]).reshape(t.shape).to(t.dtype))
+            offset += n
+
+
 def raise_first_error(infos: list[dict[str, Any]]) -> None:
     """Raise, on every rank alike, the first error any rank reported in the all-gather."""
     for rank, info in enumerate(infos):
@@ -160,6 +183,8 @@ def _train(
     sync = make_sync(ctx, model, mesh)
     # epoch figures are a handful of float64 sums: latency-bound, so always the tree
     reduce_sums = make_allreduce("tree", mesh)
+    if sync.optimizer is not None:  # with a parameter server, the server's model rules
+        _start_from_rank0(model, reduce_sums, ctx.rank)
     x_all = torch.from_numpy(train.x)
     y_all = torch.from_numpy(train.y).to(label_dtype(cfg.loss))
 

@@ -114,6 +114,34 @@ def test_minibatches_with_uneven_steps_keep_replicas_in_sync():
     assert len({json.loads(d)["param_digest"] for d in digests}) == 1  # ...same weights
 
 
+def test_replicas_start_alike_while_another_thread_draws_from_torchs_rng():
+    """Ranks seed torch's global RNG before building the model; a thread of the same
+    process drawing from it meanwhile used to give them different initial weights (44
+    of 100 runs diverged; CI saw it once). They now start from rank 0's weights."""
+    import json
+    import threading
+    import time
+
+    stop = threading.Event()
+
+    def noise() -> None:
+        while not stop.is_set():
+            torch.rand(3)
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=noise, daemon=True)
+    thread.start()
+    try:
+        for _ in range(10):
+            spec = _spec(batch_size=4, shuffle=True, epochs=2, optimizer="adam", lr=0.01)
+            outputs = _run(spec, _parts([13, 2]))
+            stats = [json.loads(r.data) for out in outputs for r in out if r.kind == "stats"]
+            assert len({s["param_digest"] for s in stats}) == 1
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
 def test_bad_data_on_one_rank_fails_every_rank_without_hanging():
     spec = _spec()
     parts = _parts([4, 4])
