@@ -27,6 +27,7 @@ LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 LINK_PROFILES = ("none", "lan", "5g", "4g", "wan")
 """Named link-emulation profiles; their figures live in :mod:`sparktrain.comm.link`."""
 OPTIMIZERS = ("sgd", "adam", "adamw")
+ENCRYPTIONS = ("none", "tls")
 
 
 @dataclass
@@ -94,9 +95,14 @@ class TrainConfig:
         run at most ``staleness`` steps ahead of the slowest), the number of shards the
         parameters are split into, and whether a stale gradient's step is scaled by
         1/(1 + staleness).
+    encryption, frame_integrity:
+        ``encryption = "tls"`` runs sparktrain's sockets over TLS with an ephemeral
+        per-job certificate (``"none"``: plaintext). ``frame_integrity`` puts a MAC keyed
+        from the handshake on every frame, so frames cannot be injected or altered.
     allow_unencrypted:
-        sparktrain's sockets are authenticated (HMAC) but not encrypted. When Spark's own
-        encryption is on, training refuses to start unless this is true.
+        Every connection is authenticated (HMAC handshake). When Spark's own wire
+        encryption is on and ``encryption`` is ``"none"``, training refuses to start
+        unless this is true.
     checkpoint_dir, checkpoint_every, keep_checkpoints, resume, max_restarts:
         Where checkpoints go (a local path or any pyarrow.fs URI; empty = none), how
         often in epochs (fractions allowed, e.g. 0.5), how many to keep, whether to
@@ -141,6 +147,8 @@ class TrainConfig:
     threads_per_worker: int = 0
     progress: bool = True
     metrics_jsonl: str = ""
+    encryption: str = "none"
+    frame_integrity: bool = True
     allow_unencrypted: bool = False
     checkpoint_dir: str = ""
     checkpoint_every: float = 1.0
@@ -184,6 +192,7 @@ class TrainConfig:
         _positive("checkpoint_every", self.checkpoint_every)
         _at_least("keep_checkpoints", self.keep_checkpoints, 1)
         _at_least("max_restarts", self.max_restarts, 0)
+        _one_of("encryption", self.encryption, ENCRYPTIONS)
         _one_of("ps_mode", self.ps_mode, PS_MODES)
         _at_least("staleness", self.staleness, 0)
         _at_least("ps_shards", self.ps_shards, 1)

@@ -32,7 +32,7 @@ import ipaddress
 import logging
 import os
 import queue
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -389,10 +389,13 @@ class Connection:
         if self._closed:
             return True
         try:
-            # select first: a socket with a timeout would wait that long inside recv
-            readable, _, _ = select.select([self._sock], [], [], 0)
-            if not readable:
-                return False
+            # poll first: a socket with a timeout would wait that long inside recv.
+            # selectors, not select.select: that fails for descriptors >= 1024, which a
+            # long-lived driver (a notebook) soon has.
+            with selectors.DefaultSelector() as sel:
+                sel.register(self._sock, selectors.EVENT_READ)
+                if not sel.select(0):
+                    return False
             return self._sock.recv(1, socket.MSG_PEEK) == b""
         except (ValueError, OSError):  # closed under us, reset
             return True
