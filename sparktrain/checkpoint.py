@@ -15,7 +15,7 @@ import io
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -35,6 +35,9 @@ class Checkpoint:
     optimizer_state: dict[str, Any]
     rng_state: torch.Tensor
     history: list[dict[str, Any]]
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Strategy-specific state (tensors and plain values only, e.g. a parameter server's
+    versions and staleness bookkeeping)."""
 
 
 class CheckpointStore:
@@ -84,6 +87,7 @@ class CheckpointStore:
                 "optimizer": ckpt.optimizer_state,
                 "rng": ckpt.rng_state,
                 "history": json.dumps(ckpt.history),
+                "extra": ckpt.extra,
             },
             buffer,
         )
@@ -126,4 +130,5 @@ class CheckpointStore:
             optimizer_state=data["optimizer"],
             rng_state=data["rng"],
             history=json.loads(data["history"]),
+            extra=data.get("extra", {}),
         )
