@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -57,6 +58,7 @@ from sparktrain.worker.faults import FaultPlan
 from sparktrain.worker.loop import Record
 
 if TYPE_CHECKING:
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
@@ -137,11 +139,32 @@ class Trainer:
         reported training loss too); validation metrics stay unweighted.
         """
         started = time.perf_counter()
+        sc = self._session().sparkContext
+        # The encryption gate, before anything else and for every path (ring, tree, ps,
+        # auto, pipelines, tree_aggregate's delta+ weights server). Under Spark's wire
+        # encryption it may force frame integrity on: the job then runs on a copy of this
+        # trainer holding the adjusted copy of the config (the caller's config is untouched).
+        cfg = check_transport_security(sc, self.config)
+        job = self if cfg is self.config else self._with_config(cfg)
+        return job._fit(sc, started, data, features_col, label_col, validation_data, weight_col)
+
+    def _with_config(self, cfg: TrainConfig) -> Trainer:
+        job = copy.copy(self)
+        job.config = cfg
+        return job
+
+    def _fit(
+        self,
+        sc: SparkContext,
+        started: float,
+        data: Any,
+        features_col: str,
+        label_col: str,
+        validation_data: Any,
+        weight_col: str | None,
+    ) -> TrainResult:
         cfg = self.config
-        spark = self._session()
-        sc = spark.sparkContext
-        if cfg.strategy != "tree_aggregate":  # the only strategy without our own sockets
-            check_transport_security(sc, cfg.allow_unencrypted)
+        if cfg.strategy != "tree_aggregate":  # the only strategy without a barrier stage
             check_can_launch(sc, cfg.num_workers)
         if weight_col:  # before any Spark job: can the loss take sample weights?
             check_weighted_loss(cfg.loss, dict(cfg.loss_kwargs))

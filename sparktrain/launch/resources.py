@@ -3,6 +3,7 @@ gang-scheduled fails at once with a clear message instead of Spark's 10-minute r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -13,6 +14,8 @@ from sparktrain.errors import ResourceError
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
+
+    from sparktrain.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,29 +33,90 @@ def max_concurrent_tasks(sc: SparkContext) -> int:
     return int(jsc.maxNumConcurrentTasks(profile))
 
 
-_ENCRYPTION_KEYS = (
+# Spark settings that encrypt its *wire* (RPC, block transfer, shuffle fetches). Spark 4's
+# security guide: RPC TLS is ``spark.ssl.rpc.enabled`` and is NOT inherited from
+# ``spark.ssl.enabled`` (which switches on TLS for the web UIs only); AES-based and SASL
+# encryption only take effect together with ``spark.authenticate``, but setting them says
+# the user wants an encrypted wire, so they count on their own.
+# ``spark.io.encryption.enabled`` encrypts local disk (shuffle files, spills), not the
+# wire, and does not count.
+WIRE_ENCRYPTION_KEYS = (
+    "spark.ssl.rpc.enabled",
     "spark.network.crypto.enabled",
-    "spark.ssl.enabled",
-    "spark.io.encryption.enabled",
+    "spark.authenticate.enableSaslEncryption",
 )
 
 
-def check_transport_security(sc: SparkContext, allow_unencrypted: bool) -> None:
-    """Refuse to move gradients in plaintext when the user asked Spark to encrypt."""
+def spark_wire_encryption(sc: SparkContext) -> list[str]:
+    """The :data:`WIRE_ENCRYPTION_KEYS` set to true in the application's conf."""
     conf = sc.getConf()
-    enabled = [k for k in _ENCRYPTION_KEYS if str(conf.get(k, "false")).lower() == "true"]
-    if enabled and not allow_unencrypted:
+    return [k for k in WIRE_ENCRYPTION_KEYS if _is_true(conf.get(k, "false"))]
+
+
+def _is_true(value: object) -> bool:
+    return str(value).strip().lower() == "true"
+
+
+def starts_own_sockets(cfg: TrainConfig) -> bool:
+    """Does this job open sparktrain's own sockets (not only Spark's)?
+
+    Every barrier strategy (ring, tree, ps, auto) and every pipeline does: rendezvous,
+    metrics, allreduce or parameter-server traffic. ``tree_aggregate`` moves everything
+    through Spark's own jobs, except that a ``delta+`` compression spec starts the driver's
+    weights server (:mod:`sparktrain.launch.weights_server`).
+    """
+    if cfg.strategy != "tree_aggregate" or cfg.parallelism_pipeline > 1:
+        return True
+    if cfg.compression == "auto":
+        return False  # refused with tree_aggregate elsewhere (Trainer._check_auto)
+    from sparktrain.launch.weights_server import download_compressor
+
+    return download_compressor(cfg.compression) is not None  # what run_rounds checks
+
+
+def check_transport_security(sc: SparkContext, cfg: TrainConfig) -> TrainConfig:
+    """The encryption gate: when Spark encrypts its wire, sparktrain must not send
+    gradients or weights in plaintext. Returns the config the job must run with.
+
+    Only :data:`WIRE_ENCRYPTION_KEYS` count. When one is on and the job opens its own
+    sockets (:func:`starts_own_sockets`), the job needs ``encryption = "tls"``, else it is
+    refused unless ``allow_unencrypted = true`` (then a warning is logged). Whenever Spark's
+    wire encryption is on, ``frame_integrity`` is forced on: the returned config is a copy
+    with ``frame_integrity=True`` (``cfg`` itself when nothing changes).
+    """
+    enabled = spark_wire_encryption(sc)
+    if not enabled:
+        return cfg
+    keys = ", ".join(f"{k}=true" for k in enabled)
+    if not starts_own_sockets(cfg):
+        log.info(
+            "Spark encrypts its wire (%s); tree_aggregate without delta+ uses only Spark's "
+            "own transport",
+            keys,
+        )
+    elif cfg.encryption != "tls" and not cfg.allow_unencrypted:
         raise ResourceError(
-            f"Spark encrypts its traffic here ({', '.join(enabled)}=true), but sparktrain's "
-            "gradient sockets are authenticated, not encrypted. Set allow_unencrypted=true to "
-            "accept that, or use strategy='tree_aggregate', which moves everything through "
-            "Spark's own (encrypted) transport"
+            f"Spark encrypts its wire here ({keys}), but this job would send gradients and "
+            f"weights over sparktrain's own sockets in plaintext (strategy={cfg.strategy!r}"
+            f'{_delta_note(cfg)}). Set encryption = "tls" to encrypt them (or '
+            "allow_unencrypted = true to accept plaintext on a network you trust)"
         )
-    if enabled:
+    elif cfg.encryption != "tls":
         log.warning(
-            "Spark encryption is on but sparktrain's sockets are not encrypted "
-            "(allow_unencrypted=true)"
+            "Spark encrypts its wire (%s) but sparktrain's sockets send plaintext "
+            '(allow_unencrypted=true); set encryption = "tls" to encrypt them',
+            keys,
         )
+    if not cfg.frame_integrity:
+        log.info("Spark encrypts its wire (%s): frame_integrity is forced on", keys)
+        return dataclasses.replace(cfg, frame_integrity=True)
+    return cfg
+
+
+def _delta_note(cfg: TrainConfig) -> str:
+    if cfg.strategy == "tree_aggregate" and cfg.parallelism_pipeline == 1:
+        return f", compression={cfg.compression!r}: delta+ starts the driver's weights server"
+    return ""
 
 
 def check_can_launch(

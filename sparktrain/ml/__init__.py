@@ -7,6 +7,7 @@
 >>> model.transform(test).select("prediction", "probability")  # doctest: +SKIP
 """
 
+from sparktrain.ml.allowlist import allow_model_modules, allowed_model_modules
 from sparktrain.ml.estimator import TorchClassifier, TorchEstimator, TorchRegressor
 from sparktrain.ml.model import TorchClassificationModel, TorchModel, TorchRegressionModel
 
@@ -17,4 +18,6 @@ __all__ = [
     "TorchModel",
     "TorchRegressionModel",
     "TorchRegressor",
+    "allow_model_modules",
+    "allowed_model_modules",
 ]

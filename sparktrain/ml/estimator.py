@@ -38,7 +38,7 @@ from sparktrain.ml.params import (
     _TorchParams,
     _TorchRegressorParams,
 )
-from sparktrain.ml.persistence import state_to_bytes
+from sparktrain.ml.persistence import TorchEstimatorReader, state_to_bytes
 from sparktrain.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -185,12 +185,14 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
     @classmethod
     def read(cls) -> DefaultParamsReader[Self]:
         """An MLReader for this class (params only: an estimator holds no data)."""
-        return DefaultParamsReader(cls)
+        return TorchEstimatorReader(cls)
 
     @classmethod
-    def load(cls, path: str) -> Self:
-        """Load an estimator saved with :meth:`save`."""
-        return cls.read().load(path)
+    def load(cls, path: str, model_fn: str | None = None) -> Self:
+        """Load an estimator saved with :meth:`save`. Its ``modelFn`` must be in an
+        allowed module (:func:`sparktrain.ml.allow_model_modules`), unless ``model_fn``
+        replaces it."""
+        return TorchEstimatorReader(cls, model_fn=model_fn).load(path)
 
 
 class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifierParams):

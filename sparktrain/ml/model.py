@@ -187,10 +187,16 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         return TorchModelReader(cls)
 
     @classmethod
-    def load(cls, path: str) -> Self:
+    def load(cls, path: str, model_fn: str | None = None) -> Self:
         """Load a model saved with :meth:`save` (weights read with ``weights_only=True``;
-        the module is rebuilt from ``modelFn`` and ``modelKwargs``)."""
-        return cls.read().load(path)
+        the module is rebuilt from ``modelFn`` and ``modelKwargs``).
+
+        The saved ``modelFn`` must be in an allowed module
+        (:func:`sparktrain.ml.allow_model_modules`, default ``sparktrain.models``),
+        checked before anything is imported. ``model_fn="package.module:function"``
+        replaces it with a factory of your choice, which is not checked.
+        """
+        return TorchModelReader(cls, model_fn=model_fn).load(path)
 
 
 class TorchClassificationModel(TorchModel, _TorchClassifierParams):

@@ -8,7 +8,10 @@ A saved model is a directory::
 
 The weights file is read back with ``torch.load(weights_only=True)``, which only rebuilds
 tensors and plain containers, and the architecture is rebuilt by calling ``modelFn`` with
-``modelKwargs`` — nothing unpickles user bytes. Both files go through Hadoop's FileSystem
+``modelKwargs`` — nothing unpickles user bytes. Before that, the ``modelFn`` the metadata
+names must be in an allowed module (:mod:`sparktrain.ml.allowlist`), checked before
+anything is imported, unless the caller passes ``model_fn`` to ``load`` itself; a saved
+estimator's ``modelFn`` is checked the same way. Both files go through Hadoop's FileSystem
 (the one Spark uses for the metadata), so a model can live wherever Spark can write:
 a local path, ``file:``, ``hdfs:``, ``s3a:``...
 """
@@ -16,16 +19,23 @@ a local path, ``file:``, ``hdfs:``, ``s3a:``...
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import torch
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
-from sparktrain.errors import DataError
+from sparktrain.errors import ConfigError, DataError
+from sparktrain.ml.allowlist import (
+    ALLOWED_MODULES_CONF,
+    allowed_model_modules,
+    check_saved_model_fn,
+    conf_prefixes,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from sparktrain.ml.estimator import TorchEstimator
     from sparktrain.ml.model import TorchModel
 
 WEIGHTS_FILE = "data/weights.pt"
@@ -33,6 +43,7 @@ WEIGHTS_FORMAT = "torch.save(state_dict); load with weights_only=True"
 _CHUNK = 4 << 20  # bytes per Py4J call
 
 M = TypeVar("M", bound="TorchModel")
+E = TypeVar("E", bound="TorchEstimator[Any]")
 
 
 def state_to_bytes(state: dict[str, torch.Tensor]) -> bytes:
@@ -77,9 +88,10 @@ class TorchModelReader(MLReader[M], Generic[M]):
     """Reads what :class:`TorchModelWriter` wrote and checks that the architecture built
     from ``modelFn`` + ``modelKwargs`` takes the saved weights."""
 
-    def __init__(self, cls: type[M]) -> None:
+    def __init__(self, cls: type[M], model_fn: str | None = None) -> None:
         super().__init__()
         self.cls = cls
+        self.model_fn = model_fn
 
     def load(self, path: str) -> M:
         spark = self.sparkSession
@@ -88,6 +100,7 @@ class TorchModelReader(MLReader[M], Generic[M]):
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
+        check_loaded_model_fn(instance, spark, path, self.model_fn)  # before any import
         weights = _join(path, str(metadata.get("weightsFile", WEIGHTS_FILE)))
         blob = read_bytes(spark, weights)
         state = state_from_bytes(blob, where=weights)
@@ -96,6 +109,40 @@ class TorchModelReader(MLReader[M], Generic[M]):
         )
         instance._check_state(state)  # the factory still builds a module these weights fit
         return instance
+
+
+class TorchEstimatorReader(DefaultParamsReader[E]):
+    """pyspark's params reader, plus the allowlist check of the ``modelFn`` it loads
+    (fitting a loaded estimator would import and call it)."""
+
+    def __init__(self, cls: type[E], model_fn: str | None = None) -> None:
+        super().__init__(cls)
+        self.model_fn = model_fn
+
+    def load(self, path: str) -> E:
+        instance = cast("E", super().load(path))
+        check_loaded_model_fn(instance, self.sparkSession, path, self.model_fn)
+        return instance
+
+
+def check_loaded_model_fn(
+    instance: TorchModel | TorchEstimator[Any],
+    spark: SparkSession,
+    path: str,
+    model_fn: str | None,
+) -> None:
+    """Refuse a loaded ``modelFn`` outside the allowed modules (nothing is imported
+    first), or replace it with the caller's ``model_fn``, which is not checked."""
+    name = type(instance).__name__
+    if model_fn is not None:
+        instance._set(modelFn=model_fn)
+        return
+    hint = f"{name}.load(path, model_fn='package.module:function')"
+    if not instance.isDefined(instance.modelFn):
+        raise ConfigError(f"{path} names no modelFn; pass the factory yourself: {hint}")
+    conf = spark.conf.get(ALLOWED_MODULES_CONF, None)
+    allowed = allowed_model_modules(conf_prefixes(conf))
+    check_saved_model_fn(instance.getModelFn(), allowed, source=path, override_hint=hint)
 
 
 # ---------------------------------------------------------------------- Hadoop FS

@@ -1,7 +1,11 @@
+import dataclasses
+
 import pytest
 
+from sparktrain.config import TrainConfig
 from sparktrain.errors import ResourceError
 from sparktrain.launch.resources import check_can_launch, check_transport_security
+from sparktrain.trainer import Trainer
 
 
 class _Conf(dict):
@@ -25,13 +29,128 @@ def test_dynamic_allocation_is_refused_with_a_way_out():
         check_can_launch(sc, 2)  # type: ignore[arg-type]
 
 
-def test_spark_encryption_refuses_plaintext_gradients_unless_allowed(caplog):
-    sc = _FakeContext(**{"spark.network.crypto.enabled": "true"})
-    with pytest.raises(ResourceError, match="Set allow_unencrypted=true"):
-        check_transport_security(sc, allow_unencrypted=False)  # type: ignore[arg-type]
-    check_transport_security(sc, allow_unencrypted=True)  # type: ignore[arg-type]
-    assert "not encrypted" in caplog.text
-    check_transport_security(_FakeContext(), allow_unencrypted=False)  # type: ignore[arg-type]
+# ------------------------------------------------------------------ the encryption gate
+WIRE_KEYS = (
+    "spark.ssl.rpc.enabled",
+    "spark.network.crypto.enabled",
+    "spark.authenticate.enableSaslEncryption",
+)
+# every path that opens sparktrain's own sockets
+SOCKET_CONFIGS = {
+    "ring": {"strategy": "ring"},
+    "tree": {"strategy": "tree"},
+    "ps": {"strategy": "ps"},
+    "auto": {"strategy": "auto"},
+    "pipeline": {"strategy": "ring", "parallelism_pipeline": 2},
+    "tree_aggregate+delta": {"strategy": "tree_aggregate", "compression": "delta+int8"},
+}
+
+
+def _encrypted(key: str = "spark.ssl.rpc.enabled", **more: str) -> _FakeContext:
+    return _FakeContext(**{key: "true"}, **more)
+
+
+@pytest.mark.parametrize("key", WIRE_KEYS)
+@pytest.mark.parametrize("path", sorted(SOCKET_CONFIGS))
+def test_spark_wire_encryption_refuses_plaintext_sockets_on_every_path(key, path):
+    cfg = TrainConfig(**SOCKET_CONFIGS[path])
+    with pytest.raises(ResourceError) as err:
+        check_transport_security(_encrypted(key), cfg)  # type: ignore[arg-type]
+    text = str(err.value)
+    assert f"{key}=true" in text
+    assert 'Set encryption = "tls"' in text and "allow_unencrypted = true" in text
+    assert "use strategy='tree_aggregate'" not in text  # no longer sold as "encrypted"
+
+
+@pytest.mark.parametrize("path", sorted(SOCKET_CONFIGS))
+def test_tls_passes_the_gate_and_allow_unencrypted_warns(path, caplog):
+    sc = _encrypted("spark.network.crypto.enabled")
+    tls = TrainConfig(encryption="tls", **SOCKET_CONFIGS[path])
+    assert check_transport_security(sc, tls) is tls  # type: ignore[arg-type]
+    assert "plaintext" not in caplog.text
+    plain = TrainConfig(allow_unencrypted=True, **SOCKET_CONFIGS[path])
+    assert check_transport_security(sc, plain) is plain  # type: ignore[arg-type]
+    assert "sparktrain's sockets send plaintext" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"spark.io.encryption.enabled": "true"},  # local disk, not the wire
+        {"spark.ssl.enabled": "true"},  # the web UIs; RPC TLS is not inherited from it
+        {"spark.ssl.enabled": "true", "spark.ssl.rpc.enabled": "false"},
+        {"spark.network.crypto.enabled": "false"},
+        {},
+    ],
+)
+def test_settings_that_do_not_encrypt_the_wire_do_not_trigger_the_gate(conf):
+    cfg = TrainConfig(strategy="ring", frame_integrity=False)
+    assert check_transport_security(_FakeContext(**conf), cfg) is cfg  # type: ignore[arg-type]
+
+
+def test_conf_booleans_are_case_insensitive_as_in_spark():
+    sc = _FakeContext(**{"spark.network.crypto.enabled": "True"})
+    with pytest.raises(ResourceError):
+        check_transport_security(sc, TrainConfig())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("compression", ["none", "int8", "topk:0.01+ef"])
+def test_tree_aggregate_without_delta_uses_only_sparks_transport(compression, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="sparktrain.launch.resources")
+    cfg = TrainConfig(strategy="tree_aggregate", compression=compression)
+    out = check_transport_security(_encrypted(), cfg)  # type: ignore[arg-type]
+    assert out == cfg
+    assert "tree_aggregate without delta+ uses only Spark's own transport" in caplog.text
+
+
+def test_tree_aggregate_with_delta_names_the_weights_server():
+    cfg = TrainConfig(strategy="tree_aggregate", compression="delta+fp16")
+    with pytest.raises(ResourceError, match="delta\\+ starts the driver's weights server"):
+        check_transport_security(_encrypted(), cfg)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", [*sorted(SOCKET_CONFIGS), "tree_aggregate"])
+def test_spark_encryption_forces_frame_integrity_on_a_copy(path):
+    settings = SOCKET_CONFIGS.get(path, {"strategy": "tree_aggregate"})
+    cfg = TrainConfig(encryption="tls", frame_integrity=False, **settings)
+    out = check_transport_security(_encrypted(), cfg)  # type: ignore[arg-type]
+    assert out.frame_integrity is True and out.encryption == "tls"
+    assert cfg.frame_integrity is False  # the caller's config is left alone
+    assert dataclasses.replace(out, frame_integrity=False) == cfg
+
+
+# ------------------------------------------------------------------ the gate in Trainer.fit
+class _FakeSession:
+    def __init__(self, sc: _FakeContext) -> None:
+        self.sparkContext = sc
+
+
+@pytest.mark.parametrize("path", sorted(SOCKET_CONFIGS))
+def test_trainer_fit_runs_the_gate_on_every_path(path):
+    """Refused before any Spark job (the fake context would fail on the first one)."""
+    cfg = TrainConfig(**SOCKET_CONFIGS[path])
+    trainer = Trainer("sparktrain.models:digits_mlp", cfg, spark=_FakeSession(_encrypted()))  # type: ignore[arg-type]
+    with pytest.raises(ResourceError, match="spark.ssl.rpc.enabled=true"):
+        trainer.fit(None)
+
+
+def test_trainer_fit_runs_the_job_with_frame_integrity_forced_on(monkeypatch):
+    seen: list[TrainConfig] = []
+
+    def fake_fit(self, sc, started, *args):  # type: ignore[no-untyped-def]
+        seen.append(self.config)
+        return "result"
+
+    monkeypatch.setattr(Trainer, "_fit", fake_fit)
+    cfg = TrainConfig(strategy="ring", encryption="tls", frame_integrity=False)
+    trainer = Trainer("sparktrain.models:digits_mlp", cfg, spark=_FakeSession(_encrypted()))  # type: ignore[arg-type]
+    assert trainer.fit(None) == "result"
+    assert seen[0].frame_integrity is True and trainer.config is cfg and not cfg.frame_integrity
+    plain = Trainer("sparktrain.models:digits_mlp", cfg, spark=_FakeSession(_FakeContext()))  # type: ignore[arg-type]
+    plain.fit(None)
+    assert seen[1] is cfg  # no Spark encryption: the caller's config, unchanged
 
 
 # ------------------------------------------------------------------ the slot watchdog
