@@ -31,11 +31,15 @@ import contextlib
 import datetime
 import hashlib
 import hmac
+import json
 import os
+import selectors
 import socket
 import ssl
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -80,6 +84,28 @@ class WireSecurity:
                 tls_fingerprint=fingerprint,
             )
         raise ConfigError(f"encryption must be 'none' or 'tls', got {encryption!r}")
+
+    def to_text(self) -> str:
+        """JSON text (PEM as text), for channels that carry strings only (benchmarks)."""
+        return json.dumps(
+            {
+                "frame_mac": self.frame_mac,
+                "cert": self.tls_cert_pem.decode("ascii"),
+                "key": self.tls_key_pem.decode("ascii"),
+                "fingerprint": self.tls_fingerprint,
+            }
+        )
+
+    @classmethod
+    def from_text(cls, text: str) -> WireSecurity:
+        """The inverse of :meth:`to_text`."""
+        d = json.loads(text)
+        return cls(
+            frame_mac=bool(d["frame_mac"]),
+            tls_cert_pem=str(d["cert"]).encode("ascii"),
+            tls_key_pem=str(d["key"]).encode("ascii"),
+            tls_fingerprint=str(d["fingerprint"]),
+        )
 
     @property
     def tls(self) -> bool:
@@ -248,3 +274,81 @@ def _server_context(security: WireSecurity) -> ssl.SSLContext:
                 os.unlink(path)
         _contexts[security.tls_fingerprint] = ctx
         return ctx
+
+
+# --------------------------------------------------------------------------- shared TLS socket
+
+
+class LockedTlsSocket:
+    """An established TLS socket that a sending and a receiving thread may share.
+
+    A connection is full duplex: a background sender writes while the caller reads
+    (a ring of two ranks sends to and receives from the same peer). OpenSSL forbids
+    concurrent calls on one SSL object (they corrupt the stream: "EOF occurred in
+    violation of protocol"), so every call here runs under one lock on a non-blocking
+    socket, and the waits for the network (selectors, bounded by the timeout) happen
+    outside the lock. Offers what :class:`~sparktrain.comm.wire.Connection` uses.
+    """
+
+    def __init__(self, sock: ssl.SSLSocket, timeout: float) -> None:
+        self.tls = sock
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        sock.setblocking(False)
+        # One selector per direction (one thread each at a time), made once.
+        self._waits = {
+            selectors.EVENT_READ: selectors.DefaultSelector(),
+            selectors.EVENT_WRITE: selectors.DefaultSelector(),
+        }
+        for event, sel in self._waits.items():
+            sel.register(sock, event)
+
+    def settimeout(self, timeout: float) -> None:
+        self._timeout = timeout
+
+    def gettimeout(self) -> float:
+        return self._timeout
+
+    def fileno(self) -> int:
+        return self.tls.fileno()
+
+    def getsockopt(self, level: int, option: int) -> int:
+        return self.tls.getsockopt(level, option)
+
+    def _call(self, fn: Callable[[Buffer], int], view: Buffer) -> int:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            with self._lock:
+                try:
+                    return fn(view)
+                except ssl.SSLWantReadError:
+                    event = selectors.EVENT_READ
+                except ssl.SSLWantWriteError:
+                    event = selectors.EVENT_WRITE
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._waits[event].select(remaining):
+                raise TimeoutError("timed out")
+
+    def recv_into(self, view: Buffer) -> int:
+        """Read at most ``len(view)`` bytes (0 at the end of the stream)."""
+        return self._call(self.tls.recv_into, view)
+
+    def send(self, view: Buffer) -> int:
+        """Write ``view``; returns the bytes taken (all of them, once written)."""
+        return self._call(self.tls.send, view)
+
+    def sendall(self, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            view = view[self.send(view) :]
+
+    def shutdown(self, how: int) -> None:
+        # Raw TCP shutdown (wakes a reader blocked in a select); no TLS close_notify,
+        # which would need the lock that reader may be about to take.
+        socket.socket.shutdown(self.tls, how)
+
+    def close(self) -> None:
+        for sel in self._waits.values():
+            with contextlib.suppress(Exception):
+                sel.close()
+        self.tls.close()

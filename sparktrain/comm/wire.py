@@ -51,7 +51,13 @@ from typing import Any
 import numpy as np
 
 from sparktrain.comm.link import LinkProfile, LinkShaper
-from sparktrain.comm.security import TAG_BYTES, FrameMac, WireSecurity, describe_mode
+from sparktrain.comm.security import (
+    TAG_BYTES,
+    FrameMac,
+    LockedTlsSocket,
+    WireSecurity,
+    describe_mode,
+)
 from sparktrain.errors import (
     CommError,
     ConfigError,
@@ -359,13 +365,18 @@ class Connection:
         link: LinkProfile | None = None,
         frame_mac: FrameMac | None = None,
     ) -> None:
-        self._sock = sock
+        # ssl sockets have no sendmsg/recvmsg_into (nor MSG_PEEK), and one thread may
+        # send while another receives: a TLS socket goes behind a lock (security.py).
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._sock: Any = sock
+        if isinstance(sock, ssl.SSLSocket):
+            self._sock = LockedTlsSocket(sock, timeout)
         self.peer_rank = peer_rank
         self.my_rank = my_rank
         self.stats = stats
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
-        sock.settimeout(timeout)
+        self._sock.settimeout(timeout)
         self._send_lock = threading.Lock()
         self._send_seq = 0
         self._recv_seq = 0
@@ -376,8 +387,6 @@ class Connection:
         self._send_header = bytearray(self._sealed_bytes)  # only touched under _send_lock
         self._recv_header = bytearray(self._sealed_bytes)
         self._recv_header_view = memoryview(self._recv_header)
-        # ssl sockets have no sendmsg/recvmsg_into (nor MSG_PEEK).
-        self._tls = isinstance(sock, ssl.SSLSocket)
         self._gather = _SCATTER_GATHER and not self._tls
         self._frame_deadline = 0.0  # monotonic deadline of the frame being received
         self._closed = False
@@ -389,7 +398,7 @@ class Connection:
             self.shaper = LinkShaper(link, seed=(link.seed, my_rank + 2, peer_rank + 2))
         self._recv_due_ns = 0  # delivery stamp of the frame being received (0: none)
         try:
-            self.send_buffer_bytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            self.send_buffer_bytes = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         except OSError:
             self.send_buffer_bytes = 0
 

@@ -20,7 +20,7 @@ from sparktrain.comm import (
     open_listener,
     wire,
 )
-from sparktrain.comm.security import TAG_BYTES, WireSecurity
+from sparktrain.comm.security import TAG_BYTES, LockedTlsSocket, WireSecurity
 from sparktrain.errors import FrameError, HandshakeError, PeerLostError
 
 try:  # tests/ laid out as packages or as plain directories
@@ -215,7 +215,7 @@ def test_tls_connection_end_to_end(tls: WireSecurity) -> None:
     assert pickle.loads(pickle.dumps(tls)) == tls and tls.tls
     client, server = _pair(tls)
     try:
-        assert isinstance(client._sock, __import__("ssl").SSLSocket)
+        assert isinstance(client._sock, LockedTlsSocket)
         big = np.arange(3 << 20, dtype=np.float32)  # 12 MiB: many TLS records
         sender = threading.Thread(target=client.send_array, args=(big,))
         sender.start()
@@ -254,9 +254,12 @@ def test_mesh_ring_allreduce_over_tls_and_mac(mode: str, tls: WireSecurity) -> N
             with Mesh(
                 rank, 2, listeners[rank], addresses, h.SECRET, h.JOB, 0, 5.0, security=security
             ) as mesh:
-                buf = np.full(10_007, rank + 1.0, np.float32)
-                make_allreduce("ring", mesh, chunk_bytes=4096).allreduce_(buf)
-                results[rank] = buf
+                # Both ranks send to and receive from each other at once, from two
+                # threads on one connection: OpenSSL needs those calls serialised.
+                for size, chunk in ((10_007, 4096), (4 << 20, 1 << 20)):
+                    buf = np.full(size, rank + 1.0, np.float32)
+                    make_allreduce("ring", mesh, chunk_bytes=chunk).allreduce_(buf)
+                    results[rank] = buf
         except BaseException as exc:
             results[rank] = exc
 
