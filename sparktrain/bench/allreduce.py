@@ -134,16 +134,17 @@ def _spark_task(
             for algo in algos:
                 reducers = {mode: make_allreduce(algo, mesh) for mode, mesh in meshes.items()}
                 for nbytes in sizes:
-                    buf = np.ones(nbytes // 4, dtype=np.float32)
-                    for reducer in reducers.values():
+                    # ones double every allreduce: one buffer per mode keeps them finite
+                    bufs = {mode: np.ones(nbytes // 4, dtype=np.float32) for mode in modes}
+                    for mode, reducer in reducers.items():
                         for _ in range(2):
-                            reducer.allreduce_(buf)
+                            reducer.allreduce_(bufs[mode])
                     # Modes take turns iteration by iteration, so a load that comes and
                     # goes on the machine weighs on each of them alike.
                     for _ in range(iterations_for(nbytes)):
                         for mode, reducer in reducers.items():
                             t = time.perf_counter()
-                            reducer.allreduce_(buf)
+                            reducer.allreduce_(bufs[mode])
                             elapsed = time.perf_counter() - t
                             out.setdefault(f"{_label(algo, mode)}:{nbytes}", []).append(elapsed)
         finally:

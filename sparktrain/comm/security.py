@@ -71,7 +71,7 @@ class WireSecurity:
     tls_fingerprint: str = ""
 
     @classmethod
-    def for_job(cls, encryption: str = "none", frame_integrity: bool = True) -> WireSecurity:
+    def for_job(cls, encryption: str = "none", frame_integrity: bool = False) -> WireSecurity:
         """The security of a new job (on the driver): makes the TLS certificate if asked."""
         if encryption == "none":
             return cls(frame_mac=frame_integrity)

@@ -1,7 +1,9 @@
 """End to end on local[2] with wire security: every connection of a ring and of a
 parameter-server fit (mesh, rendezvous, progress channel, PS shards) over TLS with the
-job's pinned certificate. A side that did not speak TLS would fail its handshake, so a
-fit that trains and reports every epoch ran all of its channels encrypted."""
+job's pinned certificate. The driver's services (rendezvous, progress channel, PS
+shards) run in this process: they must have served TLS handshakes, and a task that did
+not speak TLS would have failed its own, so a fit that trains and reports every epoch ran
+its channels encrypted."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import pytest
 
 from sparktrain import Trainer
+from sparktrain.comm.security import WireSecurity
 
 from .helpers import DIGITS_MODEL, digits_frames, fast_config
 
@@ -17,7 +20,15 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 
 @pytest.mark.parametrize(("strategy", "floor"), [("ring", 0.93), ("ps", 0.9)])
-def test_digits_fit_over_tls(spark, strategy, floor, tmp_path):
+def test_digits_fit_over_tls(spark, strategy, floor, tmp_path, monkeypatch):
+    served: list[int] = []
+    wrap = WireSecurity.wrap_server
+
+    def counting(self, sock):  # type: ignore[no-untyped-def]
+        served.append(1)
+        return wrap(self, sock)
+
+    monkeypatch.setattr(WireSecurity, "wrap_server", counting)
     train, test = digits_frames(spark)
     jsonl = tmp_path / "epochs.jsonl"
     extra = {"ps_mode": "sync", "ps_shards": 2} if strategy == "ps" else {}
@@ -29,3 +40,5 @@ def test_digits_fit_over_tls(spark, strategy, floor, tmp_path):
     assert s["metric_name"] == "accuracy" and s["metric_value"] >= floor
     epochs = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == list(range(8))  # the progress channel, over TLS
+    # the rendezvous (2 tasks) and the progress channel, plus 2 tasks x 2 shards for ps
+    assert len(served) >= (3 if strategy == "ring" else 7)
