@@ -10,9 +10,10 @@ module. The rules (see DESIGN.md, "The wire"):
   Nothing but fixed-size, bounded reads happens before that succeeds, and the whole
   handshake has a deadline.
 * After the handshake a connection carries frames: a fixed 88-byte header (magic,
-  kind, dtype, ndim, sequence number, payload length, shape) followed by the raw bytes
-  of a C-contiguous array. Arrays are sent from a memoryview and received with
-  ``recv_into`` straight into preallocated memory: no pickle, no intermediate copy.
+  kind, dtype, ndim, sequence number, payload length, shape; with frame MACs, a 16-byte
+  tag after it) followed by the raw bytes of a C-contiguous array. Arrays are sent
+  from a memoryview and received with ``recv_into`` straight into preallocated memory:
+  no pickle, no intermediate copy.
 * Every socket has a timeout; a peer that dies, hangs or resets surfaces as
   :class:`~sparktrain.errors.PeerLostError` naming its rank. Once a frame has started,
   the whole frame (header and payload) has a deadline too, on receive and on send, so
