@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sparktrain.comm import wire
+from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 from sparktrain.errors import CommError
 
@@ -30,7 +31,14 @@ class MetricsClient:
     """Rank 0's end of the channel; every method swallows communication failures."""
 
     def __init__(
-        self, address: str, *, secret: bytes, job_id: str, attempt: int, timeout: float
+        self,
+        address: str,
+        *,
+        secret: bytes,
+        job_id: str,
+        attempt: int,
+        timeout: float,
+        security: WireSecurity | None = None,
     ) -> None:
         self._conn: wire.Connection | None = None
         self._last_step = 0.0
@@ -44,6 +52,7 @@ class MetricsClient:
                 peer_rank=wire.DRIVER_RANK,
                 timeout=timeout,
                 stats=wire.CommStats(),
+                security=security,
             )
         except (CommError, OSError) as exc:
             log.warning("progress channel to the driver unavailable (%s); training goes on", exc)
@@ -87,8 +96,9 @@ class MetricsServer(DriverService):
         attempt: int,
         on_message: Callable[[dict[str, Any]], None],
         idle_timeout: float = 24 * 3600.0,
+        security: WireSecurity | None = None,
     ) -> None:
-        super().__init__(host, secret=secret, job_id=job_id, attempt=attempt)
+        super().__init__(host, secret=secret, job_id=job_id, attempt=attempt, security=security)
         self._on_message = on_message
         self._idle_timeout = idle_timeout
         self._conns: list[wire.Connection] = []

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from sparktrain.checkpoint import CheckpointStore
+from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import (
     CommError,
@@ -206,6 +207,7 @@ class Trainer:
             num_outputs=num_outputs,
             threads=cfg.threads_per_worker or task_cpus(sc),
             fault=self._fault_plan,
+            security=WireSecurity.for_job(cfg.encryption, cfg.frame_integrity),
         )
         host = sc.getConf().get("spark.driver.host", "127.0.0.1")
         store = (
@@ -227,7 +229,13 @@ class Trainer:
                 )
 
             ps = start_parameter_server(
-                model, cfg, host=host, secret=base.secret, job_id=base.job_id, attempt=0
+                model,
+                cfg,
+                host=host,
+                secret=base.secret,
+                job_id=base.job_id,
+                attempt=0,
+                security=base.security,
             )
             base = dataclasses.replace(base, ps_addresses=tuple(ps.addresses))
         log.info("job %s: %s on %d workers", base.job_id, cfg.strategy, cfg.num_workers)
@@ -291,7 +299,12 @@ class Trainer:
         names the attempt, so a straggler of an earlier attempt cannot report into this
         one or join its all-gather)."""
         server = MetricsServer(
-            host, secret=spec.secret, job_id=spec.job_id, attempt=spec.attempt, on_message=display
+            host,
+            secret=spec.secret,
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            on_message=display,
+            security=spec.security,
         )
         meeting = RendezvousServer(
             host,
@@ -299,6 +312,7 @@ class Trainer:
             job_id=spec.job_id,
             attempt=spec.attempt,
             world_size=self.config.num_workers,
+            security=spec.security,
         )
         sc = self._session().sparkContext
         group = f"sparktrain-{spec.job_id}-{spec.attempt}"

@@ -13,6 +13,11 @@ each ``--shards`` count k the driver serves a flat model of ``bytes / 4`` float3
 parameters in k shards, and every barrier task times push + pull rounds (its gradient
 up, the shard's delta back: the whole model each way per rank). Rows are ``ps{k}``
 with ``shards: k``; busbw uses the same formula so the rows compare with the ring's.
+
+``--security none mac tls`` runs ring/tree once per wire security (plaintext, frame
+MACs, TLS; :mod:`sparktrain.comm.security`) on a mesh each, in the same barrier tasks,
+taking turns iteration by iteration: rows ``ring``, ``ring+mac``, ``ring+tls`` with
+``security`` set (docs/security.md).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ ALGOS = (*OURS, PS, "gloo")
 DEFAULT_ALGOS = (*OURS, "gloo")
 """What runs without ``--algos`` (the parameter server only when asked for)."""
 PS_JOB_ID = "bench-ps"
+SECURITIES = ("none", "mac", "tls")
 PS_LR = 1e-12
 """The server's SGD step size: positive (as the config requires) and too small to matter."""
 _SIZE = re.compile(r"^(\d+)([KMG]?)$", re.IGNORECASE)
@@ -76,71 +82,104 @@ def record(algo: str, world: int, nbytes: int, time_s: float) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- ours, in Spark
-def _spark_task(sizes: Sequence[int], algos: Sequence[str], timeout: float) -> Any:
+def _label(algo: str, security: str) -> str:
+    return algo if security == "none" else f"{algo}+{security}"
+
+
+def _spark_task(
+    sizes: Sequence[int],
+    algos: Sequence[str],
+    timeout: float,
+    securities: Sequence[str] = ("none",),
+) -> Any:
     """The function each barrier task runs; returns per-iteration times per (algo, size)."""
+    modes = list(securities)
 
     def task(partition: Iterator[Any]) -> Iterator[str]:
         import secrets as _secrets
 
         from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
+        from sparktrain.comm.security import WireSecurity
         from sparktrain.launch.barrier import worker_context
 
         ctx = worker_context(None)
-        listener = open_listener(ctx.host)
-        # The secret and job id come from rank 0 through allGather (benchmark only).
-        token = _secrets.token_hex(32) if ctx.rank == 0 else ""
-        gathered = [
-            json.loads(s) for s in ctx.all_gather(json.dumps([address_of(listener), token]))
-        ]
-        secret = bytes.fromhex(gathered[0][1])
-        mesh = Mesh(
-            ctx.rank,
-            ctx.world_size,
-            listener,
-            [g[0] for g in gathered],
-            secret=secret,
-            job_id="bench",
-            attempt=0,
-            timeout=timeout,
-        )
         out: dict[str, list[float]] = {}
+        meshes: dict[str, Mesh] = {}
         try:
+            for mode in modes:
+                listener = open_listener(ctx.host)
+                # The secret, job id and TLS certificate come from rank 0 through
+                # allGather (benchmark only).
+                token, sec = "", ""
+                if ctx.rank == 0:
+                    token = _secrets.token_hex(32)
+                    sec = WireSecurity.for_job(
+                        "tls" if mode == "tls" else "none", frame_integrity=mode == "mac"
+                    ).to_text()
+                gathered = [
+                    json.loads(s)
+                    for s in ctx.all_gather(json.dumps([address_of(listener), token, sec]))
+                ]
+                meshes[mode] = Mesh(
+                    ctx.rank,
+                    ctx.world_size,
+                    listener,
+                    [g[0] for g in gathered],
+                    secret=bytes.fromhex(gathered[0][1]),
+                    job_id="bench",
+                    attempt=0,
+                    timeout=timeout,
+                    security=WireSecurity.from_text(gathered[0][2]),
+                )
             for algo in algos:
-                reducer = make_allreduce(algo, mesh)
+                reducers = {mode: make_allreduce(algo, mesh) for mode, mesh in meshes.items()}
                 for nbytes in sizes:
-                    buf = np.ones(nbytes // 4, dtype=np.float32)
-                    for _ in range(2):
-                        reducer.allreduce_(buf)
-                    times = []
+                    # ones double every allreduce: one buffer per mode keeps them finite
+                    bufs = {mode: np.ones(nbytes // 4, dtype=np.float32) for mode in modes}
+                    for mode, reducer in reducers.items():
+                        for _ in range(2):
+                            reducer.allreduce_(bufs[mode])
+                    # Modes take turns iteration by iteration, so a load that comes and
+                    # goes on the machine weighs on each of them alike.
                     for _ in range(iterations_for(nbytes)):
-                        t = time.perf_counter()
-                        reducer.allreduce_(buf)
-                        times.append(time.perf_counter() - t)
-                    out[f"{algo}:{nbytes}"] = times
+                        for mode, reducer in reducers.items():
+                            t = time.perf_counter()
+                            reducer.allreduce_(bufs[mode])
+                            elapsed = time.perf_counter() - t
+                            out.setdefault(f"{_label(algo, mode)}:{nbytes}", []).append(elapsed)
         finally:
-            mesh.close()
+            for mesh in meshes.values():
+                mesh.close()
         yield json.dumps({"rank": ctx.rank, "times": out})
 
     return task
 
 
 def bench_ours(
-    spark: Any, world: int, sizes: Sequence[int], algos: Sequence[str]
+    spark: Any,
+    world: int,
+    sizes: Sequence[int],
+    algos: Sequence[str],
+    securities: Sequence[str] = ("none",),
 ) -> list[dict[str, Any]]:
     rows = (
         spark.sparkContext.parallelize(range(world), world)
         .barrier()
-        .mapPartitions(_spark_task(sizes, algos, timeout=120.0))
+        .mapPartitions(_spark_task(sizes, algos, timeout=120.0, securities=securities))
         .collect()
     )
     per_rank = [json.loads(r)["times"] for r in rows]
     results = []
-    for algo in algos:
-        for nbytes in sizes:
-            key = f"{algo}:{nbytes}"
-            # iteration i takes as long as its slowest rank
-            slowest = [max(ts) for ts in zip(*(r[key] for r in per_rank), strict=True)]
-            results.append(record(algo, world, nbytes, statistics.median(slowest)))
+    for mode in securities:
+        for algo in algos:
+            for nbytes in sizes:
+                key = f"{_label(algo, mode)}:{nbytes}"
+                # iteration i takes as long as its slowest rank
+                slowest = [max(ts) for ts in zip(*(r[key] for r in per_rank), strict=True)]
+                row = record(_label(algo, mode), world, nbytes, statistics.median(slowest))
+                if len(securities) > 1 or mode != "none":
+                    row["security"] = mode
+                results.append(row)
     return results
 
 
@@ -430,6 +469,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1, 4],
         help="parameter-server shard counts for --algos ps (default: 1 4)",
     )
+    parser.add_argument(
+        "--security",
+        nargs="+",
+        default=["none"],
+        choices=SECURITIES,
+        help="wire security for ring/tree: none, mac (frame MACs), tls; several run one "
+        "after another in the same tasks (default: none)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the records here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG here (default: beside --json)")
     parser.add_argument("--master", help="Spark master (default local[max(world)])")
@@ -451,7 +498,8 @@ def main(args: argparse.Namespace) -> int:
         spark = get_or_create_session(master, app_name="sparktrain-bench-allreduce")
         for world in args.world:
             if ours:
-                records += bench_ours(spark, world, sizes, ours)
+                securities = list(getattr(args, "security", None) or ["none"])
+                records += bench_ours(spark, world, sizes, ours, securities)
                 print(f"ours, world {world}: done", flush=True)
             if PS in args.algos:
                 records += bench_ps(spark, world, sizes, shards)

@@ -16,6 +16,7 @@ import logging
 import threading
 
 from sparktrain.comm import wire
+from sparktrain.comm.security import WireSecurity
 from sparktrain.errors import CommError
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,20 @@ class DriverService:
 
     name = "service"
 
-    def __init__(self, host: str, *, secret: bytes, job_id: str, attempt: int) -> None:
+    def __init__(
+        self,
+        host: str,
+        *,
+        secret: bytes,
+        job_id: str,
+        attempt: int,
+        security: WireSecurity | None = None,
+    ) -> None:
         self._listener = wire.open_listener(host)
         self._listener.settimeout(0.5)  # lets the accept loop notice stop()
         self.address = wire.address_of(self._listener)
         self._secret, self._job_id, self._attempt = secret, job_id, attempt
+        self._security = security  # frame MACs / TLS, as the job's tasks use them
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, name=f"sparktrain-{self.name}", daemon=True
@@ -58,6 +68,7 @@ class DriverService:
                     my_rank=wire.DRIVER_RANK,
                     timeout=HANDSHAKE_TIMEOUT_S,
                     stats=wire.CommStats(),
+                    security=self._security,
                 )
             except (CommError, OSError) as exc:
                 if not isinstance(exc, TimeoutError) and not self._stopping.is_set():

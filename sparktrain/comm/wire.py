@@ -10,15 +10,22 @@ module. The rules (see DESIGN.md, "The wire"):
   Nothing but fixed-size, bounded reads happens before that succeeds, and the whole
   handshake has a deadline.
 * After the handshake a connection carries frames: a fixed 88-byte header (magic,
-  kind, dtype, ndim, sequence number, payload length, shape) followed by the raw bytes
-  of a C-contiguous array. Arrays are sent from a memoryview and received with
-  ``recv_into`` straight into preallocated memory: no pickle, no intermediate copy.
+  kind, dtype, ndim, sequence number, payload length, shape; with frame MACs, a 16-byte
+  tag after it) followed by the raw bytes of a C-contiguous array. Arrays are sent
+  from a memoryview and received with ``recv_into`` straight into preallocated memory:
+  no pickle, no intermediate copy.
 * Every socket has a timeout; a peer that dies, hangs or resets surfaces as
-  :class:`~sparktrain.errors.PeerLostError` naming its rank.
+  :class:`~sparktrain.errors.PeerLostError` naming its rank. Once a frame has started,
+  the whole frame (header and payload) has a deadline too, on receive and on send, so
+  a peer trickling bytes cannot hold a rank forever (:data:`FRAME_RATE_FLOOR`).
+* With a :class:`~sparktrain.comm.security.WireSecurity` (``security=``), frames carry
+  a MAC keyed from the handshake, or the connection runs over TLS with a pinned
+  per-job certificate (see :mod:`sparktrain.comm.security`).
 * Every byte is counted in a :class:`CommStats`.
 * A connection given a ``link`` (:mod:`sparktrain.comm.link`) emulates a slow link: its
   sends are paced at the link's bandwidth and stamped with a delivery time (in the
-  header's flags and last shape slot) that the receiver waits for.
+  header's flags and last shape slot) that the receiver waits for. A receiver without
+  a link ignores stamps (else a peer could hold it for a timeout per frame).
 
 Executor-side code: this module never imports pyspark.
 """
@@ -34,6 +41,7 @@ import os
 import queue
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -44,6 +52,13 @@ from typing import Any
 import numpy as np
 
 from sparktrain.comm.link import LinkProfile, LinkShaper
+from sparktrain.comm.security import (
+    TAG_BYTES,
+    FrameMac,
+    LockedTlsSocket,
+    WireSecurity,
+    describe_mode,
+)
 from sparktrain.errors import (
     CommError,
     ConfigError,
@@ -85,6 +100,12 @@ _NOTICE_SECONDS = 0.5  # how long an abort may spend telling peers which rank wa
 DIAL_TIMEOUT_FRACTION = 0.5
 """Share of the comm timeout a mesh allows for dialing a peer (see Mesh.connect_all)."""
 
+FRAME_RATE_FLOOR = 1 << 20
+"""Bytes/s a frame must at least move at once started: a frame of ``n`` payload bytes
+must be read (or written) whole within ``timeout + n / FRAME_RATE_FLOOR`` seconds of its
+first byte, whatever the per-call socket timeout allows (checked between socket calls, so
+a frame fails at the latest one per-call timeout after that)."""
+
 _FRAME_MAGIC = b"STF1"
 _HELLO_MAGIC = b"STH1"
 _MAC_DOMAIN = b"sparktrain-v1"
@@ -107,6 +128,8 @@ _VERDICT_REASONS = {
     "an older attempt?)",
     2: "the server did not expect a connection from this rank",
     3: "the protocol versions differ (mixed sparktrain versions on the cluster?)",
+    4: "the wire security differs (encryption/frame_integrity must be the same on every "
+    "side of a job)",
 }
 
 _UNSPECIFIED_HOSTS = ("", "*")
@@ -142,6 +165,10 @@ _LOST = (TimeoutError, ConnectionError, OSError)
 
 class AcceptTimeout(CommError, TimeoutError):
     """Nobody connected to a listener within the wait (see :func:`accept`)."""
+
+
+class _FrameDeadline(TimeoutError):
+    """A started frame did not finish within its whole-frame deadline."""
 
 
 # --------------------------------------------------------------------------- stats
@@ -337,21 +364,32 @@ class Connection:
         timeout: float,
         max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
         link: LinkProfile | None = None,
+        frame_mac: FrameMac | None = None,
     ) -> None:
-        self._sock = sock
+        # ssl sockets have no sendmsg/recvmsg_into (nor MSG_PEEK), and one thread may
+        # send while another receives: a TLS socket goes behind a lock (security.py).
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._sock: Any = sock
+        if isinstance(sock, ssl.SSLSocket):
+            self._sock = LockedTlsSocket(sock, timeout)
         self.peer_rank = peer_rank
         self.my_rank = my_rank
         self.stats = stats
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
-        sock.settimeout(timeout)
+        self._sock.settimeout(timeout)
         self._send_lock = threading.Lock()
         self._send_seq = 0
         self._recv_seq = 0
         self._recv_lock = threading.Lock()
-        self._send_header = bytearray(HEADER_BYTES)  # only touched under _send_lock
-        self._recv_header = bytearray(HEADER_BYTES)
+        # With a MAC, the tag follows the header (before the payload): the "sealed" header.
+        self._mac = frame_mac
+        self._sealed_bytes = HEADER_BYTES + (TAG_BYTES if frame_mac is not None else 0)
+        self._send_header = bytearray(self._sealed_bytes)  # only touched under _send_lock
+        self._recv_header = bytearray(self._sealed_bytes)
         self._recv_header_view = memoryview(self._recv_header)
+        self._gather = _SCATTER_GATHER and not self._tls
+        self._frame_deadline = 0.0  # monotonic deadline of the frame being received
         self._closed = False
         self._closing = threading.Event()  # wakes link-emulation waits on close()
         self._loss: str | None = None  # why the connection died, repeated by later calls
@@ -361,7 +399,7 @@ class Connection:
             self.shaper = LinkShaper(link, seed=(link.seed, my_rank + 2, peer_rank + 2))
         self._recv_due_ns = 0  # delivery stamp of the frame being received (0: none)
         try:
-            self.send_buffer_bytes = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            self.send_buffer_bytes = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         except OSError:
             self.send_buffer_bytes = 0
 
@@ -396,7 +434,12 @@ class Connection:
                 sel.register(self._sock, selectors.EVENT_READ)
                 if not sel.select(0):
                     return False
+            if self._tls:  # ssl refuses MSG_PEEK: peek at the raw stream on a twin fd
+                with socket.socket(fileno=os.dup(self._sock.fileno())) as raw:
+                    return raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
             return self._sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
         except (ValueError, OSError):  # closed under us, reset
             return True
 
@@ -417,7 +460,12 @@ class Connection:
         elif self._closed:
             detail = f"the connection was closed on this side (while {what})"
         else:
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, _FrameDeadline):
+                detail = (
+                    f"the frame did not complete in time while {what} (a started frame has "
+                    f"the comm timeout, {self.timeout:g} s, plus 1 s per MiB of payload)"
+                )
+            elif isinstance(exc, TimeoutError):
                 detail = f"no progress for {self.timeout:g} s while {what}"
             elif exc is None:
                 detail = f"the peer closed the connection while {what}"
@@ -437,8 +485,16 @@ class Connection:
     # ----------------------------------------------------------------- sending
 
     def _frame_header(
-        self, kind: int, code: int, shape: Sequence[int], nbytes: int, seq: int, due_ns: int = 0
+        self,
+        kind: int,
+        code: int,
+        shape: Sequence[int],
+        nbytes: int,
+        seq: int,
+        due_ns: int = 0,
+        payload: memoryview | bytes = b"",
     ) -> bytearray:
+        """Pack the header (and, with a MAC, its tag over header and ``payload``)."""
         dims = list(shape)
         flags = 0
         if due_ns > 0:
@@ -449,10 +505,12 @@ class Connection:
         dims += [0] * (MAX_NDIM - ndim)
         if due_ns > 0:
             dims[-1] = due_ns
-        _HEADER.pack_into(
-            self._send_header, 0, _FRAME_MAGIC, kind, code, ndim, flags, seq, nbytes, *dims
-        )
-        return self._send_header
+        header = self._send_header
+        _HEADER.pack_into(header, 0, _FRAME_MAGIC, kind, code, ndim, flags, seq, nbytes, *dims)
+        if self._mac is not None:
+            view = memoryview(header)
+            view[HEADER_BYTES:] = self._mac.seal(seq, view[:HEADER_BYTES], payload)
+        return header
 
     def _pause(self, until: float) -> float:
         """Sleep until monotonic time ``until`` or until the connection closes; returns
@@ -462,6 +520,38 @@ class Connection:
             return 0.0
         self._closing.wait(remaining)
         return max(0.0, remaining - max(0.0, until - time.monotonic()))
+
+    def _frame_budget(self, nbytes: int) -> float:
+        """Seconds a started frame of ``nbytes`` payload bytes may take as a whole."""
+        return self.timeout + nbytes / FRAME_RATE_FLOOR
+
+    @staticmethod
+    def _check_deadline(deadline: float) -> None:
+        """Raise once a started frame is past its whole-frame deadline.
+
+        Checked between socket calls (the socket's timeout is shared by the sending and
+        the receiving thread, so it is never cut): a frame fails at the latest one
+        per-call timeout after its deadline.
+        """
+        if deadline > 0 and time.monotonic() > deadline:
+            raise _FrameDeadline("the whole-frame deadline passed")
+
+    def _send_views(self, views: list[memoryview], deadline: float) -> None:
+        """Write ``views`` in order, whole, within ``deadline`` (monotonic)."""
+        sock = self._sock
+        views = [v for v in views if len(v)]
+        while views:
+            self._check_deadline(deadline)
+            gather = self._gather and len(views) > 1  # header + payload in one syscall
+            sent = sock.sendmsg(views) if gather else sock.send(views[0])
+            while sent and views:
+                first = len(views[0])
+                if sent >= first:
+                    sent -= first
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
 
     def _send_frame(
         self, kind: int, code: int, shape: Sequence[int], payload: memoryview, raw: int
@@ -484,20 +574,12 @@ class Connection:
                 booking = shaper.book(HEADER_BYTES + nbytes)
                 release = booking.release
                 due_ns = time.time_ns() + max(1, round((booking.due - time.monotonic()) * 1e9))
-            header = self._frame_header(kind, code, shape, nbytes, self._send_seq, due_ns)
-            sock = self._sock
+            header = self._frame_header(
+                kind, code, shape, nbytes, self._send_seq, due_ns, payload
+            )
             try:
-                # One syscall for header + payload (scatter-gather), then finish off
-                # whatever the kernel did not take.
-                if nbytes and _SCATTER_GATHER:
-                    sent = sock.sendmsg([header, payload])
-                else:
-                    sent = sock.send(header)
-                if sent < HEADER_BYTES:
-                    sock.sendall(memoryview(header)[sent:])
-                    sock.sendall(payload)
-                elif sent < HEADER_BYTES + nbytes:
-                    sock.sendall(payload[sent - HEADER_BYTES :])
+                deadline = time.monotonic() + self._frame_budget(nbytes)
+                self._send_views([memoryview(header), payload], deadline)
             except _LOST as exc:
                 if not isinstance(exc, TimeoutError):
                     notice = self._peek_abort_notice()
@@ -506,7 +588,7 @@ class Connection:
                         raise notice from exc
                 raise self._lost(f"sending a {nbytes}-byte frame", exc) from exc
             self._send_seq += 1
-        self.stats.add_sent(HEADER_BYTES + nbytes, raw, 1)
+        self.stats.add_sent(self._sealed_bytes + nbytes, raw, 1)
         if shaper is not None:
             # Outside the send lock, so an abort notice can still go out meanwhile.
             shaper.add_hold(self._pause(release))
@@ -558,7 +640,7 @@ class Connection:
             return False
         finally:
             self._send_lock.release()
-        self.stats.add_sent(HEADER_BYTES, 0, 1)
+        self.stats.add_sent(self._sealed_bytes, 0, 1)
         return True
 
     def _peek_abort_notice(self) -> PeerLostError | None:
@@ -566,24 +648,30 @@ class Connection:
 
         A rank that aborts tells its peers which rank was really lost, then closes. A
         peer that was only sending to it sees a broken pipe; the notice is still in the
-        receive buffer, and naming the lost rank beats naming the messenger.
+        receive buffer, and naming the lost rank beats naming the messenger. (Not over
+        TLS: ssl cannot peek.)
         """
-        if self._closed or not self._recv_lock.acquire(blocking=False):
+        if self._closed or self._tls or not self._recv_lock.acquire(blocking=False):
             return None
+        size = self._sealed_bytes
         try:
             self._sock.settimeout(0.0)  # a peek must not wait
-            data = self._sock.recv(HEADER_BYTES, socket.MSG_PEEK)
+            data = self._sock.recv(size, socket.MSG_PEEK)
         except OSError:
             return None
         finally:
             self._recv_lock.release()
             with contextlib.suppress(OSError):
                 self._sock.settimeout(self.timeout)
-        if len(data) < HEADER_BYTES:
+        if len(data) < size:
             return None
-        fields = _HEADER.unpack(data)
+        fields = _HEADER.unpack(data[:HEADER_BYTES])
         if fields[0] != _FRAME_MAGIC or fields[1] != KIND_ABORT or fields[5] != self._recv_seq:
             return None
+        if self._mac is not None and not self._mac.verify(
+            fields[5], data[:HEADER_BYTES], b"", data[HEADER_BYTES:]
+        ):
+            return None  # a forged notice: keep the error this side saw
         return self._abort_error(fields[3], fields[7])
 
     def _abort_error(self, ndim: int, encoded: int) -> PeerLostError:
@@ -597,22 +685,31 @@ class Connection:
     # ----------------------------------------------------------------- receiving
 
     def _recv_exact(self, view: memoryview, what: str) -> None:
+        """Read ``view`` whole. The frame's deadline starts with its first byte, here or
+        in the caller's first read."""
         got, total = 0, len(view)
         sock = self._sock
         try:
             while got < total:
+                self._check_deadline(self._frame_deadline)
                 n = sock.recv_into(view[got:])
                 if n == 0:
                     raise self._lost(what, None)
                 got += n
+                if self._frame_deadline <= 0:
+                    self._frame_deadline = time.monotonic() + self._frame_budget(0)
         except _LOST as exc:
             raise self._lost(what, exc) from exc
         finally:
             self.stats.add_recv(got)
 
+    def _extend_deadline(self, length: int) -> None:
+        """The header announced ``length`` payload bytes: allow time for them too."""
+        self._frame_deadline += length / FRAME_RATE_FLOOR
+
     def _check_header(self, kind: int | None) -> tuple[int, int, int, tuple[int, ...]]:
         """Validate the header in ``_recv_header``; returns (kind, code, length, shape)."""
-        fields = _HEADER.unpack(self._recv_header)
+        fields = _HEADER.unpack_from(self._recv_header)
         magic, got_kind, code, ndim, flags, seq, length = fields[:7]
         if magic != _FRAME_MAGIC:
             raise self._bad_frame(f"bad magic {bytes(magic)!r} (not a sparktrain frame)")
@@ -624,6 +721,8 @@ class Connection:
             raise self._bad_frame(f"ndim {ndim} > {MAX_NDIM}")
         shape = tuple(fields[7 : 7 + ndim])
         if got_kind == KIND_ABORT:
+            if length == 0:
+                self._verify_mac(b"")  # a forged notice must not name a rank
             self.close()
             raise self._abort_error(ndim, fields[7])
         if kind is not None and got_kind != kind:
@@ -648,22 +747,34 @@ class Connection:
         self._recv_seq += 1
         return got_kind, code, length, shape
 
+    def _verify_mac(self, payload: memoryview | bytes | bytearray) -> None:
+        """Check the tag of the frame just read (header in ``_recv_header``)."""
+        mac = self._mac
+        if mac is None:
+            return
+        sealed = self._recv_header_view
+        seq = _HEADER.unpack_from(self._recv_header)[5]
+        if not mac.verify(seq, sealed[:HEADER_BYTES], payload, sealed[HEADER_BYTES:]):
+            raise self._bad_frame(
+                f"frame {seq}'s MAC does not verify (forged or altered in transit)"
+            )
+
     def _await_delivery(self, length: int) -> None:
         """Hold the frame just read until its stamped delivery time (emulated link).
 
+        Only on a connection with a link of its own: without one, a stamp is ignored
+        (an authenticated peer could otherwise hold this side a timeout per frame).
         Bounded: at most the comm timeout plus the frame's worst case under this side's
         own link profile, so a skewed clock or a bogus stamp cannot hang the receiver.
         """
         due_ns, self._recv_due_ns = self._recv_due_ns, 0
-        if due_ns <= 0:
+        shaper = self.shaper
+        if due_ns <= 0 or shaper is None:
             return
         wait = (due_ns - time.time_ns()) / 1e9
         if wait <= 0:
             return
-        shaper = self.shaper
-        cap = self.timeout
-        if shaper is not None:
-            cap += shaper.profile.max_delivery_s(HEADER_BYTES + length)
+        cap = self.timeout + shaper.profile.max_delivery_s(HEADER_BYTES + length)
         if wait > cap:
             log.warning(
                 "rank %d: a frame from rank %d is stamped %.3g s ahead; holding it %.3g s "
@@ -675,8 +786,7 @@ class Connection:
             )
             wait = cap
         slept = self._pause(time.monotonic() + wait)
-        if shaper is not None:
-            shaper.add_wait(slept)
+        shaper.add_wait(slept)
         if self._closed:
             raise self._lost("holding a frame on the emulated link", None)
 
@@ -688,6 +798,7 @@ class Connection:
         contents of ``out`` are unspecified.
         """
         with self._recv_lock:
+            self._frame_deadline = 0.0  # set by the frame's first byte
             self._recv_into(out, kind)
 
     def _recv_into(self, out: np.ndarray, kind: int) -> None:
@@ -701,12 +812,13 @@ class Connection:
         payload = _byte_view(out)
         nbytes = len(payload)
         header = self._recv_header_view
+        sealed = self._sealed_bytes
         sock = self._sock
-        # Read header and payload with one syscall when possible (latency of small
-        # frames). Bytes read past a frame that turns out to be shorter than expected
-        # are lost, but such a frame is an error that closes the connection anyway.
+        # Read header (+ tag) and payload with one syscall when possible (latency of
+        # small frames). Bytes read past a frame that turns out to be shorter than
+        # expected are lost, but such a frame is an error that closes the connection.
         try:
-            if nbytes and _SCATTER_GATHER:
+            if nbytes and self._gather:
                 got = sock.recvmsg_into([header, payload])[0]
             else:
                 got = sock.recv_into(header)
@@ -714,17 +826,20 @@ class Connection:
             raise self._lost("waiting for a frame", exc) from exc
         if got == 0:
             raise self._lost("waiting for a frame", None)
+        self._frame_deadline = time.monotonic() + self._frame_budget(0)
         self.stats.add_recv(got)
-        if got < HEADER_BYTES:
+        if got < sealed:
             self._recv_exact(header[got:], "reading a frame header")
-            got = HEADER_BYTES
+            got = sealed
         _, code, length, _ = self._check_header(kind)
         if code != want_code:
             raise self._bad_frame(f"dtype {_CODE_DTYPES[code]}, expected {out.dtype}")
         if length != nbytes:
             raise self._bad_frame(f"{length} payload bytes, expected {nbytes}")
-        if got < HEADER_BYTES + nbytes:
-            self._recv_exact(payload[got - HEADER_BYTES :], f"reading a {nbytes}-byte payload")
+        self._extend_deadline(length)
+        if got < sealed + nbytes:
+            self._recv_exact(payload[got - sealed :], f"reading a {nbytes}-byte payload")
+        self._verify_mac(payload)
         self._await_delivery(length)
         self.stats.add_recv(0, 1)
 
@@ -735,6 +850,7 @@ class Connection:
         longer than ``max_bytes`` is rejected before anything is allocated.
         """
         with self._recv_lock:
+            self._frame_deadline = 0.0  # set by the frame's first byte
             return self._recv_bytes(kind, max_bytes)
 
     def _recv_bytes(self, kind: int | None, max_bytes: int) -> tuple[int, bytes]:
@@ -744,9 +860,11 @@ class Connection:
         got_kind, _, length, _ = self._check_header(kind)
         if length > max_bytes:
             raise self._bad_frame(f"payload of {length} bytes exceeds the {max_bytes}-byte limit")
+        self._extend_deadline(length)
         payload = bytearray(length)
         if length:
             self._recv_exact(memoryview(payload), f"reading a {length}-byte payload")
+        self._verify_mac(payload)
         self._await_delivery(length)
         self.stats.add_recv(0, 1)
         return got_kind, bytes(payload)
@@ -875,6 +993,42 @@ def _dial(address: str, peer_rank: int, deadline: float) -> socket.socket:
     raise PeerLostError(peer_rank, f"could not connect to {address} before the deadline ({why})")
 
 
+def _frame_mac(
+    security: WireSecurity,
+    secret: bytes,
+    job_id: str,
+    attempt: int,
+    client_rank: int,
+    server_rank: int,
+    client_nonce: bytes,
+    server_nonce: bytes,
+    client_side: bool,
+) -> FrameMac | None:
+    """This side's frame keys, fresh per connection: HMAC of the secret over the job,
+    both ranks, both nonces and the direction (never sent, unlike the proofs)."""
+    if not security.macs_frames:
+        return None
+    keys = [
+        _mac(secret, job_id, attempt, client_rank, server_rank, client_nonce, server_nonce, role)
+        for role in (b"frame key client->server", b"frame key server->client")
+    ]
+    to_server, to_client = keys
+    return FrameMac(to_server, to_client) if client_side else FrameMac(to_client, to_server)
+
+
+_PLAIN = WireSecurity()
+
+
+class _Peer:
+    """What the server side of a handshake proved: the rank, the (maybe TLS) socket and
+    the frame keys."""
+
+    __slots__ = ("frame_mac", "rank", "sock")
+
+    def __init__(self, rank: int, sock: socket.socket, frame_mac: FrameMac | None) -> None:
+        self.rank, self.sock, self.frame_mac = rank, sock, frame_mac
+
+
 def connect(
     address: str,
     *,
@@ -887,10 +1041,13 @@ def connect(
     stats: CommStats,
     max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
     link: LinkProfile | None = None,
+    security: WireSecurity | None = None,
 ) -> Connection:
     """Dial ``address`` and run the client side of the handshake.
 
     ``link`` emulates a slow link on this side's sends (see :mod:`sparktrain.comm.link`).
+    ``security`` (:mod:`sparktrain.comm.security`): frame MACs or TLS; ``None`` is
+    plaintext without MACs. Both sides of a connection must use the same.
 
     Connection-refused is retried until ``timeout`` elapses (the peer's listener may
     not be accepting yet); the dial and the handshake share that deadline. Raises
@@ -900,13 +1057,20 @@ def connect(
     _check_secret(secret)
     if timeout <= 0:
         raise ConfigError(f"the comm timeout must be > 0 seconds, got {timeout}")
+    security = security or _PLAIN
     deadline = time.monotonic() + timeout
     sock = _dial(address, peer_rank, deadline)
-    io = _HandshakeIO(sock, deadline, stats)
     nonce = os.urandom(32)
+    mode = security.mode
     try:
-        io.send(_HELLO.pack(_HELLO_MAGIC, PROTOCOL_VERSION, 0, my_rank, nonce))
-        magic, version, _, server_rank, server_nonce = _HELLO.unpack(io.recv(_HELLO.size))
+        if security.tls:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock = security.wrap_client(sock, f"rank {peer_rank} at {address}")
+        io = _HandshakeIO(sock, deadline, stats)
+        io.send(_HELLO.pack(_HELLO_MAGIC, PROTOCOL_VERSION, mode, my_rank, nonce))
+        magic, version, server_mode, server_rank, server_nonce = _HELLO.unpack(
+            io.recv(_HELLO.size)
+        )
         if magic != _HELLO_MAGIC:
             raise HandshakeError(
                 f"{address} does not speak the sparktrain protocol (is the address list stale?)"
@@ -920,6 +1084,11 @@ def connect(
             raise HandshakeError(
                 f"{address} belongs to rank {server_rank}, not rank {peer_rank} "
                 "(is the address list stale or from another attempt?)"
+            )
+        if server_mode != mode:
+            raise HandshakeError(
+                f"rank {peer_rank} at {address} runs {describe_mode(server_mode)}, this rank "
+                f"{describe_mode(mode)}: {_VERDICT_REASONS[4]}"
             )
         io.send(_mac(secret, job_id, attempt, my_rank, server_rank, nonce, server_nonce, b"client"))
         status, proof = _VERDICT.unpack(io.recv(_VERDICT.size))
@@ -936,11 +1105,20 @@ def connect(
     except HandshakeError:
         sock.close()
         raise
+    except ssl.SSLError as exc:
+        sock.close()
+        raise HandshakeError(
+            f"the TLS handshake with rank {peer_rank} at {address} failed: {exc} (is "
+            "encryption='tls' set on every side of the job?)"
+        ) from exc
     except (TimeoutError, EOFError, OSError) as exc:
         sock.close()
         raise PeerLostError(
             peer_rank, f"handshake with {address} failed: {type(exc).__name__}: {exc}"
         ) from exc
+    frame_mac = _frame_mac(
+        security, secret, job_id, attempt, my_rank, server_rank, nonce, server_nonce, True
+    )
     return Connection(
         sock,
         peer_rank=peer_rank,
@@ -949,6 +1127,7 @@ def connect(
         timeout=timeout,
         max_frame_bytes=max_frame_bytes,
         link=link,
+        frame_mac=frame_mac,
     )
 
 
@@ -962,15 +1141,27 @@ def _serve_handshake(
     deadline: float,
     stats: CommStats,
     accept_rank: Callable[[int], bool],
-) -> int:
-    """Server side of the handshake on an accepted socket; returns the proven rank."""
-    io = _HandshakeIO(sock, deadline, stats)
+    security: WireSecurity | None = None,
+) -> _Peer:
+    """Server side of the handshake on an accepted socket; returns the proven peer
+    (its rank, the socket to use, wrapped in TLS if asked, and the frame keys)."""
+    security = security or _PLAIN
     nonce = os.urandom(32)
+    mode = security.mode
     try:
-        magic, version, _, client_rank, client_nonce = _HELLO.unpack(io.recv(_HELLO.size))
+        if security.tls:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock = security.wrap_server(sock)
+        io = _HandshakeIO(sock, deadline, stats)
+        hello = io.recv(_HELLO.size)
+        magic, version, client_mode, client_rank, client_nonce = _HELLO.unpack(hello)
         if magic != _HELLO_MAGIC:
-            raise HandshakeError("a client sent bytes that are not a sparktrain hello")
-        io.send(_HELLO.pack(_HELLO_MAGIC, PROTOCOL_VERSION, 0, my_rank, nonce))
+            hint = " (it speaks TLS: is encryption='tls' set on its side only?)"
+            raise HandshakeError(
+                "a client sent bytes that are not a sparktrain hello"
+                + (hint if hello[:1] == b"\x16" else "")
+            )
+        io.send(_HELLO.pack(_HELLO_MAGIC, PROTOCOL_VERSION, mode, my_rank, nonce))
         client_mac = io.recv(_MAC_BYTES)
         expected = _mac(
             secret, job_id, attempt, client_rank, my_rank, client_nonce, nonce, b"client"
@@ -980,6 +1171,8 @@ def _serve_handshake(
             status = 3
         elif not hmac.compare_digest(client_mac, expected):
             status = 1
+        elif client_mode != mode:
+            status = 4
         elif not accept_rank(client_rank):
             status = 2
         if status != _VERDICT_OK:
@@ -993,12 +1186,21 @@ def _serve_handshake(
     except HandshakeError:
         sock.close()
         raise
+    except ssl.SSLError as exc:
+        sock.close()
+        raise HandshakeError(
+            f"a client failed the TLS handshake: {exc} (is encryption='tls' set on every side "
+            "of the job?)"
+        ) from exc
     except (TimeoutError, EOFError, OSError) as exc:
         sock.close()
         raise HandshakeError(
             f"a client did not complete the handshake: {type(exc).__name__}: {exc}"
         ) from exc
-    return int(client_rank)
+    frame_mac = _frame_mac(
+        security, secret, job_id, attempt, client_rank, my_rank, client_nonce, nonce, False
+    )
+    return _Peer(int(client_rank), sock, frame_mac)
 
 
 def accept(
@@ -1013,6 +1215,7 @@ def accept(
     max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
     expect_rank: int | None = None,
     link: LinkProfile | None = None,
+    security: WireSecurity | None = None,
 ) -> Connection:
     """Accept one connection on ``listener`` and run the server side of the handshake.
 
@@ -1022,12 +1225,12 @@ def accept(
     :class:`Connection` whose ``peer_rank`` the client proved.
 
     A client that fails the handshake (wrong secret/job/attempt, garbage, silence past
-    ``timeout``, or a rank other than ``expect_rank``) is closed and
-    :class:`HandshakeError` is raised; callers serving many clients catch it and keep
-    accepting. If nobody connects in time: :class:`PeerLostError` naming
+    ``timeout``, a rank other than ``expect_rank``, or another ``security``) is closed
+    and :class:`HandshakeError` is raised; callers serving many clients catch it and
+    keep accepting. If nobody connects in time: :class:`PeerLostError` naming
     ``expect_rank`` if given, else :class:`AcceptTimeout` (a ``CommError`` that is
     also a ``TimeoutError``). ``link`` emulates a slow link on this side's sends (see
-    :mod:`sparktrain.comm.link`).
+    :mod:`sparktrain.comm.link`); ``security`` as for :func:`connect`.
     """
     _check_secret(secret)
     if timeout <= 0:
@@ -1049,7 +1252,7 @@ def accept(
         raise CommError(f"the listener failed: {exc}") from exc
     deadline = time.monotonic() + timeout
     _tune(sock)
-    rank = _serve_handshake(
+    peer = _serve_handshake(
         sock,
         secret=secret,
         job_id=job_id,
@@ -1058,15 +1261,17 @@ def accept(
         deadline=deadline,
         stats=stats,
         accept_rank=lambda r: expect_rank is None or r == expect_rank,
+        security=security,
     )
     return Connection(
-        sock,
-        peer_rank=rank,
+        peer.sock,
+        peer_rank=peer.rank,
         my_rank=my_rank,
         stats=stats,
         timeout=timeout,
         max_frame_bytes=max_frame_bytes,
         link=link,
+        frame_mac=peer.frame_mac,
     )
 
 
@@ -1170,7 +1375,8 @@ class Mesh:
     and makes every later call raise the same, original error.
 
     ``link`` emulates a slow link on every connection of the mesh (see
-    :mod:`sparktrain.comm.link`); ``None`` leaves them unshaped.
+    :mod:`sparktrain.comm.link`); ``None`` leaves them unshaped. ``security`` protects
+    every connection (frame MACs or TLS, :mod:`sparktrain.comm.security`).
 
     The mesh owns ``listener`` once constructed (:meth:`close` closes it). Run one
     collective at a time per mesh: connections carry sequenced frames, so two
@@ -1190,6 +1396,8 @@ class Mesh:
         stats: CommStats | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
         link: LinkProfile | None = None,
+        *,
+        security: WireSecurity | None = None,
     ) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -1216,6 +1424,7 @@ class Mesh:
         self.link = link
         """The emulated link every connection's sends cross (``None``: unshaped)."""
         self._listener = listener
+        self._security = security
         self._secret = bytes(secret)
         self._job_id = job_id
         self._attempt = attempt
@@ -1282,7 +1491,7 @@ class Mesh:
     def _handshake(self, sock: socket.socket) -> None:
         _tune(sock)
         try:
-            rank = _serve_handshake(
+            peer = _serve_handshake(
                 sock,
                 secret=self._secret,
                 job_id=self._job_id,
@@ -1291,20 +1500,23 @@ class Mesh:
                 deadline=time.monotonic() + self.timeout,
                 stats=self.stats,
                 accept_rank=self._may_dial_me,
+                security=self._security,
             )
         except HandshakeError as exc:
             log.warning("rank %d: %s", self.rank, exc)
             with self._cond:
                 self._rejections.append(str(exc))
             return
+        rank = peer.rank
         conn = Connection(
-            sock,
+            peer.sock,
             peer_rank=rank,
             my_rank=self.rank,
             stats=self.stats,
             timeout=self.timeout,
             max_frame_bytes=self.max_frame_bytes,
             link=self.link,
+            frame_mac=peer.frame_mac,
         )
         with self._cond:
             if self._closed or rank in self._conns:
@@ -1385,6 +1597,7 @@ class Mesh:
                     stats=self.stats,
                     max_frame_bytes=self.max_frame_bytes,
                     link=self.link,
+                    security=self._security,
                 )
             except CommError as exc:
                 errors[peer] = exc

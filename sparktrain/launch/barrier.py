@@ -53,6 +53,7 @@ def worker_context(spec: JobSpec | None) -> WorkerContext:
             attempt=spec.attempt,
             rank=rank,
             timeout=spec.config.comm_timeout,
+            security=spec.security,
         )
 
     def all_gather(message: str) -> list[str]:

@@ -27,6 +27,7 @@ import logging
 import threading
 
 from sparktrain.comm import wire
+from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import HANDSHAKE_TIMEOUT_S, DriverService
 from sparktrain.errors import CommError, FrameError
 
@@ -42,11 +43,18 @@ class RendezvousServer(DriverService):
     name = "rendezvous"
 
     def __init__(
-        self, host: str, *, secret: bytes, job_id: str, attempt: int, world_size: int
+        self,
+        host: str,
+        *,
+        secret: bytes,
+        job_id: str,
+        attempt: int,
+        world_size: int,
+        security: WireSecurity | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        super().__init__(host, secret=secret, job_id=job_id, attempt=attempt)
+        super().__init__(host, secret=secret, job_id=job_id, attempt=attempt, security=security)
         self.world_size = world_size
         self._messages: dict[int, str] = {}
         self._waiting: dict[int, wire.Connection] = {}
@@ -119,6 +127,7 @@ def all_gather(
     rank: int,
     message: str,
     timeout: float,
+    security: WireSecurity | None = None,
 ) -> list[str]:
     """A task's end: send ``message``, return every rank's message in rank order.
 
@@ -134,6 +143,7 @@ def all_gather(
         peer_rank=wire.DRIVER_RANK,
         timeout=timeout,
         stats=wire.CommStats(),
+        security=security,
     )
     try:
         conn.send_bytes(json.dumps({"message": message}).encode(), wire.KIND_CONTROL)

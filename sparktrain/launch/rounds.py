@@ -75,6 +75,7 @@ import torch
 from torch import nn
 
 from sparktrain.checkpoint import Checkpoint, CheckpointStore
+from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
 from sparktrain.launch.prepare import PreparedData
@@ -378,11 +379,18 @@ def run_rounds(
         comp = download_compressor(cfg.compression)
         if comp is not None:
             secret = secrets.token_bytes(32)
+            security = WireSecurity.for_job(cfg.encryption, cfg.frame_integrity)
             host = sc.getConf().get("spark.driver.host", "127.0.0.1")
             downloads = WeightsServer(
-                host, DownloadEncoder(comp, cfg.seed), secret=secret, job_id=job_id
+                host,
+                DownloadEncoder(comp, cfg.seed),
+                secret=secret,
+                job_id=job_id,
+                security=security,
             )
-            sizing = dataclasses.replace(sizing, weights_address=downloads.address, secret=secret)
+            sizing = dataclasses.replace(
+                sizing, weights_address=downloads.address, secret=secret, security=security
+            )
         runner = RoundRunner(sc, blocks, sizing, downloads=downloads)
         # The first round converts and caches the data, reports every partition's row
         # counts and (unless resuming, which must know rounds_per_epoch first) trains:

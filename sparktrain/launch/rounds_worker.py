@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from sparktrain.comm.link import emulate_task_transfer
+from sparktrain.comm.security import WireSecurity
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
@@ -324,6 +325,7 @@ class RoundSpec:
     # delta+ specs: where a task fetches the round's full mirror, and the job secret
     weights_address: str | None = None
     secret: bytes = field(default=b"", repr=False)
+    security: WireSecurity | None = field(default=None, repr=False)  # frame MACs / TLS
     # > 0 only in the sizing round (the job's first): the number of partitions whose row
     # counts the stats carry; that round's rounds_per_epoch is 0 (not known yet)
     size_slots: int = 0
@@ -429,6 +431,7 @@ def receive_weights(spec: RoundSpec, download: Download, partition: int) -> tupl
             seq=download.seq,
             numel=download.numel,
             timeout=spec.config.comm_timeout,
+            security=spec.security,
         )
         state.mirror = (download.seq, fresh)
         return fresh, got + fresh.nbytes

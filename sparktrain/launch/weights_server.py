@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from sparktrain.comm import wire
+from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 from sparktrain.compress.base import (
     BucketState,
@@ -117,8 +118,16 @@ class WeightsServer(DriverService):
 
     name = "weights"
 
-    def __init__(self, host: str, encoder: DownloadEncoder, *, secret: bytes, job_id: str) -> None:
-        super().__init__(host, secret=secret, job_id=job_id, attempt=0)
+    def __init__(
+        self,
+        host: str,
+        encoder: DownloadEncoder,
+        *,
+        secret: bytes,
+        job_id: str,
+        security: WireSecurity | None = None,
+    ) -> None:
+        super().__init__(host, secret=secret, job_id=job_id, attempt=0, security=security)
         self._encoder = encoder
         self._lock = threading.Lock()
         self.fetches = 0
@@ -151,7 +160,7 @@ class WeightsServer(DriverService):
 
 def fetch_mirror(
     address: str, *, secret: bytes, job_id: str, partition: int, seq: int, numel: int,
-    timeout: float,
+    timeout: float, security: WireSecurity | None = None,
 ) -> np.ndarray:  # fmt: skip
     """A task's side: the driver's ``mirror[seq]`` as a fresh float32 array."""
     with wire.connect(
@@ -163,6 +172,7 @@ def fetch_mirror(
         peer_rank=wire.DRIVER_RANK,
         timeout=timeout,
         stats=wire.CommStats(),
+        security=security,
     ) as conn:
         conn.send_bytes(json.dumps({"seq": seq}).encode(), wire.KIND_CONTROL)
         _, status = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=4096)

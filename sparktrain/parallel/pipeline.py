@@ -32,6 +32,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, SparkTrainError, WorkerError
 from sparktrain.launch import barrier
@@ -164,6 +165,7 @@ def run_pipeline(
         feature_width=prepared.feature_width,
         num_outputs=num_outputs,
         threads=cfg.threads_per_worker or task_cpus(sc),
+        security=WireSecurity.for_job(cfg.encryption, cfg.frame_integrity),
     )
     spec = make_spec(job, part, replicas)
     log.info(
@@ -186,10 +188,20 @@ def run_pipeline(
     host = sc.getConf().get("spark.driver.host", "127.0.0.1")
     display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
     server = MetricsServer(
-        host, secret=job.secret, job_id=job.job_id, attempt=0, on_message=display
+        host,
+        secret=job.secret,
+        job_id=job.job_id,
+        attempt=0,
+        on_message=display,
+        security=job.security,
     )
     meeting = RendezvousServer(
-        host, secret=job.secret, job_id=job.job_id, attempt=0, world_size=cfg.num_workers
+        host,
+        secret=job.secret,
+        job_id=job.job_id,
+        attempt=0,
+        world_size=cfg.num_workers,
+        security=job.security,
     )
     launched = time.perf_counter()
     try:

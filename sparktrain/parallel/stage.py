@@ -376,6 +376,7 @@ class _StageRunner:
             job_id=job.job_id,
             attempt=job.attempt,
             timeout=min(self.cfg.comm_timeout, 10.0),
+            security=job.security,
         )
         reporter.send(
             {

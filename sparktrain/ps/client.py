@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from sparktrain.comm.link import LinkProfile, link_from_config
+from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.wire import DRIVER_RANK, KIND_DATA, CommStats, Connection, Mesh, connect
 from sparktrain.errors import CommError, ConfigError, PeerLostError
 from sparktrain.ps import protocol as P
@@ -220,6 +221,7 @@ def connect_shards(
     param_shapes: Sequence[tuple[int, ...]] = (),
     seed: int = 0,
     link: LinkProfile | None = None,
+    security: WireSecurity | None = None,
 ) -> list[ShardClient]:
     """Dial every shard in parallel and authenticate; all or nothing.
 
@@ -243,6 +245,7 @@ def connect_shards(
                 timeout=timeout,
                 stats=stats,
                 link=link,
+                security=security,
             )
         except BaseException as exc:  # re-raised below
             errors.append(exc)
@@ -353,6 +356,7 @@ class ParameterServerSync:
             job_id=spec.job_id,
             attempt=spec.attempt,
             timeout=cfg.comm_timeout,
+            security=spec.security,
             stats=mesh.stats,
             num_elements=n,
             dtype=dtype,

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from sparktrain.comm.link import link_from_config
+from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.wire import (
     DRIVER_RANK,
     HEADER_BYTES,
@@ -189,6 +190,7 @@ class Shard:
                     timeout=min(srv.timeout, HANDSHAKE_TIMEOUT_S),
                     stats=self.stats,
                     link=link_from_config(srv.cfg),
+                    security=srv.security,
                 )
             except (AcceptTimeout, TimeoutError):
                 continue
@@ -579,6 +581,7 @@ class ParameterServer:
         job_id: str,
         attempt: int,
         world_size: int | None = None,
+        security: WireSecurity | None = None,
     ) -> None:
         self.compression = P.make_compression(single_spec(cfg.compression, cfg.strategy))
         self.cfg = cfg
@@ -588,6 +591,7 @@ class ParameterServer:
         self.world_size = world_size if world_size is not None else cfg.num_workers
         self.host = host
         self.secret = bytes(secret)
+        self.security = security
         self.job_id = job_id
         self.job_tag = P.job_tag(job_id)
         self.attempt = attempt
@@ -785,6 +789,7 @@ def start_parameter_server(
     job_id: str,
     attempt: int,
     world_size: int | None = None,
+    security: WireSecurity | None = None,
 ) -> ParameterServer:
     """Start a server holding ``model``'s trainable parameters, listening on ``host``.
 
@@ -805,4 +810,5 @@ def start_parameter_server(
         job_id=job_id,
         attempt=attempt,
         world_size=world_size,
+        security=security,
     )

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.worker.faults import FaultPlan
 
@@ -37,6 +38,8 @@ class JobSpec:
     resume_step: int | None = None  # continue from the checkpoint of this step
     resume_history: tuple[dict[str, Any], ...] = ()  # epochs done before resume_step (PS)
     fault: FaultPlan | None = None  # test-only failure injection
+    # frame MACs / TLS certificate of every connection (None: plaintext, no MACs)
+    security: WireSecurity | None = field(default=None, repr=False)
 
 
 @dataclass

@@ -116,6 +116,7 @@ def rendezvous(
             attempt=job.attempt,
             timeout=cfg.comm_timeout,
             link=link_from_config(cfg),
+            security=job.security,
         )
     except BaseException:
         listener.close()
@@ -196,6 +197,7 @@ def _train(
             job_id=spec.job_id,
             attempt=spec.attempt,
             timeout=min(cfg.comm_timeout, 10.0),
+            security=spec.security,
         )
         reporter.send(
             {

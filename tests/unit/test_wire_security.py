@@ -1,0 +1,365 @@
+"""Wire security: frame MACs, TLS with a pinned certificate, delivery stamps, frame deadlines."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sparktrain.comm import (
+    CommStats,
+    Connection,
+    Mesh,
+    address_of,
+    make_allreduce,
+    open_listener,
+    wire,
+)
+from sparktrain.comm.security import TAG_BYTES, LockedTlsSocket, WireSecurity
+from sparktrain.errors import FrameError, HandshakeError, PeerLostError
+
+try:  # tests/ laid out as packages or as plain directories
+    from . import comm_harness as h
+except ImportError:
+    import comm_harness as h  # type: ignore[no-redef]
+
+pytestmark = pytest.mark.timeout(60)
+
+MAC = WireSecurity(frame_mac=True)
+
+
+@pytest.fixture(scope="module")
+def tls() -> WireSecurity:
+    return WireSecurity.for_job("tls")
+
+
+def _pair(security: WireSecurity | None, timeout: float = 2.0) -> tuple[Connection, Connection]:
+    client, server = h.pair(
+        timeout, client_kw={"security": security}, server_kw={"security": security}
+    )
+    assert isinstance(client, Connection), client
+    assert isinstance(server, Connection), server
+    return client, server
+
+
+def _header(seq: int, length: int = 16, flags: int = 0, stamp: int = 0) -> bytes:
+    dims = [length // 4] + [0] * (wire.MAX_NDIM - 1)
+    dims[-1] = stamp
+    return wire._HEADER.pack(b"STF1", wire.KIND_DATA, 10, 1, flags, seq, length, *dims)
+
+
+# ----------------------------------------------------------------------------- frame MAC
+
+
+def _tamper_proxy(target: str, flip_at: int) -> tuple[socket.socket, threading.Thread]:
+    """A listener that relays one client to ``target``, flipping the byte at offset
+    ``flip_at`` of the client-to-server stream (an on-path attacker)."""
+    listener = open_listener(h.HOST)
+    host, port = wire.parse_address(target)
+
+    def relay(src: socket.socket, dst: socket.socket, flip: int | None) -> None:
+        seen = 0
+        with src, dst:
+            src.settimeout(5)
+            while True:
+                try:
+                    data = bytearray(src.recv(65536))
+                except OSError:
+                    return
+                if not data:
+                    return
+                if flip is not None and seen <= flip < seen + len(data):
+                    data[flip - seen] ^= 0x01
+                seen += len(data)
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+
+    def run() -> None:
+        client, _ = listener.accept()
+        upstream = socket.create_connection((host, port), timeout=5)
+        back = threading.Thread(target=relay, args=(upstream.dup(), client.dup(), None))
+        back.start()
+        relay(client, upstream, flip_at)
+        back.join(5)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return listener, t
+
+
+def test_a_frame_altered_in_transit_is_rejected() -> None:
+    server_listener = open_listener(h.HOST)
+    # client -> server bytes: hello, handshake MAC, then the first frame (sealed header,
+    # payload); flip a payload bit.
+    flip_at = wire._HELLO.size + 32 + wire.HEADER_BYTES + TAG_BYTES + 5
+    proxy, relay = _tamper_proxy(address_of(server_listener), flip_at)
+    got: list[Any] = []
+
+    def serve() -> None:
+        try:
+            conn = wire.accept(
+                server_listener, secret=h.SECRET, job_id=h.JOB, attempt=0, my_rank=1,
+                timeout=5.0, stats=CommStats(), security=MAC,
+            )
+            out = np.empty(16, np.float32)
+            conn.recv_into(out)
+            got.append(out)
+        except BaseException as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    client = wire.connect(
+        address_of(proxy), secret=h.SECRET, job_id=h.JOB, attempt=0, my_rank=0, peer_rank=1,
+        timeout=5.0, stats=CommStats(), security=MAC,
+    )
+    try:
+        client.send_array(np.arange(16, dtype=np.float32))
+        t.join(10)
+        assert isinstance(got[0], FrameError), got
+        assert "MAC does not verify" in str(got[0])
+    finally:
+        client.close()
+        proxy.close()
+        server_listener.close()
+        relay.join(10)
+
+
+def test_an_injected_frame_with_the_right_sequence_number_is_rejected() -> None:
+    client, server = _pair(MAC)
+    try:
+        client.send_array(np.ones(4, np.float32))  # seq 0, genuine
+        out = np.empty(4, np.float32)
+        server.recv_into(out)
+        assert out.tolist() == [1, 1, 1, 1]
+        # An attacker writes into the stream: seq 1 is right, the tag cannot be.
+        forged = _header(seq=1) + bytes(TAG_BYTES) + np.zeros(4, np.float32).tobytes()
+        client._sock.sendall(forged)
+        with pytest.raises(FrameError, match="MAC does not verify"):
+            server.recv_into(out)
+        assert server.closed
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_frame_sealed_for_another_connection_is_rejected() -> None:
+    """Keys are fresh per connection: a frame recorded on one does not verify on another."""
+    a_client, a_server = _pair(MAC)
+    b_client, b_server = _pair(MAC)
+    try:
+        payload = memoryview(np.zeros(4, np.float32).tobytes())
+        sealed = bytes(a_client._frame_header(wire.KIND_DATA, 10, (4,), 16, 0, 0, payload))
+        b_client._sock.sendall(sealed + payload)
+        with pytest.raises(FrameError, match="MAC"):
+            b_server.recv_into(np.empty(4, np.float32))
+    finally:
+        for c in (a_client, a_server, b_client, b_server):
+            c.close()
+
+
+def test_a_forged_abort_notice_names_no_rank() -> None:
+    client, server = _pair(MAC)
+    try:
+        dims = [7 + 2] + [0] * (wire.MAX_NDIM - 1)
+        header = wire._HEADER.pack(b"STF1", wire.KIND_ABORT, 0, 1, 0, 0, 0, *dims)
+        client._sock.sendall(header + bytes(TAG_BYTES))
+        with pytest.raises(FrameError, match="MAC"):
+            server.recv_bytes()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_mac_connection_round_trips_and_abort_notice() -> None:
+    client, server = _pair(MAC)
+    try:
+        arr = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+        client.send_array(arr)
+        out = np.empty(15, np.float32)
+        server.recv_into(out)
+        assert np.array_equal(out, arr.reshape(-1))
+        server.send_bytes(b'{"ok": 1}', wire.KIND_CONTROL)
+        client.send_bytes(b"", wire.KIND_CONTROL)
+        assert client.recv_bytes(wire.KIND_CONTROL) == (wire.KIND_CONTROL, b'{"ok": 1}')
+        assert server.recv_bytes() == (wire.KIND_CONTROL, b"")
+        assert client.stats.wire_bytes_sent > 0
+        assert client.notify_abort(7)
+        with pytest.raises(PeerLostError, match="lost contact with rank 7"):
+            server.recv_bytes()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_mismatched_security_is_refused_with_a_clear_error(tls: WireSecurity) -> None:
+    client, server = h.pair(2.0, client_kw={"security": MAC}, server_kw={"security": None})
+    assert isinstance(client, HandshakeError) and "frame_integrity" in str(client), client
+    assert isinstance(server, HandshakeError)
+    client, server = h.pair(2.0, client_kw={"security": tls}, server_kw={"security": MAC})
+    assert isinstance(client, HandshakeError | PeerLostError), client
+    assert isinstance(server, HandshakeError) and "TLS" in str(server), server
+
+
+# ----------------------------------------------------------------------------- TLS
+
+
+def test_tls_connection_end_to_end(tls: WireSecurity) -> None:
+    assert pickle.loads(pickle.dumps(tls)) == tls and tls.tls
+    client, server = _pair(tls)
+    try:
+        assert isinstance(client._sock, LockedTlsSocket)
+        big = np.arange(3 << 20, dtype=np.float32)  # 12 MiB: many TLS records
+        sender = threading.Thread(target=client.send_array, args=(big,))
+        sender.start()
+        out = np.empty_like(big)
+        server.recv_into(out)
+        sender.join(10)
+        assert np.array_equal(out, big)
+        server.send_bytes(b"pong", wire.KIND_CONTROL)
+        assert client.recv_bytes() == (wire.KIND_CONTROL, b"pong")
+        assert not server.peer_gone()
+        client.close()
+        deadline = time.monotonic() + 5
+        while not server.peer_gone() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.peer_gone()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_tls_client_refuses_a_certificate_with_another_fingerprint(tls: WireSecurity) -> None:
+    other = WireSecurity.for_job("tls")  # another job's certificate on the server
+    client, server = h.pair(2.0, client_kw={"security": tls}, server_kw={"security": other})
+    assert isinstance(client, HandshakeError) and "fingerprint" in str(client), client
+    assert isinstance(server, HandshakeError), server
+
+
+@pytest.mark.parametrize("mode", ["tls", "mac"])
+def test_mesh_ring_allreduce_over_tls_and_mac(mode: str, tls: WireSecurity) -> None:
+    security = tls if mode == "tls" else MAC
+    listeners, addresses = h.open_listeners(2)
+    results: list[Any] = [None, None]
+
+    def body(rank: int) -> None:
+        try:
+            with Mesh(
+                rank, 2, listeners[rank], addresses, h.SECRET, h.JOB, 0, 5.0, security=security
+            ) as mesh:
+                # Both ranks send to and receive from each other at once, from two
+                # threads on one connection: OpenSSL needs those calls serialised.
+                for size, chunk in ((10_007, 4096), (4 << 20, 1 << 20)):
+                    buf = np.full(size, rank + 1.0, np.float32)
+                    make_allreduce("ring", mesh, chunk_bytes=chunk).allreduce_(buf)
+                    results[rank] = buf
+        except BaseException as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for r in results:
+        assert isinstance(r, np.ndarray), r
+        assert np.all(r == 3.0)
+
+
+# ----------------------------------------------------------------------------- stamps, deadlines
+
+
+def test_a_stamped_frame_on_an_unshaped_connection_is_delivered_at_once() -> None:
+    client, server = _pair(None, timeout=10.0)
+    try:
+        stamp = time.time_ns() + 5_000_000_000  # "deliver in 5 s"
+        frame = _header(seq=0, flags=wire._FLAG_STAMPED, stamp=stamp)
+        client._sock.sendall(frame + np.ones(4, np.float32).tobytes())
+        started = time.monotonic()
+        out = np.empty(4, np.float32)
+        server.recv_into(out)
+        assert time.monotonic() - started < 1.0  # not held: no link emulation here
+        assert out.tolist() == [1, 1, 1, 1]
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("via", ["recv_into", "recv_bytes"])
+def test_a_peer_trickling_bytes_hits_the_whole_frame_deadline(via: str) -> None:
+    client, server = _pair(None, timeout=1.5)  # each byte comes well within 1.5 s
+    frame = _header(seq=0) + np.ones(4, np.float32).tobytes()
+    stop = threading.Event()
+
+    def trickle() -> None:  # 6 bytes, then it hangs up (6 s: past any deadline here)
+        for i in range(6):
+            if stop.wait(0.0 if i == 0 else 1.0):
+                return
+            try:
+                client._sock.sendall(frame[i : i + 1])
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(PeerLostError, match="did not complete in time") as info:
+            if via == "recv_into":
+                server.recv_into(np.empty(4, np.float32))
+            else:
+                server.recv_bytes()
+        assert info.value.rank == 0
+        assert time.monotonic() - started < 5.0
+    finally:
+        stop.set()
+        t.join(5)
+        client.close()
+        server.close()
+
+
+class _TrickleSocket:
+    """A socket stand-in whose peer reads one byte per call, slowly."""
+
+    def __init__(self) -> None:
+        self.timeout = 0.0
+
+    def settimeout(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    def getsockopt(self, *args: int) -> int:
+        return 0
+
+    def send(self, data: Any) -> int:
+        time.sleep(0.05)
+        return 1
+
+    def sendmsg(self, buffers: Any) -> int:
+        return self.send(buffers)
+
+    def sendall(self, data: Any) -> None:
+        view = memoryview(data)
+        while len(view):
+            view = view[self.send(view) :]
+
+    def shutdown(self, how: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_peer_reading_slowly_hits_the_whole_frame_deadline_on_send() -> None:
+    sock: Any = _TrickleSocket()
+    conn = Connection(sock, peer_rank=1, my_rank=0, stats=CommStats(), timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(PeerLostError, match="did not complete in time"):
+        conn.send_array(np.zeros(50, np.float32))  # 288 bytes at 20 B/s: 14 s on main
+    assert time.monotonic() - started < 3.0
