@@ -103,7 +103,7 @@ class TrainConfig:
         by default: on loopback it cost the ring 27 % of its bus bandwidth (median of 5
         runs, 16 MiB, world 2; more than the 10 % that would make it a default; see
         docs/security.md). The Spark-encryption gate turns it on whenever Spark's own
-        encryption is on.
+        encryption is on and ``encryption`` is not ``"tls"``.
     allow_unencrypted:
         Every connection is authenticated (HMAC handshake). When Spark's own wire
         encryption is on and ``encryption`` is ``"none"``, training refuses to start

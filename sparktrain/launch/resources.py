@@ -81,8 +81,9 @@ def check_transport_security(sc: SparkContext, cfg: TrainConfig) -> TrainConfig:
     Only :data:`WIRE_ENCRYPTION_KEYS` count. When one is on and the job opens its own
     sockets (:func:`starts_own_sockets`), the job needs ``encryption = "tls"``, else it is
     refused unless ``allow_unencrypted = true`` (then a warning is logged). Whenever Spark's
-    wire encryption is on, ``frame_integrity`` is forced on: the returned config is a copy
-    with ``frame_integrity=True`` (``cfg`` itself when nothing changes).
+    wire encryption is on and the job's sockets would not run TLS (whose records are
+    already authenticated), ``frame_integrity`` is forced on: the returned config is a
+    copy with ``frame_integrity=True`` (``cfg`` itself when nothing changes).
     """
     enabled = spark_wire_encryption(sc)
     if not enabled:
@@ -94,19 +95,21 @@ def check_transport_security(sc: SparkContext, cfg: TrainConfig) -> TrainConfig:
             "own transport",
             keys,
         )
-    elif cfg.encryption != "tls" and not cfg.allow_unencrypted:
+        return cfg
+    if cfg.encryption == "tls":  # TLS records are authenticated: no frame MACs on top
+        return cfg
+    if not cfg.allow_unencrypted:
         raise ResourceError(
             f"Spark encrypts its wire here ({keys}), but this job would send gradients and "
             f"weights over sparktrain's own sockets in plaintext (strategy={cfg.strategy!r}"
             f'{_delta_note(cfg)}). Set encryption = "tls" to encrypt them (or '
             "allow_unencrypted = true to accept plaintext on a network you trust)"
         )
-    elif cfg.encryption != "tls":
-        log.warning(
-            "Spark encrypts its wire (%s) but sparktrain's sockets send plaintext "
-            '(allow_unencrypted=true); set encryption = "tls" to encrypt them',
-            keys,
-        )
+    log.warning(
+        "Spark encrypts its wire (%s) but sparktrain's sockets send plaintext "
+        '(allow_unencrypted=true); set encryption = "tls" to encrypt them',
+        keys,
+    )
     if not cfg.frame_integrity:
         log.info("Spark encrypts its wire (%s): frame_integrity is forced on", keys)
         return dataclasses.replace(cfg, frame_integrity=True)

@@ -69,7 +69,8 @@ def test_tls_passes_the_gate_and_allow_unencrypted_warns(path, caplog):
     assert check_transport_security(sc, tls) is tls  # type: ignore[arg-type]
     assert "plaintext" not in caplog.text
     plain = TrainConfig(allow_unencrypted=True, **SOCKET_CONFIGS[path])
-    assert check_transport_security(sc, plain) is plain  # type: ignore[arg-type]
+    out = check_transport_security(sc, plain)  # type: ignore[arg-type]
+    assert out == dataclasses.replace(plain, frame_integrity=True)
     assert "sparktrain's sockets send plaintext" in caplog.text
 
 
@@ -111,14 +112,19 @@ def test_tree_aggregate_with_delta_names_the_weights_server():
         check_transport_security(_encrypted(), cfg)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("path", [*sorted(SOCKET_CONFIGS), "tree_aggregate"])
+@pytest.mark.parametrize("path", sorted(SOCKET_CONFIGS))
 def test_spark_encryption_forces_frame_integrity_on_a_copy(path):
-    settings = SOCKET_CONFIGS.get(path, {"strategy": "tree_aggregate"})
-    cfg = TrainConfig(encryption="tls", frame_integrity=False, **settings)
+    cfg = TrainConfig(allow_unencrypted=True, frame_integrity=False, **SOCKET_CONFIGS[path])
     out = check_transport_security(_encrypted(), cfg)  # type: ignore[arg-type]
-    assert out.frame_integrity is True and out.encryption == "tls"
+    assert out.frame_integrity is True and out.encryption == "none"
     assert cfg.frame_integrity is False  # the caller's config is left alone
     assert dataclasses.replace(out, frame_integrity=False) == cfg
+
+
+def test_tls_needs_no_frame_macs_on_top():
+    """TLS records are authenticated already: a MAC per frame would only cost busbw."""
+    cfg = TrainConfig(encryption="tls", frame_integrity=False)
+    assert check_transport_security(_encrypted(), cfg) is cfg  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ the gate in Trainer.fit
@@ -144,7 +150,7 @@ def test_trainer_fit_runs_the_job_with_frame_integrity_forced_on(monkeypatch):
         return "result"
 
     monkeypatch.setattr(Trainer, "_fit", fake_fit)
-    cfg = TrainConfig(strategy="ring", encryption="tls", frame_integrity=False)
+    cfg = TrainConfig(strategy="ring", allow_unencrypted=True, frame_integrity=False)
     trainer = Trainer("sparktrain.models:digits_mlp", cfg, spark=_FakeSession(_encrypted()))  # type: ignore[arg-type]
     assert trainer.fit(None) == "result"
     assert seen[0].frame_integrity is True and trainer.config is cfg and not cfg.frame_integrity
