@@ -72,9 +72,7 @@ def test_when_no_checkpoint_is_intact_the_newest_ones_error_is_raised(tmp_path):
         store.load()
 
 
-def test_local_writes_are_fsynced_before_the_rename_and_the_directory_after(
-    tmp_path, monkeypatch
-):
+def test_local_writes_are_fsynced_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
     synced: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
 
