@@ -250,3 +250,19 @@ def test_a_compressed_run_resumed_mid_epoch_equals_an_unbroken_run(tmp_path, com
     assert len(shards) == 2
     resumed = _run(_spec_with(spec, fault=plan, attempt=1, resume_step=resume), parts)
     assert _weights(resumed) == _weights(unbroken)  # bitwise
+
+
+def test_a_fault_series_fires_each_plan_once(tmp_path):
+    plan = FaultPlan.series(
+        [
+            FaultPlan(rank=0, step=3, marker=str(tmp_path / "a")),
+            FaultPlan(rank=1, step=5, marker=str(tmp_path / "b")),
+        ]
+    )
+    plan.maybe_fire(1, 3)  # wrong rank: nothing
+    for rank, step in ((0, 3), (1, 5)):
+        with pytest.raises(InjectedFaultError, match=f"rank {rank} at step {step}"):
+            plan.maybe_fire(rank, step)
+        plan.maybe_fire(rank, step)  # a resumed stage passes the same step: no second fault
+    with pytest.raises(ValueError, match="distinct markers"):
+        FaultPlan.series([FaultPlan(0, 1, "m"), FaultPlan(1, 2, "m")])
