@@ -63,6 +63,17 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_p
         store.load(6)
 
 
+def test_the_driver_resumes_from_the_newest_intact_checkpoint(tmp_path):
+    from sparktrain.trainer import _resume_step
+
+    store = CheckpointStore(str(tmp_path), keep=3)
+    for step in (5, 10):
+        store.save(_ckpt(step))
+    _truncate(tmp_path / "ckpt-000000000010.pt")
+    assert _resume_step(store, True) == 5
+    assert _resume_step(store, False) is None
+
+
 def test_when_no_checkpoint_is_intact_the_newest_ones_error_is_raised(tmp_path):
     store = CheckpointStore(str(tmp_path), keep=3)
     for step in (2, 4):
