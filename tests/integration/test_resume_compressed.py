@@ -49,6 +49,6 @@ def test_a_killed_compressed_run_resumes_to_the_uninterrupted_weights(
     want, got = twin.model.state_dict(), resumed.model.state_dict()
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name  # bitwise
-    assert [h["loss"] for h in resumed.summary["history"]] == [
-        h["loss"] for h in twin.summary["history"]
-    ]
+    # the validation metric is measured on those weights (the epoch's training loss
+    # after a mid-epoch resume covers only the steps run after it)
+    assert resumed.summary["metric_value"] == twin.summary["metric_value"]
