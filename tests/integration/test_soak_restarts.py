@@ -55,6 +55,11 @@ def test_three_random_kills_in_one_run(spark, tmp_path, strategy):
         .fit(train, validation_data=test)
         .summary
     )
+    print(
+        f"{strategy}: kills {[(p.rank, p.step) for p in (plan, *plan.also)]}, restarts "
+        f"{s['restarts']}, steps redone {s['steps_redone']}, metric {s['metric_value']:.4f} "
+        f"vs fault-free {twin.summary['metric_value']:.4f}"
+    )
     assert all((tmp_path / f"kill-{k}").exists() for k in range(KILLS))  # all three fired
     assert s["restarts"] == KILLS
     assert [h["epoch"] for h in s["history"]] == list(range(EPOCHS))
