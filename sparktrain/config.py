@@ -111,7 +111,11 @@ class TrainConfig:
     checkpoint_dir, checkpoint_every, keep_checkpoints, resume, max_restarts:
         Where checkpoints go (a local path or any pyarrow.fs URI; empty = none), how
         often in epochs (fractions allowed, e.g. 0.5), how many to keep, whether to
-        continue from the newest one, and how often a failed stage is resubmitted.
+        continue from the newest intact one, and how often a failed stage is
+        resubmitted. With ring/tree on a cluster master (anything but ``local[...]``)
+        every executor writes there, so a plain path is refused: use a shared URI
+        (``hdfs://``, ``s3://``, ``gs://``, ``abfs://``) or ``file:///path`` for a disk
+        every host shares.
     parallelism_pipeline, parallelism_data:
         Keys ``parallelism.pipeline`` (P) and ``parallelism.data`` (D): split the model
         into P pipeline stages, each replicated D times (world size P x D; D = 0 means

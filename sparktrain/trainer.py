@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from sparktrain.checkpoint import CheckpointStore
+from sparktrain.checkpoint import CheckpointStore, check_shared
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import (
@@ -210,11 +210,7 @@ class Trainer:
             security=WireSecurity.for_job(cfg.encryption, cfg.frame_integrity),
         )
         host = sc.getConf().get("spark.driver.host", "127.0.0.1")
-        store = (
-            CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
-            if cfg.checkpoint_dir
-            else None
-        )
+        store = _open_store(cfg, str(sc.master))
         resume_step = _resume_step(store, cfg.resume)
         display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
         ps = None
@@ -423,11 +419,26 @@ def _check_auto(cfg: TrainConfig) -> None:
         )
 
 
+def _open_store(cfg: TrainConfig, master: str) -> CheckpointStore | None:
+    """The run's checkpoint store (None without ``checkpoint_dir``). Every rank of a
+    ring/tree run writes its shard there and reads the checkpoint back, so the directory
+    must be one that every executor's host shares; a new run first clears temporary
+    files a killed writer left."""
+    if not cfg.checkpoint_dir:
+        return None
+    if cfg.strategy != "ps":  # the parameter server's checkpoints are the driver's own
+        check_shared(cfg.checkpoint_dir, master)
+    store = CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
+    store.remove_orphans()
+    return store
+
+
 def _resume_step(store: CheckpointStore | None, resume: bool) -> int | None:
-    """The newest checkpoint's step when resuming, else None (start from scratch)."""
+    """The newest intact checkpoint's step when resuming, else None (start from scratch);
+    a truncated or incomplete newer one is skipped (the store logs which)."""
     if store is None or not resume:
         return None
-    step = store.latest_step()
+    step = store.newest_intact()
     if step is None:
         log.info("no checkpoint in %s yet: starting from scratch", store.uri)
     return step

@@ -13,6 +13,16 @@ compute the same bits (``a + b == b + a``); partners start each round with ident
 bits (by induction), and folded ranks receive a verbatim copy. Only NaN payloads may
 differ, which does not matter for training.
 
+Blame. A rank waiting on a partner that is itself waiting (on its folded rank, or on
+its partner of an earlier round) would time out at the same moment as that partner and
+name it, although the partner is fine and the rank that stopped answering is further
+down the chain. So a wait gets ``(1 + PATIENCE_STEP * level)`` timeouts, where
+``level`` counts the waits it may depend on: receiving from the folded rank 0, round
+``j`` ``j + 1``, a folded rank's wait for the total ``rounds + 1``. The rank next to the
+hung one gives up first and its abort notice, which names the hung rank, reaches the
+others before their own (longer) deadlines. A partner that dies closes its sockets and
+is noticed at once; only a hung one costs the longer waits.
+
 Small messages are sent inline by the calling thread (no thread hand-off). Both
 partners send first and then receive, which cannot deadlock while a message fits in
 the socket buffers; bigger messages go through the mesh's background sender so that
@@ -20,6 +30,9 @@ both directions flow at once.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -29,6 +42,23 @@ from sparktrain.errors import CommError
 
 INLINE_MAX_BYTES = 256 << 10
 """Largest message sent inline; the kernel buffers of a connection hold several MiB."""
+PATIENCE_STEP = 0.5
+"""Extra timeouts per level of waits a receive may depend on (see the module docstring):
+tolerates ranks reaching their waits up to half a timeout apart."""
+
+
+@contextlib.contextmanager
+def _patient(conn: Connection, base: float, level: int) -> Iterator[None]:
+    """Let receives on ``conn`` wait ``(1 + PATIENCE_STEP * level)`` times ``base``."""
+    if level <= 0:
+        yield
+        return
+    before = conn.timeout
+    conn.set_timeout(base * (1.0 + PATIENCE_STEP * level))
+    try:
+        yield
+    finally:
+        conn.set_timeout(before)
 
 
 def tree_raw_bytes_sent(length: int, world_size: int, rank: int, itemsize: int) -> int:
@@ -108,16 +138,18 @@ class TreeAllreduce:
         have: dict[int, np.ndarray] = {r: blob}
         try:
             mesh.connect_all(self._peers())
+            rounds = p.bit_length() - 1
             if r >= p:
                 conn = mesh.connection(r - p)
                 conn.send_array(blob, KIND_PAYLOAD)
-                for q in range(n):
-                    if q != r:
-                        have[q] = self._recv_blob(conn, max_bytes)
+                with _patient(conn, mesh.timeout, rounds + 1):
+                    for q in range(n):
+                        if q != r:
+                            have[q] = self._recv_blob(conn, max_bytes)
                 return [have[q] for q in range(n)]
             if r + p < n:
                 have[r + p] = self._recv_blob(mesh.connection(r + p), max_bytes)
-            for j in range(p.bit_length() - 1):
+            for j in range(rounds):
                 partner = r ^ (1 << j)
                 mine = sorted(have)
                 theirs = sorted(
@@ -135,8 +167,9 @@ class TreeAllreduce:
                         conn.send_array(have[q], KIND_PAYLOAD)
                     else:
                         sender.put(have[q], KIND_PAYLOAD)
-                for q in theirs:
-                    have[q] = self._recv_blob(conn, max_bytes)
+                with _patient(conn, mesh.timeout, j + 1):
+                    for q in theirs:
+                        have[q] = self._recv_blob(conn, max_bytes)
                 if sender is not None:
                     sender.flush()
             if r + p < n:
@@ -159,28 +192,32 @@ class TreeAllreduce:
     def _run(self, buf: np.ndarray, add: AddFn, kind: int) -> None:
         mesh = self.mesh
         r, p, n = mesh.rank, self.pow2, mesh.world_size
+        rounds = p.bit_length() - 1
         mesh.connect_all(self._peers())
         if r >= p:
             # Extra rank: hand the buffer to the partner, get the total back. Sending
             # first is safe whatever the size: the partner receives before it sends.
             conn = mesh.connection(r - p)
             conn.send_array(buf, kind)
-            conn.recv_into(buf, kind)
+            with _patient(conn, mesh.timeout, rounds + 1):
+                conn.recv_into(buf, kind)
             return
         scratch = self._scratch_for(buf)
         folded = r + p < n
         if folded:
             mesh.connection(r + p).recv_into(scratch, kind)
             add(buf, scratch, buf)
-        for j in range(p.bit_length() - 1):
+        for j in range(rounds):
             conn = mesh.connection(r ^ (1 << j))
             if self._inline(conn, buf.nbytes):
                 conn.send_array(buf, kind)
-                conn.recv_into(scratch, kind)
+                with _patient(conn, mesh.timeout, j + 1):
+                    conn.recv_into(scratch, kind)
             else:
                 sender = mesh.sender(conn.peer_rank)
                 sender.put(buf, kind)
-                conn.recv_into(scratch, kind)
+                with _patient(conn, mesh.timeout, j + 1):
+                    conn.recv_into(scratch, kind)
                 sender.flush()  # buf is being sent: do not touch it before this
             add(buf, scratch, buf)
         if folded:

@@ -76,6 +76,7 @@ from sparktrain.compress.base import (
     message_nbytes,
 )
 from sparktrain.compress.feedback import SCALE, ErrorFeedback
+from sparktrain.compress.snapshot import dump_states, load_states
 from sparktrain.errors import CommError, ConfigError
 
 RECOMPRESSIBLE = ("int8", "sign")
@@ -156,6 +157,20 @@ class CompressedAllreduce:
         algo_name = "ring" if isinstance(algo, RingAllreduce) else "tree"
         self.path = path_for(comp, algo.mesh.world_size, algo_name)
         self._count = 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's compressor state (every bucket's), for a checkpoint shard."""
+        return {"spec": self.comp.spec, "count": self._count, "buckets": dump_states(self.states)}
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output (same spec, same rank)."""
+        if data.get("spec") != self.comp.spec:
+            raise ConfigError(
+                f"the checkpoint's compressor state is for {data.get('spec')!r}, this run "
+                f"compresses with {self.comp.spec!r}: resume with the same compression"
+            )
+        self._count = float(data["count"])
+        self.states = load_states(data["buckets"])
 
     def _raw_bytes(self, length: int, itemsize: int) -> int:
         n, r = self.mesh.world_size, self.mesh.rank

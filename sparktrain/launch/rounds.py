@@ -562,6 +562,8 @@ class _Loop:
             if cfg.checkpoint_dir
             else None
         )
+        if self.store is not None:
+            self.store.remove_orphans()  # a new run: no writer of this directory is alive
         # The driver holds model and optimizer, so it checkpoints at epoch boundaries:
         # every checkpoint_every epochs, rounded to whole epochs (at least one).
         self.every_epochs = max(1, round(cfg.checkpoint_every))

@@ -8,6 +8,7 @@ through: exactly one failure per marker, whatever the number of attempts.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 KINDS = ("raise", "exit")
@@ -23,13 +24,24 @@ class FaultPlan:
     step: int
     marker: str  # a path on a filesystem every task can see
     kind: str = "raise"  # "raise": an exception in the task; "exit": os._exit(137)
+    also: tuple[FaultPlan, ...] = ()  # further faults of the same run (own markers)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"FaultPlan.kind must be one of {KINDS}, got {self.kind!r}")
 
+    @classmethod
+    def series(cls, plans: Sequence[FaultPlan]) -> FaultPlan:
+        """One plan that fires each of ``plans`` once (each needs its own marker)."""
+        if not plans or len({p.marker for p in plans}) != len(plans):
+            raise ValueError("FaultPlan.series needs plans with distinct markers")
+        first, *rest = plans
+        return cls(first.rank, first.step, first.marker, first.kind, tuple(rest))
+
     def maybe_fire(self, rank: int, step: int) -> None:
         """Fail here if this is the planned rank and step and it has not failed yet."""
+        for plan in self.also:
+            plan.maybe_fire(rank, step)
         if rank != self.rank or step != self.step:
             return
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from sparktrain import errors
-from sparktrain.checkpoint import Checkpoint, CheckpointStore
+from sparktrain.checkpoint import RANK_SHARDS, Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
 from sparktrain.comm.link import link_from_config
 from sparktrain.errors import CheckpointError
@@ -37,11 +38,12 @@ from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
 from sparktrain.worker.probe import resolve_auto
-from sparktrain.worker.sync import StepSync, make_sync
+from sparktrain.worker.sync import StepSync, load_rank_state, make_sync, rank_state
 
 # torch's global RNG is per process; ranks run as threads (in tests, or several tasks in one
 # reused Python worker) must not interleave seeding and initialisation.
 _SEEDED_INIT = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -226,7 +228,7 @@ def _train(
             raise CheckpointError(
                 f"checkpoint of step {spec.resume_step} vanished from {store.uri}"
             )
-        _restore(ckpt, model, sync)
+        _restore(store, ctx, ckpt, model, sync)
         global_step, history = ckpt.step, ckpt.history
     # checkpoint_every is in epochs; fractions of an epoch are rounded to whole steps
     every = max(1, round(cfg.checkpoint_every * steps_per_epoch))
@@ -260,13 +262,8 @@ def _train(
                 comm_s += time.perf_counter() - t
                 global_step += 1
                 # a checkpoint at an epoch's end waits for the epoch's figures (below)
-                if (
-                    store
-                    and ctx.rank == 0
-                    and global_step % every == 0
-                    and step + 1 < steps_per_epoch
-                ):
-                    _save(store, global_step, model, sync, history)
+                if store and global_step % every == 0 and step + 1 < steps_per_epoch:
+                    _save(store, ctx, global_step, model, sync, history)
                 if reporter is not None and reporter.step_due():
                     elapsed = time.perf_counter() - epoch_started
                     reporter.send(
@@ -293,8 +290,8 @@ def _train(
                 "seconds": time.perf_counter() - epoch_started,
             }
             history.append(record)
-            if store is not None and ctx.rank == 0 and global_step % every == 0:
-                _save(store, global_step, model, sync, history)
+            if store is not None and global_step % every == 0:
+                _save(store, ctx, global_step, model, sync, history)
             if reporter is not None:
                 reporter.send(record)
     finally:
@@ -323,11 +320,19 @@ def _train(
 
 def _save(
     store: CheckpointStore,
+    ctx: WorkerContext,
     step: int,
     model: nn.Module,
     sync: StepSync,
     history: list[dict[str, Any]],
 ) -> None:
+    """Every rank with state of its own (compression) writes its shard; rank 0 then
+    writes the main file, the commit: the checkpoint counts once all shards are there."""
+    mine = rank_state(sync)
+    if mine is not None:
+        store.save_shard(step, ctx.rank, ctx.world_size, mine)
+    if ctx.rank != 0:
+        return
     optimizer = sync.optimizer
     store.save(
         Checkpoint(
@@ -336,16 +341,31 @@ def _save(
             optimizer_state=optimizer.state_dict() if optimizer is not None else {},
             rng_state=torch.get_rng_state(),
             history=history,
+            extra={RANK_SHARDS: ctx.world_size} if mine is not None else {},
         )
     )
 
 
-def _restore(ckpt: Checkpoint, model: nn.Module, sync: StepSync) -> None:
+def _restore(
+    store: CheckpointStore, ctx: WorkerContext, ckpt: Checkpoint, model: nn.Module, sync: StepSync
+) -> None:
     model.load_state_dict(ckpt.model_state)
     optimizer = sync.optimizer
     if optimizer is not None and ckpt.optimizer_state:
         optimizer.load_state_dict(ckpt.optimizer_state)
     torch.set_rng_state(ckpt.rng_state)
+    shards = int(ckpt.extra.get(RANK_SHARDS, 0) or 0)
+    if shards == ctx.world_size:
+        load_rank_state(sync, store.load_shard(ckpt.step, ctx.rank, shards))
+    elif rank_state(sync) is not None:
+        log.warning(
+            "rank %d: the checkpoint of step %d holds compressor state for %d ranks, this "
+            "run has %d: error-feedback residuals and similar state start from zero",
+            ctx.rank,
+            ckpt.step,
+            shards,
+            ctx.world_size,
+        )
 
 
 def _digest(params: list[nn.Parameter]) -> str:

@@ -302,6 +302,24 @@ class AllreduceSync:
             out["compression_by_spec"] = by_spec(out["compression_buckets"])
         return out
 
+    def rank_state(self) -> dict[str, Any] | None:
+        """This rank's own state for a checkpoint shard: the compressors' per-bucket
+        state (residuals, PowerSGD's Q, ...), or None without compression."""
+        if not self.reducers:
+            return None
+        return {"compress": {spec: r.state_dict() for spec, r in self.reducers.items()}}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`rank_state`'s output of the same rank."""
+        saved = state.get("compress", {})
+        if set(saved) != set(self.reducers):
+            raise ConfigError(
+                f"the checkpoint holds compressor state for {sorted(saved)}, this run "
+                f"compresses with {sorted(self.reducers)}: resume with the same compression"
+            )
+        for spec, reducer in self.reducers.items():
+            reducer.load_state_dict(saved[spec])
+
     def close(self) -> None:
         """Unhook the parameters and stop the communication thread."""
         if self._ready is not None:
@@ -338,6 +356,17 @@ def by_spec(buckets: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for s in out.values():
         s["ratio"] = s["raw_bytes_sent"] / s["wire_bytes_sent"] if s["wire_bytes_sent"] else 1.0
     return out
+
+
+def rank_state(sync: StepSync) -> dict[str, Any] | None:
+    """A sync's per-rank checkpoint state (None: nothing beyond rank 0's checkpoint)."""
+    return sync.rank_state() if isinstance(sync, AllreduceSync) else None
+
+
+def load_rank_state(sync: StepSync, state: dict[str, Any]) -> None:
+    """Give a sync back the state :func:`rank_state` saved on this rank."""
+    if isinstance(sync, AllreduceSync):
+        sync.load_rank_state(state)
 
 
 def make_sync(ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> StepSync:

@@ -89,7 +89,7 @@ def test_submit_then_kill_an_executor_mid_training(cluster, tmp_path):
         cluster,
         tmp_path,
         "epochs=40",
-        f"checkpoint_dir='{ckpt}'",
+        f"checkpoint_dir='file://{ckpt}'",  # one machine: a disk every host shares
         "checkpoint_every=0.5",
         "comm_timeout=20.0",
     )

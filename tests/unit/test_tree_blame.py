@@ -1,0 +1,76 @@
+"""A hung peer in a tree allreduce whose world is not a power of two is named by every
+rank: the ranks waiting on a partner that is itself waiting (on a folded rank, or in an
+earlier round) wait a little longer, so the partner's own timeout and abort notice,
+which name the rank that really stopped answering, reach them first."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sparktrain.comm import Mesh, make_allreduce
+from sparktrain.comm.tree import TreeAllreduce
+from sparktrain.errors import PeerLostError
+
+from . import comm_harness as h
+
+TIMEOUT = 1.0
+
+
+def _run_with_a_hung_rank(world: int, hung: int, op: str) -> list[Any]:
+    release = threading.Event()
+
+    def body(rank: int, mesh: Mesh) -> Any:
+        tree = make_allreduce("tree", mesh)
+        assert isinstance(tree, TreeAllreduce)
+        tree.allreduce_(np.ones(8))  # every link up, every rank in step
+        if rank == hung:
+            release.wait(20 * TIMEOUT)  # alive, sockets open, but never answers
+            return "hung"
+        started = time.monotonic()
+        try:
+            if op == "allreduce":
+                tree.allreduce_(np.ones(1000))
+            else:
+                tree.allgather(np.arange(16, dtype=np.uint8), 1 << 10)
+        except PeerLostError as exc:
+            return exc, time.monotonic() - started
+        finally:
+            with lock:
+                done[0] += 1
+                if done[0] == world - 1:  # everyone else gave up: let the hung rank go
+                    release.set()
+        return "no error"
+
+    lock, done = threading.Lock(), [0]
+    results = h.run_ranks(world, body, timeout=TIMEOUT, join_timeout=30.0)
+    release.set()
+    return results
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("world", "hung", "op"),
+    [
+        (3, 1, "allreduce"),  # rank 2 waits for the total from rank 0, which waits on 1
+        (3, 2, "allreduce"),  # rank 1 waits on rank 0, which waits on its folded rank 2
+        (3, 1, "allgather"),
+        (3, 2, "allgather"),
+        (6, 4, "allreduce"),  # a chain: 5 -> 1 -> 0 -> 4, and 2 -> 0, 3 -> 1
+    ],
+)
+def test_every_rank_names_the_rank_that_hung(world: int, hung: int, op: str) -> None:
+    results = _run_with_a_hung_rank(world, hung, op)
+    for rank, result in enumerate(results):
+        if rank == hung:
+            assert result == "hung"
+            continue
+        assert isinstance(result, tuple), f"rank {rank}: {result!r}"
+        exc, elapsed = result
+        assert exc.rank == hung, f"rank {rank} blamed rank {exc.rank}: {exc}"
+        # bounded: the longest wait is (1 + (rounds + 1) / 2) timeouts
+        assert elapsed < 4 * TIMEOUT + 2.0, f"rank {rank}: {elapsed:.1f} s"
