@@ -190,7 +190,8 @@ class Trainer:
             if cfg.checkpoint_dir
             else None
         )
-        resume_step = _resume_step(store, cfg.resume)
+        # the parameter server resumes from its own checkpoints (_start_ps)
+        resume_step = _resume_step(store, cfg.resume and cfg.strategy != "ps")
         display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
         ps = ps_saver = None
         history: tuple[dict[str, Any], ...] = ()
