@@ -130,7 +130,9 @@ class ShardClient:
         self.attempt = attempt
         self.rank = rank
         self.version = -1
-        self._delta = np.empty(hi - lo, dtype=dtype)
+        # one chunk, not a shard: deltas are added chunk by chunk (a 150M-parameter model
+        # would otherwise pay a fifth copy of itself in every worker)
+        self._scratch = np.empty(0, dtype=dtype)
         self.unchanged_pulls = 0
         self.payload_pulls = 0
 
@@ -268,8 +270,8 @@ class ShardClient:
         if encoding in (P.DELTA, P.FULL) and nbytes != out.nbytes:
             raise FrameError(f"a pull of {nbytes} bytes into a {out.nbytes}-byte shard")
         if encoding == P.DELTA:
-            P.recv_chunked(self.conn, self._delta, KIND_DATA, chunk)
-            out += self._delta  # the same float ops as the server's mirror
+            # the same float ops as the server's mirror, chunk by chunk
+            self._scratch = P.recv_chunked_add(self.conn, out, KIND_DATA, chunk, self._scratch)
             self.payload_pulls += 1
         elif encoding == P.CDELTA:
             if self.pull_codec is None:

@@ -179,25 +179,49 @@ def send_chunked(conn: Connection, arr: np.ndarray, kind: int, chunk_bytes: int)
 
 def recv_chunked(conn: Connection, out: np.ndarray, kind: int, chunk_bytes: int) -> int:
     """Receive what :func:`send_chunked` sent with ``chunk_bytes`` straight into the
-    1-D contiguous ``out``; returns the number of frames. A chunk size the sender could
-    not have meant (not whole elements, above this side's frame cap) is a
-    :class:`FrameError` (the stream cannot be followed any further)."""
-    if chunk_bytes <= 0 or chunk_bytes % out.itemsize:
+    1-D contiguous ``out``; returns the number of frames (see :func:`_chunk_elements`
+    for the chunk sizes refused)."""
+    step = _chunk_elements(conn, chunk_bytes, out.itemsize)
+    frames = 0
+    for lo in range(0, out.size, step):
+        conn.recv_into(out[lo : lo + step], kind)
+        frames += 1
+    return frames
+
+
+def recv_chunked_add(
+    conn: Connection, out: np.ndarray, kind: int, chunk_bytes: int, scratch: np.ndarray
+) -> np.ndarray:
+    """As :func:`recv_chunked`, but add each chunk into ``out`` (``out += payload``, the
+    same float operations as one whole-array add) through ``scratch``, so a delta costs
+    one chunk of memory, not a copy of the shard. Returns the scratch buffer used (a
+    larger one when ``scratch`` is smaller than a chunk), for the caller to keep."""
+    step = _chunk_elements(conn, chunk_bytes, out.itemsize)
+    need = min(step, out.size)
+    if scratch.size < need or scratch.dtype != out.dtype:
+        scratch = np.empty(need, dtype=out.dtype)
+    for lo in range(0, out.size, step):
+        piece = scratch[: min(step, out.size - lo)]
+        conn.recv_into(piece, kind)
+        out[lo : lo + piece.size] += piece
+    return scratch
+
+
+def _chunk_elements(conn: Connection, chunk_bytes: int, itemsize: int) -> int:
+    """Elements per chunk of an announced chunk size; a size the sender could not have
+    meant (not whole elements, above this side's frame cap) is a :class:`FrameError`
+    (the stream cannot be followed any further)."""
+    if chunk_bytes <= 0 or chunk_bytes % itemsize:
         raise FrameError(
             f"a parameter-server payload announced chunks of {chunk_bytes} bytes, which is "
-            f"not a whole number of {out.itemsize}-byte elements"
+            f"not a whole number of {itemsize}-byte elements"
         )
     if chunk_bytes > conn.max_frame_bytes:
         raise FrameError(
             f"a parameter-server payload announced chunks of {chunk_bytes} bytes, above this "
             f"side's frame cap of {conn.max_frame_bytes} bytes; give both ends the same cap"
         )
-    step = chunk_bytes // out.itemsize
-    frames = 0
-    for lo in range(0, out.size, step):
-        conn.recv_into(out[lo : lo + step], kind)
-        frames += 1
-    return frames
+    return chunk_bytes // itemsize
 
 
 def max_message_bytes(elements: int) -> int:
