@@ -483,6 +483,7 @@ class ParameterServerSync:
             param_shapes=[tuple(p.shape) for p in self.params],
             seed=cfg.seed,
             link=link_from_config(cfg),
+            max_frame_bytes=mesh.max_frame_bytes,  # the job's cap, as between ranks
         )
         k = len(self.clients)
         self._pool = (
