@@ -228,6 +228,41 @@ def test_a_rank_whose_connection_is_reset_reconnects_and_no_push_is_applied_twic
         np.testing.assert_array_equal(flats[1], server.parameters())
 
 
+@pytest.mark.timeout(30)
+def test_a_new_stage_attempt_continues_the_step_count_and_resent_steps_are_duplicates():
+    """async: rank 0 got 5 steps in, rank 1 only 3 when the stage failed. The next attempt
+    starts every rank at step 3 (the steps every rank pushed); rank 0's resent steps 3
+    and 4 are acknowledged, not applied again."""
+    cfg = _cfg(ps_mode="async", ps_shards=1, lr=0.5)
+    with _start(cfg, world=2) as server:
+        (c0,), (c1,) = _clients(server, 0), _clients(server, 1)
+        grad = np.full(c0.hi - c0.lo, 0.125, np.float32)
+        for step in range(5):
+            assert c0.push(step, 1, grad) == P.OK
+        for step in range(3):
+            assert c1.push(step, 1, grad) == P.OK
+        assert server.completed_step() == 3
+        server.begin_attempt(1)
+        assert server.completed_step() == 3  # the ledger survives the new attempt
+        n = server.ranges[-1][1]
+        d0, d1 = (
+            connect_shards(
+                server.addresses, rank=r, secret=SECRET, job_id="job", attempt=1,
+                timeout=5.0, stats=CommStats(), num_elements=n, dtype=np.dtype(np.float32),
+            )[0]
+            for r in (0, 1)
+        )  # fmt: skip
+        try:
+            assert [d0.push(s, 1, grad) for s in (3, 4, 5)] == [P.DUPLICATE, P.DUPLICATE, P.OK]
+            assert [d1.push(s, 1, grad) for s in (3, 4, 5)] == [P.OK, P.OK, P.OK]
+        finally:
+            d0.close()
+            d1.close()
+        s = server.stats()
+        assert s["version"] == s["applied_pushes"] == 12  # 6 steps of 2 ranks, each once
+        assert s["duplicates"] == 2 and server.completed_step() == 6
+
+
 # ---------------------------------------------------------------------- checkpoints
 
 
@@ -253,6 +288,10 @@ def test_a_new_server_resumes_from_the_checkpoint_and_applies_no_step_twice(tmp_
         saver = persist.ServerCheckpointer(
             first, store, cfg.checkpoint_every, lambda: spe, lambda at: tuple(done.history)
         )
+        waiting = persist.ServerCheckpointer(
+            first, store, cfg.checkpoint_every, lambda: spe, lambda at: done.history[:1]
+        )
+        assert waiting.maybe_save() is None  # epoch 2's record has not arrived: not yet
         assert saver.maybe_save() == 2 * spe
         assert saver.maybe_save() is None  # nothing new to save
         before = first.stats()
