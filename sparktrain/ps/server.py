@@ -487,6 +487,10 @@ class Shard:
                     if srv.attempt != attempt:
                         status, reason = P.STALE_ATTEMPT, "a newer stage attempt has started"
                         break
+                    if self._conns.get(conn.peer_rank) is not conn:
+                        # the rank dialed again (and pulls there): this handler must not
+                        # touch the rank's mirror any more
+                        raise CommError("replaced by the rank's new connection")
                     ready, laggard, why = self._ready(rank, step)
                     if ready:
                         break

@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import socket
 import struct
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -226,6 +228,42 @@ def test_a_rank_whose_connection_is_reset_reconnects_and_no_push_is_applied_twic
         np.testing.assert_allclose(flats[0], start - 3 * 0.5 * grad, rtol=1e-6)
         np.testing.assert_array_equal(flats[0], server.parameters())
         np.testing.assert_array_equal(flats[1], server.parameters())
+
+
+@pytest.mark.timeout(30)
+def test_a_pull_waiting_when_the_connection_resets_is_answered_on_the_new_one():
+    """sync, delta+int8: rank 0 waits on its pull when its connection is reset; it dials
+    again and pulls there. The handler of the old connection must leave the rank's mirror
+    alone, or the compressed deltas would no longer match the worker's copy."""
+    cfg = _cfg(ps_mode="sync", ps_shards=1, lr=0.5, compression="delta+int8")
+    with _start(cfg, world=2, max_frame_bytes=CAP) as server:
+        (c0,), (c1,) = _clients(server, 0, "delta+int8"), _clients(server, 1, "delta+int8")
+        shard = server.shards[0]
+        flats = [np.zeros(c0.hi - c0.lo, np.float32) for _ in range(2)]
+        for c, flat in zip((c0, c1), flats, strict=True):
+            c.pull(-1, flat)
+        rng = np.random.default_rng(0)
+        assert c0.push(0, 1, rng.standard_normal(flats[0].size).astype(np.float32)) == P.OK
+        got: list[object] = []
+        waiting = threading.Thread(target=lambda: got.append(c0.pull(0, flats[0])))
+        waiting.start()
+        time.sleep(0.3)  # rank 0's pull is waiting for rank 1's step 0
+        _reset(shard._conns[0])
+        time.sleep(0.2)  # the client saw the reset and waits again on a new connection
+        assert c1.push(0, 1, rng.standard_normal(flats[0].size).astype(np.float32)) == P.OK
+        c1.pull(0, flats[1])
+        waiting.join(10)
+        assert got == [P.FULL] and c0.reconnects == 1
+        for step in range(1, 4):  # compressed deltas from here on: mirrors must match
+            for c in (c0, c1):
+                grad = rng.standard_normal(flats[0].size).astype(np.float32)
+                assert c.push(step, 1, grad) == P.OK
+            for c, flat in zip((c0, c1), flats, strict=True):
+                assert c.pull(step, flat) == P.CDELTA
+        for rank in (0, 1):
+            np.testing.assert_array_equal(flats[rank], shard.ranks[rank].mirror)
+        s = server.stats()
+        assert s["failure"] is None and s["version"] == s["applied_pushes"] == 4
 
 
 @pytest.mark.timeout(30)
