@@ -492,6 +492,9 @@ class ParameterServerSync:
             else None
         )
         self._offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
+        self._grad_ptrs: list[int] = []
+        self.grad_copies = 0  # gradients copied because their bound view was replaced
+        self._bind_grads()
         self._count = 0
         self._futures: dict[int, cf.Future[None]] = {}
         self._armed = False
@@ -538,8 +541,24 @@ class ParameterServerSync:
                     continue
                 if p.grad is None:
                     out[a:b].zero_()
-                else:
+                elif p.grad.data_ptr() != self._grad_ptrs[i]:  # not the bound view (replaced)
                     out[a:b].copy_(p.grad.reshape(-1)[a - off[i] : b - off[i]])
+                    self.grad_copies += 1
+
+    def _bind_grads(self) -> None:
+        """Make every parameter's ``.grad`` a view of ``self.grad``: autograd accumulates
+        into it in place, so a push sends the gradients without copying them (a worker
+        of a 150M-parameter model keeps three copies of it, not four). A gradient that
+        someone replaces later is copied in by :meth:`_copy_grads`."""
+        flat = torch.from_numpy(self.grad)
+        off = self._offsets
+        self._grad_ptrs = []
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = flat[off[i] : off[i + 1]].view_as(p)
+                view.zero_()
+                p.grad = view
+                self._grad_ptrs.append(view.data_ptr())
 
     def _exchange(self, c: ShardClient) -> None:
         """Push shard ``c``'s gradient slice of this step, pull its new parameters into
@@ -645,6 +664,7 @@ class ParameterServerSync:
             "ps_unchanged_pulls": sum(c.unchanged_pulls for c in self.clients),
             "ps_payload_pulls": sum(c.payload_pulls for c in self.clients),
             "ps_reconnects": sum(c.reconnects for c in self.clients),
+            "ps_grad_copies": self.grad_copies,
         }
 
     def close(self) -> None:
