@@ -535,6 +535,16 @@ class Shard:
 
     def _delta(self, state: _RankState, have: int) -> tuple[int, int, np.ndarray | None]:
         """What a pull sends (holding ``cond``); keeps the rank's mirror exact."""
+        if self.server.mode == "sync" and self.server.compression.pull is None:
+            # Exact sync pulls send the values themselves, from the shard's own memory:
+            # they cannot change before this rank pushes again (the next step needs its
+            # push), so no per-rank mirror and send buffer (two shard copies per rank: GBs
+            # for a 150M-parameter model) and the worker's copy is exact.
+            if have == self.version:
+                self.counters.unchanged_pulls += 1
+                return P.UNCHANGED, self.version, None
+            self.counters.full_pulls += 1
+            return P.FULL, self.version, self.values
         if state.mirror is None or have != state.mirror_version:
             # first pull (or the worker lost track): the values themselves
             state.mirror = self.values.copy()

@@ -159,6 +159,9 @@ def test_training_under_a_tiny_frame_cap_moves_every_payload_in_chunks(mode, spe
     assert np.isfinite(s["final_loss"])
     if mode == "sync":
         assert s["ps_version"] == steps and s["replicas_in_sync"]
+        # exact sync pulls send the shard's values: no per-rank mirror is kept
+        mirrors = [st.mirror is None for sh in server.shards for st in sh.ranks.values()]
+        assert all(mirrors) == (spec != "delta+int8")
         if spec == "none":  # chunking changes nothing but the framing
             with _start(cfg) as plain:
                 want = _train(cfg, parts, plain)
