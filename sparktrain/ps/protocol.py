@@ -44,7 +44,9 @@ rank holds. A pull whose version equals the shard's costs one header (``UNCHANGE
 otherwise the shard sends ``delta = params - mirror`` and adds the same delta to the
 mirror, so both ends do the same float operations and stay bit-identical (the worker
 is at most one rounding away from the server's parameters, never drifting). Without a
-compressor a delta is as large as the values.
+compressor a delta is as large as the values, so in sync mode exact pulls send the
+values themselves (``FULL``) from the shard's memory, with no mirror: they cannot change
+before the pulling rank pushes its next step.
 
 Compression (``config.compression``, see :func:`make_compression`):
 
