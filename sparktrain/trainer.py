@@ -211,33 +211,18 @@ class Trainer:
         )
         host = sc.getConf().get("spark.driver.host", "127.0.0.1")
         store = _open_store(cfg, str(sc.master))
-        resume_step = _resume_step(store, cfg.resume)
+        # the parameter server resumes from its own checkpoints (_start_ps)
+        resume_step = _resume_step(store, cfg.resume and cfg.strategy != "ps")
         display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
-        ps = None
+        ps = ps_saver = None
+        history: tuple[dict[str, Any], ...] = ()
         if cfg.strategy == "ps":
-            from sparktrain.ps.server import start_parameter_server
-
-            if cfg.checkpoint_dir or cfg.resume:
-                log.warning(
-                    "checkpoint_dir/resume are not used with strategy='ps' yet: the parameter "
-                    "server keeps the model in the driver through stage restarts, but a driver "
-                    "failure loses it"
-                )
-
-            ps = start_parameter_server(
-                model,
-                cfg,
-                host=host,
-                secret=base.secret,
-                job_id=base.job_id,
-                attempt=0,
-                security=base.security,
-            )
+            ps, ps_saver, resume_step, history = _start_ps(model, cfg, host, base, display)
             base = dataclasses.replace(base, ps_addresses=tuple(ps.addresses))
         log.info("job %s: %s on %d workers", base.job_id, cfg.strategy, cfg.num_workers)
         launched = time.perf_counter()
         restarts = steps_redone = 0
-        history: tuple[dict[str, Any], ...] = ()
+        earlier = history  # epochs a resumed parameter-server checkpoint brought
         try:
             for attempt in itertools.count():
                 if ps is not None:
@@ -253,8 +238,15 @@ class Trainer:
                         raise
                     reached = display.last_global_step
                     if ps is not None:
-                        resume_step = _ps_resume_step(ps)
-                        history = display.history_before(resume_step or 0)
+                        from sparktrain.ps.persist import merged_history
+
+                        resume_step = ps.completed_step()
+                        history = merged_history(
+                            earlier,
+                            display.history_before(resume_step),
+                            _steps_per_epoch(display),
+                            resume_step,
+                        )
                     else:
                         resume_step = _resume_step(store, True)
                     steps_redone += max(0, reached - (resume_step or 0))
@@ -269,6 +261,8 @@ class Trainer:
                     check_can_launch(sc, cfg.num_workers)  # a lost executor may leave too few
         finally:
             display.close()
+            if ps_saver is not None:
+                ps_saver.stop()
             if ps is not None:
                 ps.stop()
         result = _assemble(
@@ -456,15 +450,50 @@ def _resume_source(step: int | None, parameter_server: bool, checkpoints: bool) 
     return "from scratch: no checkpoint to resume from" + hint
 
 
-def _ps_resume_step(ps: Any) -> int | None:
-    """Where workers continue after a failed stage when the parameter server holds the
-    model: in sync mode every shard's version counts applied steps (the smallest one, if
-    a failure fell between shards). In async/ssp versions count single pushes, so the
-    resubmitted stage starts its epochs over, from the server's current model."""
-    stats = ps.stats()
-    if stats["mode"] != "sync":
-        return None
-    return min(int(s["version"]) for s in stats["per_shard"])
+def _start_ps(
+    model: nn.Module, cfg: TrainConfig, host: str, base: JobSpec, display: ProgressDisplay
+) -> tuple[Any, Any, int | None, tuple[dict[str, Any], ...]]:
+    """Start the parameter server; with ``resume`` load its newest checkpoint, with a
+    ``checkpoint_dir`` start its checkpointer (see :mod:`sparktrain.ps.persist`).
+    Returns the server, the checkpointer (or None), the resume step and its history."""
+    from sparktrain.ps.persist import ServerCheckpointer, merged_history, restore, server_store
+    from sparktrain.ps.server import start_parameter_server
+
+    ps = start_parameter_server(
+        model,
+        cfg,
+        host=host,
+        secret=base.secret,
+        job_id=base.job_id,
+        attempt=0,
+        security=base.security,
+    )
+    try:
+        store = server_store(cfg)
+        resumed = restore(store, ps) if store is not None and cfg.resume else None
+        step, history = resumed if resumed is not None else (None, ())
+        saver = None
+        if store is not None:
+            saver = ServerCheckpointer(
+                ps,
+                store,
+                cfg.checkpoint_every,
+                lambda: _steps_per_epoch(display),
+                lambda at: merged_history(
+                    history, display.history_before(at), _steps_per_epoch(display), at
+                ),
+                start_step=step or 0,
+            )
+            saver.start()
+    except BaseException:
+        ps.stop()
+        raise
+    return ps, saver, step, history
+
+
+def _steps_per_epoch(display: ProgressDisplay) -> int:
+    """Steps per epoch as the first stage reported them (0 before)."""
+    return int(display._steps_per_epoch)  # read-only; the display learns it from rank 0
 
 
 def _assemble(

@@ -26,6 +26,16 @@ shard (``ps_shards=1``) its gradient is complete only when backward is, so there
 nothing to overlap; use ``ps_shards >= 2`` to overlap. The model's parameters are
 written only after every exchange is done, in :meth:`ParameterServerSync.step`.
 
+Payloads travel in chunks (:func:`~sparktrain.ps.protocol.send_chunked`): a push in
+chunks of the size the shard named in its last reply, a pull in the chunks the shard
+chose, so no transfer depends on the model fitting one frame.
+
+Reconnection: a request whose connection breaks (reset, end of stream; not a timeout,
+not a connection this side closed) dials the shard again and is sent again, at most
+``MAX_RECONNECTS`` times per request. A resent push carries the same step number, so a
+shard that applied it before the break acknowledges it as a duplicate; the first pull
+on the new connection fetches the values.
+
 Per-layer compression (a table in ``config.compression``) is refused here: shards cut
 the flat vector at element granularity with one codec per shard, so a layer's spec
 could not be honoured inside a shard. Ring and tree accept a table.
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import itertools
 import logging
 import math
 import sys
@@ -49,8 +60,16 @@ from torch import nn
 
 from sparktrain.comm.link import LinkProfile, link_from_config
 from sparktrain.comm.security import WireSecurity
-from sparktrain.comm.wire import DRIVER_RANK, KIND_DATA, CommStats, Connection, Mesh, connect
-from sparktrain.errors import CommError, ConfigError, PeerLostError
+from sparktrain.comm.wire import (
+    DRIVER_RANK,
+    KIND_DATA,
+    MAX_FRAME_BYTES_DEFAULT,
+    CommStats,
+    Connection,
+    Mesh,
+    connect,
+)
+from sparktrain.errors import CommError, ConfigError, FrameError, PeerLostError
 from sparktrain.ps import protocol as P
 from sparktrain.ps.layout import (
     NUMPY_DTYPES,
@@ -70,6 +89,8 @@ REPLY_GRACE_S = 5.0
 laggard and then answers with the laggard's name, which must arrive before this side's
 own timeout blames the server."""
 BYE_TIMEOUT_S = 1.0
+MAX_RECONNECTS = 2
+"""Dials per request after a broken connection (each bounded by ``comm_timeout``)."""
 
 
 class ShardClient:
@@ -77,6 +98,8 @@ class ShardClient:
 
     ``version`` is the shard version the worker's copy of ``[lo, hi)`` corresponds to
     (-1 before the first pull). Not thread-safe: one request at a time per shard.
+    With ``dial`` (a function returning a fresh authenticated connection to the same
+    shard) a request whose connection breaks reconnects and is sent again.
     """
 
     def __init__(
@@ -92,8 +115,14 @@ class ShardClient:
         rank: int,
         codec: P.Codec | None = None,
         pull_codec: P.CompressorCodec | None = None,
+        dial: Callable[[], Connection] | None = None,
     ) -> None:
         self.conn = conn
+        self.dial = dial
+        self.reconnects = 0
+        self._closed = False
+        # until the shard names its chunk size (in every reply): what our frame cap allows
+        self.chunk_bytes = P.chunk_size(conn.max_frame_bytes, None, 8)
         self.codec: P.Codec = codec if codec is not None else P.IdentityCodec()
         self.pull_codec = pull_codec
         self.index = index
@@ -102,7 +131,9 @@ class ShardClient:
         self.attempt = attempt
         self.rank = rank
         self.version = -1
-        self._delta = np.empty(hi - lo, dtype=dtype)
+        # one chunk, not a shard: deltas are added chunk by chunk (a 150M-parameter model
+        # would otherwise pay a fifth copy of itself in every worker)
+        self._scratch = np.empty(0, dtype=dtype)
         self.unchanged_pulls = 0
         self.payload_pulls = 0
 
@@ -129,29 +160,85 @@ class ShardClient:
         every other status. ``attempt`` overrides the stage attempt (tests only).
         """
         has = count > 0 and grad is not None
+        payload: np.ndarray | None = None
+        if has:
+            assert grad is not None
+            # encoded once: a resent push carries the same bytes (the codec's state moved)
+            payload = self.codec.encode(grad) if self.codec.compressed else grad
+        for tries in itertools.count():
+            try:
+                status, lost = self._push_once(step, count, grad, payload, attempt)
+                break
+            except (CommError, OSError) as exc:
+                self._reconnect_or_raise(exc, tries, f"push of step {step}")
+        if status not in (P.OK, P.DUPLICATE):
+            raise self._fail(status, lost, f"push of step {step}")
+        return int(status)
+
+    def _push_once(
+        self,
+        step: int,
+        count: int,
+        grad: np.ndarray | None,
+        payload: np.ndarray | None,
+        attempt: int | None,
+    ) -> tuple[int, int]:
+        chunk = self.chunk_bytes
         header = P.PUSH.pack(
             self.job_tag,
             self.attempt if attempt is None else attempt,
             self.rank,
             step,
-            count if has else 0,
+            count if payload is not None else 0,
             self.version,
-            1 if has else 0,
+            1 if payload is not None else 0,
+            0 if payload is None else payload.nbytes,
+            chunk,
         )
         self.conn.send_bytes(header, P.KIND_PUSH)
-        if has:
+        if payload is not None:
             assert grad is not None
             if self.codec.compressed:
-                blob = self.codec.encode(grad)
-                self.conn.send_array(blob, P.KIND_CPAYLOAD)
+                P.send_chunked(self.conn, payload, P.KIND_CPAYLOAD, chunk)
                 self.conn.stats.add_sent(0, grad.nbytes)  # what the plain push sends
             else:
-                self.conn.send_array(grad, KIND_DATA)
+                P.send_chunked(self.conn, payload, KIND_DATA, chunk)
         _, reply = self.conn.recv_bytes(P.KIND_ACK, max_bytes=P.MAX_HEADER_BYTES)
         status, lost, _version = P.ACK.unpack(reply)
-        if status not in (P.OK, P.DUPLICATE):
-            raise self._fail(status, lost, f"push of step {step}")
-        return int(status)
+        return int(status), int(lost)
+
+    def _reconnect_or_raise(self, exc: BaseException, tries: int, what: str) -> None:
+        """After a broken connection: dial the shard again, or re-raise ``exc`` when this
+        side closed it, the peer timed out (a silent server is not a reset), there is no
+        ``dial`` or the request used its reconnections."""
+        timed_out = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
+        if (
+            self._closed
+            or self.dial is None
+            or tries >= MAX_RECONNECTS
+            or timed_out
+            or not isinstance(exc, (PeerLostError, OSError))
+        ):
+            raise exc
+        log.warning(
+            "rank %d: connection to parameter-server shard %d broke during the %s (%s); "
+            "reconnecting",
+            self.rank,
+            self.index,
+            what,
+            exc,
+        )
+        self.conn.close()
+        try:
+            conn = self.dial()
+        except (CommError, OSError) as again:
+            raise exc from again
+        if self._closed:  # closed by another thread meanwhile
+            conn.close()
+            raise exc
+        self.conn = conn
+        self.version = -1  # our copy may hold half a delta: fetch the values
+        self.reconnects += 1
 
     def pull(self, step: int, out: np.ndarray) -> int:
         """Bring ``out`` (this shard's slice of the flat parameters) up to date.
@@ -160,19 +247,32 @@ class ShardClient:
         when the mode allows (sync: step applied; ssp: within the staleness bound).
         Returns the encoding received (``UNCHANGED``, ``DELTA`` or ``FULL``).
         """
+        for tries in itertools.count():
+            try:
+                return self._pull_once(step, out)
+            except _Refused as refused:
+                raise self._fail(refused.status, refused.lost, f"pull after step {step}") from None
+            except (CommError, OSError) as exc:
+                self._reconnect_or_raise(exc, tries, f"pull after step {step}")
+        raise AssertionError("unreachable")
+
+    def _pull_once(self, step: int, out: np.ndarray) -> int:
         self.conn.send_bytes(P.PULL.pack(self.attempt, self.rank, step, self.version), P.KIND_PULL)
         _, reply = self.conn.recv_bytes(P.KIND_REPLY, max_bytes=P.MAX_HEADER_BYTES)
-        status, lost, version, encoding, elements = P.REPLY.unpack(reply)
+        status, lost, version, encoding, elements, nbytes, chunk = P.REPLY.unpack(reply)
         if status != P.OK:
-            raise self._fail(status, lost, f"pull after step {step}")
+            raise _Refused(status, lost)
+        self.chunk_bytes = P.chunk_size(self.conn.max_frame_bytes, chunk, 8)
         if elements != self.hi - self.lo:
             raise ConfigError(
                 f"parameter-server shard {self.index} holds {elements} elements, this worker "
                 f"expects {self.hi - self.lo}: the workers' model differs from the driver's"
             )
+        if encoding in (P.DELTA, P.FULL) and nbytes != out.nbytes:
+            raise FrameError(f"a pull of {nbytes} bytes into a {out.nbytes}-byte shard")
         if encoding == P.DELTA:
-            self.conn.recv_into(self._delta, KIND_DATA)
-            out += self._delta  # the same float ops as the server's mirror
+            # the same float ops as the server's mirror, chunk by chunk
+            self._scratch = P.recv_chunked_add(self.conn, out, KIND_DATA, chunk, self._scratch)
             self.payload_pulls += 1
         elif encoding == P.CDELTA:
             if self.pull_codec is None:
@@ -180,14 +280,15 @@ class ShardClient:
                     f"parameter-server shard {self.index} sent a compressed delta to a worker "
                     "that expects exact ones: the driver and the workers disagree on compression"
                 )
-            _, blob = self.conn.recv_bytes(
-                P.KIND_CPAYLOAD, max_bytes=P.max_message_bytes(self.hi - self.lo)
-            )
+            if not 0 < nbytes <= P.max_message_bytes(self.hi - self.lo):
+                raise FrameError(f"a compressed pull of {nbytes} bytes for {out.size} values")
+            blob = np.empty(nbytes, np.uint8)
+            P.recv_chunked(self.conn, blob, P.KIND_CPAYLOAD, chunk)
             # the same op on the same decoded bytes as the shard's mirror: bit-identical
-            self.pull_codec.add_into(np.frombuffer(blob, dtype=np.uint8), out)
+            self.pull_codec.add_into(blob, out)
             self.payload_pulls += 1
         elif encoding == P.FULL:
-            self.conn.recv_into(out, KIND_DATA)
+            P.recv_chunked(self.conn, out, KIND_DATA, chunk)
             self.payload_pulls += 1
         elif encoding == P.UNCHANGED:
             self.unchanged_pulls += 1
@@ -203,7 +304,16 @@ class ShardClient:
             self.conn.send_bytes(P.BYE.pack(self.attempt, self.rank, int(clean)), P.KIND_BYE)
 
     def close(self) -> None:
+        self._closed = True
         self.conn.close()
+
+
+class _Refused(Exception):
+    """A pull answered with an error status (raised as the shard's reason, never retried)."""
+
+    def __init__(self, status: int, lost: int) -> None:
+        super().__init__(status, lost)
+        self.status, self.lost = status, lost
 
 
 def connect_shards(
@@ -222,19 +332,22 @@ def connect_shards(
     seed: int = 0,
     link: LinkProfile | None = None,
     security: WireSecurity | None = None,
+    max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
 ) -> list[ShardClient]:
     """Dial every shard in parallel and authenticate; all or nothing.
 
     ``compression`` (default: none) gives each client its own push codec (and pull codec
     for ``delta+`` specs); ``param_shapes`` lay out the flat vector for PowerSGD;
-    ``link`` emulates a slow link on the pushes (see :mod:`sparktrain.comm.link`).
+    ``link`` emulates a slow link on the pushes (see :mod:`sparktrain.comm.link`);
+    ``max_frame_bytes`` caps every frame of these connections. Each client can dial its
+    shard again after a broken connection.
     """
     ranges = shard_ranges(num_elements, len(addresses))
     clients: list[ShardClient | None] = [None] * len(addresses)
     errors: list[BaseException] = []
 
-    def dial(i: int) -> None:
-        try:
+    def dialer(i: int) -> Callable[[], Connection]:
+        def dial_shard() -> Connection:
             conn = connect(
                 addresses[i],
                 secret=secret,
@@ -246,11 +359,19 @@ def connect_shards(
                 stats=stats,
                 link=link,
                 security=security,
+                max_frame_bytes=max_frame_bytes,
             )
+            conn.set_timeout(timeout + REPLY_GRACE_S)
+            return conn
+
+        return dial_shard
+
+    def dial(i: int) -> None:
+        try:
+            conn = dialer(i)()
         except BaseException as exc:  # re-raised below
             errors.append(exc)
             return
-        conn.set_timeout(timeout + REPLY_GRACE_S)
         lo, hi = ranges[i]
         codec = pull = None
         if compression is not None:
@@ -267,6 +388,7 @@ def connect_shards(
             rank=rank,
             codec=codec,
             pull_codec=pull,
+            dial=dialer(i),
         )
 
     threads = [threading.Thread(target=dial, args=(i,), daemon=True) for i in range(len(addresses))]
@@ -345,7 +467,8 @@ class ParameterServerSync:
         self.flat = np.empty(n, dtype=dtype)
         self.grad = np.empty(n, dtype=dtype)
         self.timeout = cfg.comm_timeout
-        self.step_index = 0
+        # the global step: a resumed stage continues the count the server's ledger keeps
+        self.step_index = spec.resume_step or 0
         self._failed = False
         self._closed = False
         self._step_s = 0.0
@@ -364,6 +487,7 @@ class ParameterServerSync:
             param_shapes=[tuple(p.shape) for p in self.params],
             seed=cfg.seed,
             link=link_from_config(cfg),
+            max_frame_bytes=mesh.max_frame_bytes,  # the job's cap, as between ranks
         )
         k = len(self.clients)
         self._pool = (
@@ -372,6 +496,9 @@ class ParameterServerSync:
             else None
         )
         self._offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
+        self._grad_ptrs: list[int] = []
+        self.grad_copies = 0  # gradients copied because their bound view was replaced
+        self._bind_grads()
         self._count = 0
         self._futures: dict[int, cf.Future[None]] = {}
         self._armed = False
@@ -418,8 +545,24 @@ class ParameterServerSync:
                     continue
                 if p.grad is None:
                     out[a:b].zero_()
-                else:
+                elif p.grad.data_ptr() != self._grad_ptrs[i]:  # not the bound view (replaced)
                     out[a:b].copy_(p.grad.reshape(-1)[a - off[i] : b - off[i]])
+                    self.grad_copies += 1
+
+    def _bind_grads(self) -> None:
+        """Make every parameter's ``.grad`` a view of ``self.grad``: autograd accumulates
+        into it in place, so a push sends the gradients without copying them (a worker
+        of a 150M-parameter model keeps three copies of it, not four). A gradient that
+        someone replaces later is copied in by :meth:`_copy_grads`."""
+        flat = torch.from_numpy(self.grad)
+        off = self._offsets
+        self._grad_ptrs = []
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = flat[off[i] : off[i + 1]].view_as(p)
+                view.zero_()
+                p.grad = view
+                self._grad_ptrs.append(view.data_ptr())
 
     def _exchange(self, c: ShardClient) -> None:
         """Push shard ``c``'s gradient slice of this step, pull its new parameters into
@@ -524,6 +667,8 @@ class ParameterServerSync:
             "ps_step_s": self._step_s,
             "ps_unchanged_pulls": sum(c.unchanged_pulls for c in self.clients),
             "ps_payload_pulls": sum(c.payload_pulls for c in self.clients),
+            "ps_reconnects": sum(c.reconnects for c in self.clients),
+            "ps_grad_copies": self.grad_copies,
         }
 
     def close(self) -> None:

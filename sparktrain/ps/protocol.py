@@ -9,15 +9,30 @@ small struct-packed ``send_bytes`` frames of their own kind; arrays travel as
 ======  =====================================================  ==========================
 kind    header                                                  followed by
 ======  =====================================================  ==========================
-PUSH    job tag, attempt, rank, step, count, version, payload   the gradient (if payload)
+PUSH    job tag, attempt, rank, step, count, version, payload,  the gradient (if payload),
+        payload bytes, chunk bytes                              in chunks
 ACK     status, lost rank, shard version                        a text frame if not OK
 PULL    attempt, rank, step, version the worker holds          -
-REPLY   status, lost rank, version, encoding, elements          the delta or values;
-                                                                a text frame if not OK
+REPLY   status, lost rank, version, encoding, elements,         the delta or values, in
+        payload bytes, chunk bytes                              chunks; a text frame if
+                                                                not OK
 BYE     attempt, rank, clean                                    -
 ======  =====================================================  ==========================
 
-``step`` counts a rank's steps from 0 over the whole run. ``count`` is the number of
+Chunks: no payload depends on fitting one frame (``MAX_FRAME_BYTES_DEFAULT`` caps a
+frame at 1 GiB; a float32 shard of a 300M-parameter model is more). A payload of
+``payload bytes`` travels as consecutive frames of ``chunk bytes`` each (the last one
+shorter), which the receiver reads straight into the matching slices of its buffer
+(:func:`send_chunked`/:func:`recv_chunked`). The sender picks the chunk size (at most
+its frame cap, see :func:`chunk_size`) and names it in the header, so the two ends
+never have to agree on it beforehand; a chunk above the receiver's cap is refused with
+a clear error. The server names its chunk size in every reply and the workers push
+with it.
+
+``step`` counts a rank's steps from 0 over the whole run (the global step: a stage
+retry or a resumed run continues the count, so the server's per-rank record of the
+last step it accepted tells a resent push from a new one, across reconnections,
+stage attempts and driver restarts). ``count`` is the number of
 samples behind the gradient; a push with count 0 carries no payload. A push is
 identified by (job, attempt, rank, step): the job and the attempt are proven by the
 handshake and repeated in the header, so a push from an older stage attempt is
@@ -29,7 +44,9 @@ rank holds. A pull whose version equals the shard's costs one header (``UNCHANGE
 otherwise the shard sends ``delta = params - mirror`` and adds the same delta to the
 mirror, so both ends do the same float operations and stay bit-identical (the worker
 is at most one rounding away from the server's parameters, never drifting). Without a
-compressor a delta is as large as the values.
+compressor a delta is as large as the values, so in sync mode exact pulls send the
+values themselves (``FULL``) from the shard's memory, with no mirror: they cannot change
+before the pulling rank pushes its next step.
 
 Compression (``config.compression``, see :func:`make_compression`):
 
@@ -61,7 +78,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from sparktrain.comm.wire import KIND_USER_MIN
+from sparktrain.comm.wire import KIND_USER_MIN, Connection
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
@@ -70,7 +87,7 @@ from sparktrain.compress.base import (
     encode_message,
     split_spec,
 )
-from sparktrain.errors import ConfigError
+from sparktrain.errors import ConfigError, FrameError
 
 KIND_PUSH = KIND_USER_MIN
 KIND_ACK = KIND_USER_MIN + 1
@@ -82,13 +99,18 @@ KIND_CPAYLOAD = KIND_USER_MIN + 6
 """A compressed push or pull message: counted as wire bytes only (the sender adds the
 uncompressed equivalent to ``raw_bytes_sent`` itself)."""
 
-PUSH = struct.Struct("<QqqqqqB")  # job tag, attempt, rank, step, count, version, has payload
+# job tag, attempt, rank, step, count, version, has payload, payload bytes, chunk bytes
+PUSH = struct.Struct("<QqqqqqBqq")
 ACK = struct.Struct("<Biq")  # status, lost rank, version
 PULL = struct.Struct("<qqqq")  # attempt, rank, step (-1: before the first), version held
-REPLY = struct.Struct("<BiqBq")  # status, lost rank, version, encoding, elements
+# status, lost rank, version, encoding, elements, payload bytes, chunk bytes
+REPLY = struct.Struct("<BiqBqqq")
 BYE = struct.Struct("<qqB")  # attempt, rank, clean (1: finished, 0: failed)
 
-MAX_HEADER_BYTES = 64
+MAX_HEADER_BYTES = 128
+CHUNK_BYTES_DEFAULT = 64 << 20
+"""Payload bytes per frame unless a smaller frame cap or an injected size says less:
+well under the 1 GiB frame cap, large enough that per-frame costs vanish."""
 MAX_TEXT_BYTES = 4096
 
 # statuses
@@ -131,6 +153,77 @@ NO_RANK = -2  # "lost rank" field when no rank is to blame
 def job_tag(job_id: str) -> int:
     """A 64-bit tag of the job id carried in every push."""
     return int.from_bytes(hashlib.sha256(job_id.encode("utf-8")).digest()[:8], "little")
+
+
+def chunk_size(frame_cap: int, wanted: int | None = None, itemsize: int = 4) -> int:
+    """Bytes per chunk: ``wanted`` (default :data:`CHUNK_BYTES_DEFAULT`) but at most
+    ``frame_cap``, rounded down to whole items of ``itemsize`` bytes (8 covers both
+    float dtypes and the uint8 compressed messages)."""
+    size = min(wanted if wanted is not None else CHUNK_BYTES_DEFAULT, frame_cap)
+    if size < itemsize:
+        raise ConfigError(
+            f"a parameter-server chunk of {size} bytes cannot hold one {itemsize}-byte "
+            "element; raise the chunk size or the frame cap"
+        )
+    return size - size % itemsize
+
+
+def send_chunked(conn: Connection, arr: np.ndarray, kind: int, chunk_bytes: int) -> int:
+    """Send the 1-D contiguous ``arr`` as frames of ``chunk_bytes`` (the last one
+    shorter; none for an empty array); returns the number of frames."""
+    step = chunk_bytes // arr.itemsize
+    frames = 0
+    for lo in range(0, arr.size, step):
+        conn.send_array(arr[lo : lo + step], kind)
+        frames += 1
+    return frames
+
+
+def recv_chunked(conn: Connection, out: np.ndarray, kind: int, chunk_bytes: int) -> int:
+    """Receive what :func:`send_chunked` sent with ``chunk_bytes`` straight into the
+    1-D contiguous ``out``; returns the number of frames (see :func:`_chunk_elements`
+    for the chunk sizes refused)."""
+    step = _chunk_elements(conn, chunk_bytes, out.itemsize)
+    frames = 0
+    for lo in range(0, out.size, step):
+        conn.recv_into(out[lo : lo + step], kind)
+        frames += 1
+    return frames
+
+
+def recv_chunked_add(
+    conn: Connection, out: np.ndarray, kind: int, chunk_bytes: int, scratch: np.ndarray
+) -> np.ndarray:
+    """As :func:`recv_chunked`, but add each chunk into ``out`` (``out += payload``, the
+    same float operations as one whole-array add) through ``scratch``, so a delta costs
+    one chunk of memory, not a copy of the shard. Returns the scratch buffer used (a
+    larger one when ``scratch`` is smaller than a chunk), for the caller to keep."""
+    step = _chunk_elements(conn, chunk_bytes, out.itemsize)
+    need = min(step, out.size)
+    if scratch.size < need or scratch.dtype != out.dtype:
+        scratch = np.empty(need, dtype=out.dtype)
+    for lo in range(0, out.size, step):
+        piece = scratch[: min(step, out.size - lo)]
+        conn.recv_into(piece, kind)
+        out[lo : lo + piece.size] += piece
+    return scratch
+
+
+def _chunk_elements(conn: Connection, chunk_bytes: int, itemsize: int) -> int:
+    """Elements per chunk of an announced chunk size; a size the sender could not have
+    meant (not whole elements, above this side's frame cap) is a :class:`FrameError`
+    (the stream cannot be followed any further)."""
+    if chunk_bytes <= 0 or chunk_bytes % itemsize:
+        raise FrameError(
+            f"a parameter-server payload announced chunks of {chunk_bytes} bytes, which is "
+            f"not a whole number of {itemsize}-byte elements"
+        )
+    if chunk_bytes > conn.max_frame_bytes:
+        raise FrameError(
+            f"a parameter-server payload announced chunks of {chunk_bytes} bytes, above this "
+            f"side's frame cap of {conn.max_frame_bytes} bytes; give both ends the same cap"
+        )
+    return chunk_bytes // itemsize
 
 
 def max_message_bytes(elements: int) -> int:

@@ -35,11 +35,18 @@ decoded message. Bytes are counted per direction: *push* is everything the worke
 a shard (wire) against the uncompressed gradient slices their pushes stand for (raw);
 *pull* is everything a shard sends back against the uncompressed values/deltas.
 
-Failures: a rank whose connection drops without a clean goodbye, or that keeps others
-waiting longer than ``comm_timeout``, is *lost*. The first loss is recorded for the
-whole server and every waiting or later request is answered with a ``LOST`` status
-naming that rank, so every other worker fails with a :class:`PeerLostError` within
-``comm_timeout`` (plus a few seconds), never hangs.
+Reconnection: a rank whose connection breaks (reset, closed without a goodbye) may dial
+again within ``RECONNECT_GRACE_S`` (at most ``comm_timeout``): the shard drops the old
+connection and keeps the rank's state (its last accepted step, its clock); a push the
+shard applied before the break and that the worker resends is recognised by its step
+number and acknowledged as a duplicate, not applied twice. The worker's first pull on
+the new connection fetches the values (its old copy may hold half a delta).
+
+Failures: a rank whose connection drops without a clean goodbye and does not come back
+within the grace, or that keeps others waiting longer than ``comm_timeout``, is *lost*.
+The first loss is recorded for the whole server and every waiting or later request is
+answered with a ``LOST`` status naming that rank, so every other worker fails with a
+:class:`PeerLostError` within ``comm_timeout`` (plus a few seconds), never hangs.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from sparktrain.comm.wire import (
     DRIVER_RANK,
     HEADER_BYTES,
     KIND_DATA,
+    MAX_FRAME_BYTES_DEFAULT,
     AcceptTimeout,
     CommStats,
     Connection,
@@ -92,13 +100,17 @@ WAIT_SLICE_S = 0.5  # waits re-check the stop flag and the failure at least this
 HANDSHAKE_TIMEOUT_S = 10.0  # a silent client may hold an accept loop at most this long
 JOIN_TIMEOUT_S = 2.0
 STALENESS_BINS = 32  # the histogram keeps staleness 0..31 exactly, the rest as "32+"
+RECONNECT_GRACE_S = 3.0
+"""How long a rank whose connection broke may take to dial again (capped by
+``comm_timeout``) before it is declared lost."""
 
 
 @dataclass
 class _RankState:
     """What one shard knows about one rank."""
 
-    last_step: int = -1  # highest step pushed (and accepted) in this attempt
+    last_step: int = -1  # highest global step pushed and accepted (kept across attempts)
+    applied: int = 0  # pushes with samples applied (async/ssp; checkpointed)
     done: bool = False  # said a clean goodbye: no longer expected to push
     mirror: np.ndarray | None = None  # exact copy of the rank's parameters for this shard
     mirror_version: int = -1
@@ -106,6 +118,8 @@ class _RankState:
     pull_codec: P.CompressorCodec | None = None  # delta+ specs: this rank's pull compressor
     wait_s: float = 0.0
     connected: bool = False
+    broken_at: float | None = None  # when its connection broke (None: connected or gone)
+    broken_why: str = ""
 
     @property
     def clock(self) -> int:
@@ -117,6 +131,7 @@ class _RankState:
 class _Counters:
     pushes: int = 0
     duplicates: int = 0
+    reconnects: int = 0
     rejected: int = 0
     pulls: int = 0
     unchanged_pulls: int = 0
@@ -151,7 +166,7 @@ class Shard:
         self._grad = self.param.grad
         self.push_codec = server.compression.push_codec()  # decode_into is stateless
         self.version = 0  # sync: steps applied; async/ssp: updates applied
-        self.base_version = 0  # the version at the start of the current stage attempt
+        self.applied = 0  # sync: steps completed (by step number); async/ssp: pushes applied
         self.cond = threading.Condition()
         self.ranks = {r: _RankState() for r in range(server.world_size)}
         self.counters = _Counters()
@@ -178,6 +193,7 @@ class Shard:
     def _accept_loop(self) -> None:
         srv = self.server
         while not srv.stopping:
+            self._expire_broken()
             attempt = srv.attempt
             self.armed_attempt = attempt  # begin_attempt() waits for this
             try:
@@ -191,6 +207,7 @@ class Shard:
                     stats=self.stats,
                     link=link_from_config(srv.cfg),
                     security=srv.security,
+                    max_frame_bytes=srv.max_frame_bytes,
                 )
             except (AcceptTimeout, TimeoutError):
                 continue
@@ -204,19 +221,7 @@ class Shard:
                 time.sleep(0.05)
                 continue
             rank = conn.peer_rank
-            with self.cond:
-                refuse = (
-                    srv.stopping
-                    or attempt != srv.attempt
-                    or rank not in self.ranks
-                    or rank in self._conns
-                )
-                if not refuse:
-                    self._conns[rank] = conn
-                    self.ranks[rank].connected = True
-            if refuse:
-                log.warning("ps shard %d: refused a second or unknown rank %d", self.index, rank)
-                conn.close()
+            if not self._admit(conn, attempt):
                 continue
             conn.set_timeout(srv.timeout)  # a worker silent for this long is lost
             t = threading.Thread(
@@ -228,11 +233,68 @@ class Shard:
             self._threads.append(t)
             t.start()
 
+    def _admit(self, conn: Connection, attempt: int) -> bool:
+        """Take ``conn`` as its rank's connection; a rank that dials again replaces its
+        old connection (closed here) and keeps its state. False if refused."""
+        srv = self.server
+        rank = conn.peer_rank
+        old = None
+        with self.cond:
+            refuse = srv.stopping or attempt != srv.attempt or rank not in self.ranks
+            if not refuse:
+                old = self._conns.get(rank)
+                state = self.ranks[rank]
+                if old is not None or state.broken_at is not None:
+                    self.counters.reconnects += 1
+                self._conns[rank] = conn
+                state.connected = True
+                state.broken_at, state.broken_why = None, ""
+                self.cond.notify_all()
+        if refuse:
+            log.warning("ps shard %d: refused rank %d (unknown or stale)", self.index, rank)
+            conn.close()
+            return False
+        if old is not None:
+            log.warning(
+                "ps shard %d: rank %d reconnected; dropping its old connection", self.index, rank
+            )
+            old.close()  # its handler sees the error and leaves quietly (no longer current)
+        return True
+
+    def _broken(self, conn: Connection, why: str) -> None:
+        """``conn`` broke: if it is still its rank's connection, start the rank's grace
+        period to reconnect (a replaced connection breaking means nothing)."""
+        with self.cond:
+            rank = conn.peer_rank
+            if self._conns.get(rank) is not conn:
+                return
+            del self._conns[rank]
+            state = self.ranks[rank]
+            state.connected = False
+            if not state.done:
+                state.broken_at, state.broken_why = time.monotonic(), why
+            self.cond.notify_all()
+
+    def _expire_broken(self) -> None:
+        """Declare lost every rank whose connection broke longer than the grace ago."""
+        srv = self.server
+        grace = min(RECONNECT_GRACE_S, srv.timeout)
+        now = time.monotonic()
+        with self.cond:
+            expired = [
+                (r, s.broken_why)
+                for r, s in self.ranks.items()
+                if s.broken_at is not None and now - s.broken_at > grace
+            ]
+            for r, _ in expired:
+                self.ranks[r].broken_at = None
+        for rank, why in expired:  # outside our lock: lose() wakes every shard
+            srv.lose(rank, why)
+
     # ------------------------------------------------------------------ serving
 
     def _serve(self, conn: Connection) -> None:
         srv = self.server
-        rank = conn.peer_rank
         attempt = srv.attempt  # the handshake proved it
         grad = np.empty_like(self.values)  # receive buffer of this rank's pushes
         try:
@@ -250,8 +312,8 @@ class Shard:
         except (CommError, OSError) as exc:
             if not srv.stopping and srv.attempt == attempt:  # not a connection we closed
                 cause = str(exc).split(". The peer's task")[0]  # its advice once, not twice
-                srv.lose(
-                    rank, f"its connection to parameter-server shard {self.index} broke: {cause}"
+                self._broken(
+                    conn, f"its connection to parameter-server shard {self.index} broke: {cause}"
                 )
         finally:
             conn.close()
@@ -273,22 +335,25 @@ class Shard:
 
     def _push(self, conn: Connection, header: bytes, grad: np.ndarray) -> None:
         srv = self.server
-        tag, attempt, rank, step, count, version, has_payload = P.PUSH.unpack(header)
+        tag, attempt, rank, step, count, version, has_payload, nbytes, chunk = P.PUSH.unpack(header)
         decode_error = ""
         wire = 0
         if has_payload:  # always read it: the stream must stay in step
             if self.push_codec.compressed:
-                _, blob = conn.recv_bytes(
-                    P.KIND_CPAYLOAD, max_bytes=P.max_message_bytes(self.elements)
-                )
-                wire = HEADER_BYTES + len(blob)
+                if not 0 < nbytes <= P.max_message_bytes(self.elements):
+                    raise FrameError(f"a compressed push of {nbytes} bytes for {self.elements}")
+                blob = np.empty(nbytes, np.uint8)
+                frames = P.recv_chunked(conn, blob, P.KIND_CPAYLOAD, chunk)
+                wire = frames * HEADER_BYTES + nbytes
                 try:
-                    self.push_codec.decode_into(np.frombuffer(blob, dtype=np.uint8), grad)
+                    self.push_codec.decode_into(blob, grad)
                 except FrameError as exc:
                     decode_error = f"rank {rank}'s compressed push of step {step}: {exc}"
             else:
-                conn.recv_into(grad)
-                wire = HEADER_BYTES + grad.nbytes
+                if nbytes != grad.nbytes:
+                    raise FrameError(f"a push of {nbytes} bytes for a {grad.nbytes}-byte shard")
+                frames = P.recv_chunked(conn, grad, KIND_DATA, chunk)
+                wire = frames * HEADER_BYTES + grad.nbytes
         status, reason = self._check(attempt, rank, conn)
         if status == P.OK and decode_error:
             status, reason = P.PROTOCOL, decode_error
@@ -314,12 +379,12 @@ class Shard:
                         P.PROTOCOL,
                         (f"rank {rank} pushed step {step} after step {state.last_step}"),
                     )
-                elif srv.mode == "sync" and step != self.version - self.base_version:
+                elif srv.mode == "sync" and step != self.version:
                     status, reason = (
                         P.PROTOCOL,
                         (
                             f"rank {rank} pushed step {step} while shard {self.index} is at "
-                            f"step {self.version - self.base_version}"
+                            f"step {self.version}"
                         ),
                     )
                 else:
@@ -334,6 +399,7 @@ class Shard:
                     else:
                         if count > 0:
                             self._apply_async(grad, version)
+                            state.applied += 1
                         self.cond.notify_all()  # ssp: this rank's clock moved
             if status not in (P.OK, P.DUPLICATE):
                 self.counters.rejected += 1
@@ -351,6 +417,9 @@ class Shard:
             self._grad.div_(self._acc_count)  # the sample-weighted mean, as buckets.py
             self.optimizer.step()
             self.counters.updates += 1
+        # the steps completed, by the step number the ranks pushed (the ledger), not by
+        # the version counter: a step applied twice would make the two differ
+        self.applied = 1 + max(self.ranks[r].last_step for r in self._pushed)
         self._acc.fill(0.0)
         self._acc_count = 0.0
         self._pushed.clear()
@@ -383,7 +452,7 @@ class Shard:
             return True, P.NO_RANK, ""
         live = [r for r, s in self.ranks.items() if not s.done]
         if srv.mode == "sync":
-            if self.version - self.base_version > step:
+            if self.version > step:
                 return True, P.NO_RANK, ""
             missing = sorted(set(live) - self._pushed)
             laggard = missing[0] if missing else P.NO_RANK
@@ -420,6 +489,10 @@ class Shard:
                     if srv.attempt != attempt:
                         status, reason = P.STALE_ATTEMPT, "a newer stage attempt has started"
                         break
+                    if self._conns.get(conn.peer_rank) is not conn:
+                        # the rank dialed again (and pulls there): this handler must not
+                        # touch the rank's mirror any more
+                        raise CommError("replaced by the rank's new connection")
                     ready, laggard, why = self._ready(rank, step)
                     if ready:
                         break
@@ -444,21 +517,36 @@ class Shard:
             assert state.mirror is not None
             payload = state.pull_codec.encode(payload)
             state.pull_codec.add_into(payload, state.mirror)  # what the worker will do
-        conn.send_bytes(P.REPLY.pack(status, lost, version, encoding, self.elements), P.KIND_REPLY)
+        nbytes = 0 if payload is None else payload.nbytes
+        chunk = srv.chunk_bytes
+        conn.send_bytes(
+            P.REPLY.pack(status, lost, version, encoding, self.elements, nbytes, chunk),
+            P.KIND_REPLY,
+        )
         if payload is not None:
             if encoding == P.CDELTA:
-                conn.send_array(payload, P.KIND_CPAYLOAD)
+                frames = P.send_chunked(conn, payload, P.KIND_CPAYLOAD, chunk)
                 self.stats.add_sent(0, self.values.nbytes)  # the plain delta's bytes
             else:
-                conn.send_array(payload, KIND_DATA)
+                frames = P.send_chunked(conn, payload, KIND_DATA, chunk)
             with self.cond:
                 self.counters.pull_raw_bytes += self.values.nbytes
-                self.counters.pull_payload_bytes += HEADER_BYTES + payload.nbytes
+                self.counters.pull_payload_bytes += frames * HEADER_BYTES + payload.nbytes
         if status != P.OK:
             conn.send_bytes(reason.encode()[: P.MAX_TEXT_BYTES], P.KIND_TEXT)
 
     def _delta(self, state: _RankState, have: int) -> tuple[int, int, np.ndarray | None]:
         """What a pull sends (holding ``cond``); keeps the rank's mirror exact."""
+        if self.server.mode == "sync" and self.server.compression.pull is None:
+            # Exact sync pulls send the values themselves, from the shard's own memory:
+            # they cannot change before this rank pushes again (the next step needs its
+            # push), so no per-rank mirror and send buffer (two shard copies per rank: GBs
+            # for a 150M-parameter model) and the worker's copy is exact.
+            if have == self.version:
+                self.counters.unchanged_pulls += 1
+                return P.UNCHANGED, self.version, None
+            self.counters.full_pulls += 1
+            return P.FULL, self.version, self.values
         if state.mirror is None or have != state.mirror_version:
             # first pull (or the worker lost track): the values themselves
             state.mirror = self.values.copy()
@@ -491,6 +579,7 @@ class Shard:
             return
         with self.cond:
             self.ranks[rank].done = True
+            self.ranks[rank].broken_at = None
             if self.server.mode == "sync":
                 self._maybe_apply_sync()
             self.cond.notify_all()
@@ -498,19 +587,73 @@ class Shard:
     # ------------------------------------------------------------------ lifecycle
 
     def reset_for_attempt(self) -> None:
-        """Forget the previous attempt's connections and progress; keep the parameters,
-        the optimizer state and the version (the server's model survives a stage retry)."""
+        """Forget the previous attempt's connections; keep the parameters, the optimizer
+        state, the version and every rank's last accepted step (the server's model and
+        ledger survive a stage retry: the new attempt's workers continue the global step
+        count, and what a shard already applied comes back as duplicates)."""
         with self.cond:
             conns = list(self._conns.values())
             self._conns.clear()
-            self.ranks = {r: _RankState() for r in range(self.server.world_size)}
+            self.ranks = {r: self._carried(s) for r, s in self.ranks.items()}
             self._acc.fill(0.0)
             self._acc_count = 0.0
             self._pushed.clear()
-            self.base_version = self.version
             self.cond.notify_all()
         for conn in conns:
             conn.close()
+
+    def _carried(self, state: _RankState) -> _RankState:
+        """What a rank's state carries into a new attempt (or a checkpoint): in sync
+        mode the steps of the unfinished step are dropped (its partial sum was), so
+        the rank pushes that step again."""
+        last = (
+            min(state.last_step, self.version - 1)
+            if self.server.mode == "sync"
+            else (state.last_step)
+        )
+        return _RankState(last_step=last, applied=state.applied)
+
+    def completed_step(self) -> int:
+        """The global steps every rank has done on this shard (sync: applied)."""
+        with self.cond:
+            if self.server.mode == "sync":
+                return self.version
+            return min((s.clock for s in self.ranks.values()), default=0)
+
+    def state(self) -> dict[str, Any]:
+        """A consistent copy of what a checkpoint keeps of this shard: parameters,
+        optimizer state, version, ledger (tensors and plain values only)."""
+        with self.cond:
+            carried = [self._carried(s) for s in self.ranks.values()]
+            return {
+                "values": torch.from_numpy(self.values.copy()),
+                "optimizer": _clone(self.optimizer.state_dict()),
+                "version": self.version,
+                "applied": self.applied,
+                "last_steps": [s.last_step for s in carried],
+                "rank_applied": [s.applied for s in carried],
+                "staleness": dict(self.counters.staleness),
+            }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state` returned (before any worker connects)."""
+        with self.cond:
+            values = state["values"].numpy()
+            if values.shape != self.values.shape or values.dtype != self.values.dtype:
+                raise ConfigError(
+                    f"the checkpoint's shard {self.index} holds {values.size} {values.dtype} "
+                    f"values, this server's {self.elements} {self.values.dtype}: resume with "
+                    "the same model and ps_shards"
+                )
+            np.copyto(self.values, values)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.version = int(state["version"])
+            self.applied = int(state["applied"])
+            for r, (last, applied) in enumerate(
+                zip(state["last_steps"], state["rank_applied"], strict=True)
+            ):
+                self.ranks[r] = _RankState(last_step=int(last), applied=int(applied))
+            self.counters.staleness.update({int(k): int(v) for k, v in state["staleness"].items()})
 
     def wake(self) -> None:
         with self.cond:
@@ -542,9 +685,13 @@ class Shard:
                 "elements": self.elements,
                 "bytes": int(self.values.nbytes),
                 "version": self.version,
+                "applied": self.applied
+                if self.server.mode == "sync"
+                else sum(s.applied for s in self.ranks.values()),
                 "updates": c.updates,
                 "pushes": c.pushes,
                 "duplicates": c.duplicates,
+                "reconnects": c.reconnects,
                 "rejected": c.rejected,
                 "pulls": c.pulls,
                 "unchanged_pulls": c.unchanged_pulls,
@@ -582,8 +729,13 @@ class ParameterServer:
         attempt: int,
         world_size: int | None = None,
         security: WireSecurity | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+        chunk_bytes: int | None = None,
     ) -> None:
         self.compression = P.make_compression(single_spec(cfg.compression, cfg.strategy))
+        self.max_frame_bytes = max_frame_bytes
+        # 8: a whole number of float64 (and float32, and uint8) elements per chunk
+        self.chunk_bytes = P.chunk_size(max_frame_bytes, chunk_bytes, 8)
         self.cfg = cfg
         self.mode = cfg.ps_mode
         self.staleness = cfg.staleness
@@ -666,6 +818,41 @@ class ParameterServer:
             time.sleep(0.01)
         log.info("parameter server: serving stage attempt %d", attempt)
 
+    def completed_step(self) -> int:
+        """The global steps every rank has pushed to every shard (sync: applied): where
+        the workers of a new attempt or a resumed run continue. Shards ahead of it take
+        the resent steps as duplicates."""
+        return min((s.completed_step() for s in self.shards), default=0)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the server: per shard, a consistent copy of its
+        parameters, optimizer state, version and ledger (see :mod:`sparktrain.ps.persist`)."""
+        return {
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "ranges": [list(r) for r in self.ranges],
+            "shards": [s.state() for s in self.shards],
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state` (before the first stage: no worker may be connected)."""
+        ranges = [tuple(r) for r in state["ranges"]]
+        if ranges != [tuple(r) for r in self.ranges] or state["world_size"] != self.world_size:
+            raise ConfigError(
+                f"the parameter-server checkpoint has {len(ranges)} shards over "
+                f"{ranges[-1][1] if ranges else 0} elements for {state['world_size']} workers; "
+                f"this run has {len(self.ranges)} shards over {self.ranges[-1][1]} elements for "
+                f"{self.world_size} workers: resume with the same model, ps_shards and "
+                "num_workers (or start from scratch with resume=false)"
+            )
+        if state["mode"] != self.mode:
+            raise ConfigError(
+                f"the parameter-server checkpoint was written in ps_mode={state['mode']!r}, "
+                f"this run uses ps_mode={self.mode!r}: resume with the same ps_mode"
+            )
+        for shard, shard_state in zip(self.shards, state["shards"], strict=True):
+            shard.load_state(shard_state)
+
     def parameters(self) -> np.ndarray:
         """The current flat parameter vector (a copy)."""
         out = np.empty(self.ranges[-1][1] if self.ranges else 0, dtype=self.dtype)
@@ -708,7 +895,10 @@ class ParameterServer:
             "staleness_bound": self.staleness if self.mode == "ssp" else None,
             "staleness_lr": self.cfg.staleness_lr,
             "pushes": sum(s["pushes"] for s in shards),
+            "version": min((s["version"] for s in shards), default=0),
+            "applied_pushes": min((s["applied"] for s in shards), default=0),
             "duplicates": sum(s["duplicates"] for s in shards),
+            "reconnects": sum(s["reconnects"] for s in shards),
             "rejected": sum(s["rejected"] for s in shards),
             "pulls": sum(s["pulls"] for s in shards),
             "unchanged_pulls": sum(s["unchanged_pulls"] for s in shards),
@@ -757,10 +947,25 @@ class ParameterServer:
         stats = self.stats()
         summary = result.summary
         summary["ps"] = stats
+        # no step applied twice: the version counts applications, applied_pushes the
+        # distinct step numbers (sync) or pushes (async/ssp) in the ledger
+        summary["ps_version"] = stats["version"]
+        summary["ps_applied_pushes"] = stats["applied_pushes"]
         summary["bytes_sent"] = summary.get("bytes_sent", 0) + stats["raw_bytes_out"]
         summary["wire_bytes"] = summary.get("wire_bytes", 0) + stats["bytes_out"]
         if summary["wire_bytes"]:
             summary["compression_ratio"] = summary["bytes_sent"] / summary["wire_bytes"]
+
+
+def _clone(value: Any) -> Any:
+    """A deep copy of an optimizer state dict's tensors (the live ones keep changing)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value
 
 
 def _direction(shards: list[dict[str, Any]], name: str, wire_key: str) -> dict[str, Any]:
@@ -790,13 +995,18 @@ def start_parameter_server(
     attempt: int,
     world_size: int | None = None,
     security: WireSecurity | None = None,
+    max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+    chunk_bytes: int | None = None,
 ) -> ParameterServer:
     """Start a server holding ``model``'s trainable parameters, listening on ``host``.
 
     ``model`` is the driver's freshly built model (same seed, same initial weights as the
     workers'; workers still take the server's values on their first pull). Raises
     :class:`ConfigError` for a model the PS cannot shard (mixed dtypes, more shards than
-    elements). ``world_size`` defaults to ``cfg.num_workers``.
+    elements). ``world_size`` defaults to ``cfg.num_workers``. ``max_frame_bytes`` caps
+    every frame of the server's connections and ``chunk_bytes`` (default
+    :data:`~sparktrain.ps.protocol.CHUNK_BYTES_DEFAULT`, at most the cap) sizes the
+    chunks payloads travel in (tests inject tiny ones).
     """
     params = trainable(model)
     dtype = flat_dtype(params)
@@ -811,4 +1021,6 @@ def start_parameter_server(
         attempt=attempt,
         world_size=world_size,
         security=security,
+        max_frame_bytes=max_frame_bytes,
+        chunk_bytes=chunk_bytes,
     )

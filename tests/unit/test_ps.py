@@ -404,7 +404,9 @@ def test_a_new_stage_attempt_continues_from_the_servers_parameters():
         fresh, flat1 = _client(server, attempt=1)
         assert fresh.pull(-1, flat1[fresh.lo : fresh.hi]) == P.FULL
         np.testing.assert_array_equal(flat1[fresh.lo : fresh.hi], trained[fresh.lo : fresh.hi])
-        assert fresh.push(0, 1, np.zeros(fresh.hi - fresh.lo, np.float32)) == P.OK  # steps restart
+        # the global step count continues: step 0 was applied, step 1 is the next one
+        assert fresh.push(0, 1, np.zeros(fresh.hi - fresh.lo, np.float32)) == P.DUPLICATE
+        assert fresh.push(1, 1, np.zeros(fresh.hi - fresh.lo, np.float32)) == P.OK
         assert server.stats()["failure"] is None
     finally:
         server.stop()
