@@ -61,6 +61,26 @@ SHARED_SCHEMES = ("hdfs://", "s3://", "gs://", "abfs://", "file://")
 _SINGLE_HOST_MASTER = re.compile(r"^local(\[[^\]]*\])?$")
 
 
+def open_for_run(uri: str, keep: int, *, resume: bool) -> CheckpointStore:
+    """The checkpoint store of a new run.
+
+    No writer of the directory can be alive yet, so temporary files a killed writer left
+    are removed. A directory that already holds checkpoints is refused unless the run
+    resumes: a restart would otherwise continue from an earlier run's newer checkpoint,
+    and pruning would delete this run's own.
+    """
+    store = CheckpointStore(uri, keep)
+    store.remove_orphans()
+    newest = store.latest_step()
+    if newest is not None and not resume:
+        raise CheckpointError(
+            f"checkpoint_dir {uri!r} already holds checkpoints of an earlier run (newest: "
+            f"step {newest}); set resume=true to continue that run, or give an empty "
+            "checkpoint_dir (or delete its ckpt-* files) to start a new one"
+        )
+    return store
+
+
 def check_shared(uri: str, master: str) -> None:
     """Refuse a plain local path for ``checkpoint_dir`` when executors may run on other
     hosts than the driver (any master but ``local``/``local[...]``): every rank writes

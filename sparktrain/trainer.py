@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from sparktrain.checkpoint import CheckpointStore, check_shared
+from sparktrain.checkpoint import CheckpointStore, check_shared, open_for_run
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import (
@@ -422,9 +422,7 @@ def _open_store(cfg: TrainConfig, master: str) -> CheckpointStore | None:
         return None
     if cfg.strategy != "ps":  # the parameter server's checkpoints are the driver's own
         check_shared(cfg.checkpoint_dir, master)
-    store = CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
-    store.remove_orphans()
-    return store
+    return open_for_run(cfg.checkpoint_dir, cfg.keep_checkpoints, resume=cfg.resume)
 
 
 def _resume_step(store: CheckpointStore | None, resume: bool) -> int | None:

@@ -74,7 +74,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from sparktrain.checkpoint import Checkpoint, CheckpointStore
+from sparktrain.checkpoint import Checkpoint, open_for_run
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
@@ -558,12 +558,10 @@ class _Loop:
         self.first_round: tuple[np.ndarray, np.ndarray | None, np.ndarray] | None = None
         self._last_step_report = 0.0
         self.store = (
-            CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
+            open_for_run(cfg.checkpoint_dir, cfg.keep_checkpoints, resume=cfg.resume)
             if cfg.checkpoint_dir
             else None
         )
-        if self.store is not None:
-            self.store.remove_orphans()  # a new run: no writer of this directory is alive
         # The driver holds model and optimizer, so it checkpoints at epoch boundaries:
         # every checkpoint_every epochs, rounded to whole epochs (at least one).
         self.every_epochs = max(1, round(cfg.checkpoint_every))

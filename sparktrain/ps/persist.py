@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from sparktrain.checkpoint import Checkpoint, CheckpointStore
+from sparktrain.checkpoint import Checkpoint, CheckpointStore, open_for_run
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CheckpointError
 from sparktrain.ps.server import ParameterServer
@@ -50,7 +50,8 @@ def server_store(cfg: TrainConfig) -> CheckpointStore | None:
     """The server's checkpoint store (``<checkpoint_dir>/ps``), or None without one."""
     if not cfg.checkpoint_dir:
         return None
-    return CheckpointStore(f"{cfg.checkpoint_dir.rstrip('/')}/{SUBDIR}", cfg.keep_checkpoints)
+    uri = f"{cfg.checkpoint_dir.rstrip('/')}/{SUBDIR}"
+    return open_for_run(uri, cfg.keep_checkpoints, resume=cfg.resume)
 
 
 def completed_step(state: dict[str, Any]) -> int:

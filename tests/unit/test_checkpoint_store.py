@@ -18,6 +18,7 @@ from sparktrain.checkpoint import (
     Checkpoint,
     CheckpointStore,
     check_shared,
+    open_for_run,
 )
 from sparktrain.compress.base import BucketState
 from sparktrain.compress.int8 import GEN_SLOT, SCRATCH_SLOT
@@ -123,6 +124,18 @@ def test_orphaned_temporary_files_are_removed(tmp_path):
         "ckpt-000000000001.pt",
         "ckpt-000000000002.pt",
     ]
+
+
+def test_a_new_run_refuses_a_directory_holding_an_earlier_runs_checkpoints(tmp_path):
+    """Else a restart of the new run would continue from the earlier run's newer
+    checkpoint, and pruning would delete the new run's own."""
+    CheckpointStore(str(tmp_path), keep=3).save(_ckpt(40))
+    (tmp_path / ".tmp-dead").write_bytes(b"half a checkpoint")
+    with pytest.raises(CheckpointError, match="step 40.*resume=true.*empty checkpoint_dir"):
+        open_for_run(str(tmp_path), 3, resume=False)
+    store = open_for_run(str(tmp_path), 3, resume=True)  # continuing it is fine
+    assert store.latest_step() == 40 and not (tmp_path / ".tmp-dead").exists()
+    assert open_for_run(str(tmp_path / "fresh"), 3, resume=False).latest_step() is None
 
 
 @pytest.mark.parametrize(
