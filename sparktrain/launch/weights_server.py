@@ -35,6 +35,12 @@ import numpy as np
 import torch
 
 from sparktrain.comm import wire
+from sparktrain.comm.chunked import (
+    DEFAULT_CHUNK_BYTES,
+    chunk_bytes_for,
+    recv_chunked_into,
+    send_chunked,
+)
 from sparktrain.comm.service import DriverService
 from sparktrain.compress.base import (
     BucketState,
@@ -117,9 +123,18 @@ class WeightsServer(DriverService):
 
     name = "weights"
 
-    def __init__(self, host: str, encoder: DownloadEncoder, *, secret: bytes, job_id: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        encoder: DownloadEncoder,
+        *,
+        secret: bytes,
+        job_id: str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
         super().__init__(host, secret=secret, job_id=job_id, attempt=0)
         self._encoder = encoder
+        self.chunk_bytes = chunk_bytes  # the mirror goes out in frames of at most this
         self._lock = threading.Lock()
         self.fetches = 0
         self.start()
@@ -137,8 +152,10 @@ class WeightsServer(DriverService):
                     reply = {"error": f"mirror {seq} is gone (the driver is at {enc.seq})"}
                     conn.send_bytes(json.dumps(reply).encode(), wire.KIND_CONTROL)
                     return
-                conn.send_bytes(b"{}", wire.KIND_CONTROL)
-                conn.send_array(values)
+                # in pieces: a mirror over the frame cap (268M+ parameters) still goes out
+                step = chunk_bytes_for(conn.max_frame_bytes, self.chunk_bytes)
+                conn.send_bytes(json.dumps({"chunk_bytes": step}).encode(), wire.KIND_CONTROL)
+                send_chunked(conn, values, step)
                 self.fetches += 1
             except (CommError, OSError, ValueError, KeyError) as exc:
                 log.debug("weights server: a fetch failed: %s", exc)
@@ -169,6 +186,9 @@ def fetch_mirror(
         reply = json.loads(status)
         if "error" in reply:
             raise CommError(f"partition {partition}: the driver's weights server: {reply['error']}")
+        step = int(reply.get("chunk_bytes", conn.max_frame_bytes))
+        if not 0 < step <= conn.max_frame_bytes:
+            raise CommError(f"partition {partition}: the weights server sent a bad chunk size")
         out = np.empty(numel, dtype=np.float32)
-        conn.recv_into(out)
+        recv_chunked_into(conn, out, step)
     return out

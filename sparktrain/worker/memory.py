@@ -1,0 +1,23 @@
+"""This process's peak resident memory, for the run summary's memory figures."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (``VmHWM``), in bytes; 0 if unknown.
+
+    Linux reports it in ``/proc/self/status``; elsewhere ``getrusage`` (kilobytes on
+    Linux, bytes on macOS). Threads share it: ranks run as threads report one figure.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
