@@ -58,6 +58,7 @@ from sparktrain.worker.data import (
 )
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
 from sparktrain.worker.loop import _SEEDED_INIT, Record, rendezvous
+from sparktrain.worker.state import byte_view
 
 KIND_ROWS = KIND_USER_MIN + 1
 """Frames of the one-off row gather (features to the first stage, labels to the last)."""
@@ -555,7 +556,7 @@ class _StageRunner:
 def _digest(params: list[nn.Parameter]) -> str:
     h = hashlib.sha256()
     for p in params:
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(byte_view(p.detach().contiguous()).data)  # the memory itself: no copy
     return h.hexdigest()[:16]
 
 

@@ -172,6 +172,7 @@ class AllreduceSync:
         self.optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, dict(cfg.optimizer_kwargs))
         specs = resolve_policy(cfg.compression, [n for n, _ in named])
         self.buckets = GradientBuckets(params, int(cfg.bucket_mb * (1 << 20)), specs)
+        self.buckets.bind_grads()  # gradients live in the buckets: no second copy
         self.allreduce = make_allreduce(cfg.strategy, mesh, **_options(cfg, mesh))
         # the tree sends a whole bucket per message: split buckets over the frame cap
         self._plain = PiecewiseAllreduce(self.allreduce, mesh.max_frame_bytes)

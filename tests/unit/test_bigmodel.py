@@ -325,3 +325,34 @@ def test_embedding_regressor_and_peak_rss():
     with pytest.raises(ValueError, match="2\\*\\*24"):
         embedding_regressor(1 << 25, 1)
     assert peak_rss_bytes() > 10 << 20
+
+
+def test_gradients_live_in_the_buckets_no_second_copy():
+    """Before: the buckets were a full copy of the gradients (a model's worth of memory)
+    and every step copied the gradients in and the averages back out."""
+    from sparktrain.worker.buckets import GradientBuckets
+
+    class _Sum:  # one rank: the sum is the buffer itself
+        def allreduce_(self, buf: np.ndarray) -> None:
+            pass
+
+    torch.manual_seed(0)
+    model = mlp(4, (32, 16), 3)
+    ref = mlp(4, (32, 16), 3)
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    buckets = GradientBuckets(list(model.parameters()), 600)  # several buckets
+    buckets.bind_grads()
+    flats = [b.flat for b in buckets.buckets]
+    for _ in range(2):  # accumulate into the views across steps (zeroed in place)
+        for p in model.parameters():
+            assert p.grad is not None
+            p.grad.zero_()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        assert buckets.average_(_Sum(), 5) == 5
+    ref.zero_grad()
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert any(np.shares_memory(p.grad.numpy(), f) for f in flats)
+        torch.testing.assert_close(p.grad, q.grad)

@@ -1,0 +1,77 @@
+"""A model over the frame cap, end to end on local[2]: 152M float32 parameters (608 MB;
+1.2 GB as float64, the size the old rank-0 start sent in one frame, over the 1 GiB cap).
+
+Marked ``scale`` (not in the default run): each leg takes about a minute and ~2.5 GB
+per worker. Peak memory is measured, not assumed: every rank reports its process's
+VmHWM (``summary["peak_rss_bytes_per_worker"]``), the driver its own; the figures are
+printed (``pytest -s``) and bounded by the copies the design allows (see the asserts).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparktrain import TrainConfig, Trainer, datasets
+
+pytestmark = [pytest.mark.spark, pytest.mark.scale, pytest.mark.timeout(600)]
+
+ROWS, DIM = 9_500_000, 16  # 152,000,017 parameters
+MODEL_BYTES = (ROWS * DIM + DIM + 1) * 4
+GIB = 1 << 30
+
+
+def _frame(spark):  # type: ignore[no-untyped-def]
+    """2,048 rows over 256 ids spread across the whole table (the last one included),
+    each id with a fixed target: the loss falls as soon as the touched rows move."""
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([rng.choice(ROWS - 1, 255, replace=False), [ROWS - 1]])
+    target = rng.choice([-1.0, 1.0], ids.size)
+    pick = rng.integers(0, ids.size, 2048)
+    x = ids[pick].astype(np.float32).reshape(-1, 1)  # ids < 2**24: exact as float32
+    return datasets.to_dataframe(spark, x, target[pick], 2)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+def test_a_model_over_the_frame_cap_trains(spark, strategy):
+    # ps: needs the parameter server's chunked shards and pulls (branch ps); until that
+    # is merged this leg fails in the server, not here
+    assert MODEL_BYTES * 2 > GIB  # the float64 copy the old start sent did not fit
+    cfg = TrainConfig(
+        strategy=strategy,
+        loss="mse",
+        epochs=3,
+        batch_size=1024,  # one step per epoch per worker
+        lr=0.1,
+        optimizer_kwargs={"momentum": 0.9},
+        num_workers=2,
+        validation_fraction=0.0,
+        progress=False,
+        comm_timeout=120.0,
+        **({"ps_shards": 2} if strategy == "ps" else {}),
+    )
+    result = Trainer(
+        "sparktrain.models:embedding_regressor",
+        cfg,
+        model_kwargs={"num_embeddings": ROWS, "dim": DIM},
+        spark=spark,
+    ).fit(_frame(spark))
+    s = result.summary
+    losses = [h["loss"] for h in result.history]
+    peaks = s["peak_rss_bytes_per_worker"]
+    print(
+        f"\n{strategy}: {s['num_parameters']:,} params ({MODEL_BYTES / GIB:.2f} GiB); "
+        f"losses {[round(v, 4) for v in losses]}; wall {s['wall_s']:.1f} s "
+        f"(stage {s['stage_s']:.1f}, train {s['train_s']:.1f}, comm {s['comm_s']:.1f}); "
+        f"peak RSS per worker {[round(p / GIB, 2) for p in peaks]} GiB "
+        f"({[round(p / MODEL_BYTES, 2) for p in peaks]} x model); "
+        f"driver {s['driver_peak_rss_bytes'] / GIB:.2f} GiB"
+    )
+    assert s["num_parameters"] == ROWS * DIM + DIM + 1
+    assert losses[-1] < losses[0]
+    assert s["replicas_in_sync"] or strategy == "ps"
+    # the driver's model holds the trained table (streamed into it, not a fresh copy)
+    assert result.model.embedding.weight.shape == (ROWS, DIM)
+    # memory: a worker holds parameters, gradients (in the ring's buckets), momentum:
+    # 3 copies of the model, plus ~1 GiB of runtime (torch, pyspark, arrow)
+    assert all(0 < p < 3 * MODEL_BYTES + 1.25 * GIB for p in peaks)
