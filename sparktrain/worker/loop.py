@@ -37,7 +37,7 @@ from sparktrain.modeling import build_loss, build_model, label_dtype, resolve_mo
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
-from sparktrain.worker.memory import peak_rss_bytes
+from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
 from sparktrain.worker.probe import resolve_auto
 from sparktrain.worker.state import byte_view, send_state
 from sparktrain.worker.sync import StepSync, make_sync
@@ -61,6 +61,7 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
     """Run the whole training loop for one rank and return its output records."""
     spec, cfg = ctx.job, ctx.job.config
     torch.set_num_threads(max(1, spec.threads))
+    reset_peak_rss()  # the summary's peak is this task's, not a reused worker's past
     started = time.perf_counter()
     mesh, infos, train, val = rendezvous(ctx, data)
     try:

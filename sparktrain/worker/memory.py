@@ -21,3 +21,15 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak at the current size (Linux >= 4.0: ``clear_refs`` mode 5), so
+    that :func:`peak_rss_bytes` measures from here: a reused Python worker otherwise
+    reports the peak of an earlier task. Best effort; returns whether it worked."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True

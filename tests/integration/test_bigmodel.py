@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from sparktrain import TrainConfig, Trainer, datasets
+from sparktrain.worker.memory import reset_peak_rss
 
 pytestmark = [pytest.mark.spark, pytest.mark.scale, pytest.mark.timeout(600)]
 
@@ -50,6 +51,7 @@ def test_a_model_over_the_frame_cap_trains(spark, strategy):
         comm_timeout=120.0,
         **({"ps_shards": 2} if strategy == "ps" else {}),
     )
+    reset_peak_rss()  # the driver's figure is this fit's (the test process ran others)
     result = Trainer(
         "sparktrain.models:embedding_regressor",
         cfg,
@@ -72,6 +74,11 @@ def test_a_model_over_the_frame_cap_trains(spark, strategy):
     assert s["replicas_in_sync"] or strategy == "ps"
     # the driver's model holds the trained table (streamed into it, not a fresh copy)
     assert result.model.embedding.weight.shape == (ROWS, DIM)
-    # memory: a worker holds parameters, gradients (in the ring's buckets), momentum:
-    # 3 copies of the model, plus ~1 GiB of runtime (torch, pyspark, arrow)
-    assert all(0 < p < 3 * MODEL_BYTES + 1.25 * GIB for p in peaks)
+    # memory, measured per task (VmHWM reset at its start): a ring worker holds the
+    # parameters, the gradients (inside its buckets) and the momentum: 3 copies of the
+    # model, plus ~1 GiB of runtime (torch, pyspark, arrow). The issue's bound for any
+    # strategy: 4 copies (a ps worker: parameters, gradients, a pull copy, one chunk).
+    copies = 3 if strategy == "ring" else 4
+    assert all(0 < p < copies * MODEL_BYTES + 1.25 * GIB for p in peaks)
+    if strategy == "ring":  # the driver: its model, rank 0's state received into it
+        assert s["driver_peak_rss_bytes"] < MODEL_BYTES + 1.25 * GIB

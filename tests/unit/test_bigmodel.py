@@ -30,7 +30,7 @@ from sparktrain.launch.state_server import StateReceiver
 from sparktrain.models import embedding_regressor, mlp
 from sparktrain.trainer import _assemble
 from sparktrain.worker.loop import _start_from_rank0, train_partition
-from sparktrain.worker.memory import peak_rss_bytes
+from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
 from sparktrain.worker.state import send_state
 
 from .comm_harness import JOB, SECRET, open_listeners, pair, raise_first
@@ -325,6 +325,11 @@ def test_embedding_regressor_and_peak_rss():
     with pytest.raises(ValueError, match="2\\*\\*24"):
         embedding_regressor(1 << 25, 1)
     assert peak_rss_bytes() > 10 << 20
+    big = np.ones(64 << 17)  # 64 MiB, touched
+    high = peak_rss_bytes()
+    del big
+    if reset_peak_rss():  # Linux: the peak restarts from the current size
+        assert peak_rss_bytes() < high - (32 << 20)
 
 
 def test_gradients_live_in_the_buckets_no_second_copy():
