@@ -62,6 +62,8 @@ class StateReceiver(DriverService):
         head = json.loads(raw)
         layout, step = head["layout"], int(head["chunk_bytes"])
         problem = self._mismatch(layout)
+        if conn.peer_rank != 0:  # authenticated, but only rank 0 returns the state
+            problem = f"rank {conn.peer_rank} sent a state; only rank 0 returns it"
         if problem is None and not 0 < step <= conn.max_frame_bytes:
             problem = f"chunk_bytes {step} outside (0, {conn.max_frame_bytes}]"
         if problem is None and self.done.is_set():

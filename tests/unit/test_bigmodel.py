@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import secrets
 import threading
 
@@ -31,7 +32,7 @@ from sparktrain.models import embedding_regressor, mlp
 from sparktrain.trainer import _assemble
 from sparktrain.worker.loop import _start_from_rank0, train_partition
 from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
-from sparktrain.worker.state import send_state
+from sparktrain.worker.state import send_state, tensor_layout
 
 from .comm_harness import JOB, SECRET, open_listeners, pair, raise_first
 from .test_loop import _parts, _reference, _spec
@@ -279,6 +280,26 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
         receiver.stop()
     for t, b in zip(driver.state_dict().values(), before, strict=True):
         assert torch.equal(t, b)  # refused before a byte was written
+
+
+def test_only_rank0_may_return_the_state():
+    from sparktrain.comm import wire
+
+    secret = secrets.token_bytes(32)
+    driver = _Mixed(1)
+    receiver = StateReceiver("127.0.0.1", driver, secret=secret, job_id="j", attempt=0)
+    try:
+        with wire.connect(
+            receiver.address, secret=secret, job_id="j", attempt=0, my_rank=1,
+            peer_rank=wire.DRIVER_RANK, timeout=5.0, stats=wire.CommStats(),
+        ) as conn:  # fmt: skip
+            head = {"layout": tensor_layout(_Mixed(0).state_dict()), "chunk_bytes": 1000}
+            conn.send_bytes(json.dumps(head).encode(), wire.KIND_CONTROL)
+            _, raw = conn.recv_bytes(wire.KIND_CONTROL)
+        assert "only rank 0" in json.loads(raw)["error"]
+        assert not receiver.done.is_set()
+    finally:
+        receiver.stop()
 
 
 def test_the_weights_mirror_is_fetched_in_pieces():
