@@ -135,6 +135,10 @@ class WeightsServer(DriverService):
         super().__init__(host, secret=secret, job_id=job_id, attempt=0)
         self._encoder = encoder
         self.chunk_bytes = chunk_bytes  # the mirror goes out in frames of at most this
+        # One read-only copy of the current mirror, shared by every fetch of its round
+        # (the encoder advances the mirror in place); dropped when the round advances.
+        self._snapshot: tuple[int, np.ndarray] | None = None
+        self.snapshots = 0  # copies made: one per round that had fetches
         self._lock = threading.Lock()
         self.fetches = 0
         self.start()
@@ -146,8 +150,12 @@ class WeightsServer(DriverService):
                 seq = int(json.loads(request)["seq"])
                 with self._lock:
                     enc = self._encoder
-                    current = seq == enc.seq and enc.mirror is not None
-                    values = enc.mirror.copy() if current and enc.mirror is not None else None
+                    values = None
+                    if seq == enc.seq and enc.mirror is not None:
+                        if self._snapshot is None or self._snapshot[0] != seq:
+                            self._snapshot = (seq, enc.mirror.copy())
+                            self.snapshots += 1
+                        values = self._snapshot[1]
                 if values is None:
                     reply = {"error": f"mirror {seq} is gone (the driver is at {enc.seq})"}
                     conn.send_bytes(json.dumps(reply).encode(), wire.KIND_CONTROL)
@@ -163,6 +171,7 @@ class WeightsServer(DriverService):
     def next(self, weights: np.ndarray, exact: object = None, *, force: bool = False) -> Download:
         """:meth:`DownloadEncoder.next` under the server's lock."""
         with self._lock:
+            self._snapshot = None  # fetches under way keep theirs alive until done
             return self._encoder.next(weights, exact, force=force)
 
 

@@ -316,11 +316,11 @@ def test_the_weights_mirror_is_fetched_in_pieces():
         w = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)  # 40 KB
         server.next(w)
         server.next(w + 1)
-        got = fetch_mirror(
-            server.address, secret=secret, job_id="j", partition=0, seq=1, numel=w.size,
-            timeout=5.0,
-        )  # fmt: skip
-        np.testing.assert_array_equal(got, server._encoder.mirror)
+        kw = {"secret": secret, "job_id": "j", "seq": 1, "numel": w.size, "timeout": 5.0}
+        got = [fetch_mirror(server.address, partition=p, **kw) for p in range(3)]
+        for g in got:
+            np.testing.assert_array_equal(g, server._encoder.mirror)
+        assert server.snapshots == 1  # one copy of the mirror for the round, not one a task
     finally:
         server.stop()
 
