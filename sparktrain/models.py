@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import pairwise
 
+import torch
 from torch import nn
 
 
@@ -43,3 +44,31 @@ def digits_cnn() -> nn.Sequential:
         nn.Flatten(),
         nn.Linear(32 * 4 * 4, 10),
     )
+
+
+class EmbeddingRegressor(nn.Module):
+    """Ids in, one value out: the recommender shape (a large embedding table, a small
+    head). Each row's features are ids stored as floats (exact below 2**24); a row of
+    several ids averages their embeddings."""
+
+    def __init__(self, num_embeddings: int, dim: int, out_features: int = 1) -> None:
+        super().__init__()
+        if not 0 < num_embeddings <= 1 << 24:
+            raise ValueError(
+                f"num_embeddings must be in [1, 2**24] (ids travel as float32), "
+                f"got {num_embeddings}"
+            )
+        self.embedding = nn.Embedding(num_embeddings, dim)
+        self.head = nn.Linear(dim, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = x.reshape(x.shape[0], -1).long()
+        return self.head(self.embedding(ids).mean(dim=1))
+
+
+def embedding_regressor(
+    num_embeddings: int = 1000, dim: int = 16, out_features: int = 1
+) -> EmbeddingRegressor:
+    """An :class:`EmbeddingRegressor`: ``num_embeddings * dim + dim + 1`` parameters
+    (e.g. ``embedding_regressor(10_000_000, 16)`` is a 160M-parameter model)."""
+    return EmbeddingRegressor(num_embeddings, dim, out_features)

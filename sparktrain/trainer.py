@@ -231,7 +231,7 @@ class Trainer:
                     base, attempt=attempt, resume_step=resume_step, resume_history=history
                 )
                 try:
-                    records = self._attempt(prepared, spec, host, display)
+                    records = self._attempt(prepared, spec, host, display, model)
                     break
                 except (WorkerError, CommError) as exc:  # data and config errors are final
                     if attempt >= cfg.max_restarts:
@@ -273,6 +273,9 @@ class Trainer:
             stage_s=time.perf_counter() - launched,
         )
         result.summary.update(restarts=restarts, steps_redone=steps_redone)
+        from sparktrain.worker.memory import peak_rss_bytes
+
+        result.summary["driver_peak_rss_bytes"] = peak_rss_bytes()
         if "auto" in result.summary:
             auto = result.summary["auto"]
             log.info(
@@ -283,11 +286,31 @@ class Trainer:
         return result
 
     def _attempt(
-        self, prepared: PreparedData, spec: JobSpec, host: str, display: ProgressDisplay
+        self,
+        prepared: PreparedData,
+        spec: JobSpec,
+        host: str,
+        display: ProgressDisplay,
+        model: nn.Module | None = None,
     ) -> list[Record]:
         """One barrier stage, with its own progress channel and rendezvous (the handshake
         names the attempt, so a straggler of an earlier attempt cannot report into this
-        one or join its all-gather)."""
+        one or join its all-gather). With ``model``, rank 0 streams its trained state
+        straight into it (:mod:`sparktrain.launch.state_server`), not as a task result."""
+        from sparktrain.launch.state_server import StateReceiver
+
+        receiver = (
+            None
+            if model is None
+            else StateReceiver(
+                host,
+                model,
+                secret=spec.secret,
+                job_id=spec.job_id,
+                attempt=spec.attempt,
+                security=spec.security,
+            )
+        )
         server = MetricsServer(
             host,
             secret=spec.secret,
@@ -310,12 +333,21 @@ class Trainer:
         sc.setJobGroup(group, f"sparktrain {self.config.strategy}: training stage", True)
         watchdog = None if is_local(sc) else SlotWatchdog(sc, self.config.num_workers, group)
         try:
-            return self._launch(
+            records = self._launch(
                 prepared,
                 dataclasses.replace(
-                    spec, metrics_address=server.address, rendezvous_address=meeting.address
+                    spec,
+                    metrics_address=server.address,
+                    rendezvous_address=meeting.address,
+                    state_address=receiver.address if receiver is not None else None,
                 ),
             )
+            if receiver is not None and not receiver.done.is_set():
+                raise WorkerError(
+                    f"rank 0's trained state did not reach the driver ({receiver.error}); "
+                    "this is a bug, please report it"
+                )
+            return records
         except SparkTrainError as exc:
             if watchdog is not None and watchdog.reason:  # cancelled: it could never start
                 raise ResourceError(watchdog.reason) from exc
@@ -327,6 +359,8 @@ class Trainer:
                 sc.setLocalProperty(key, value)  # type: ignore[arg-type]
             meeting.stop()
             server.stop()
+            if receiver is not None:
+                receiver.stop()
 
     # ------------------------------------------------------------------ internals
     def _session(self) -> SparkSession:
@@ -465,6 +499,7 @@ def _start_ps(
         job_id=base.job_id,
         attempt=0,
         security=base.security,
+        max_frame_bytes=base.max_frame_bytes,
     )
     try:
         store = server_store(cfg)
@@ -508,18 +543,8 @@ def _assemble(
             f"and {len(metas)} model states; this is a bug, please report it"
         )
     meta = json.loads(metas[0].data)
-    blob = b"".join(
-        r.data for r in sorted((r for r in records if r.kind == "state"), key=lambda r: r.seq)
-    )
-    if len(blob) != meta["nbytes"]:
-        raise WorkerError(f"model state truncated: got {len(blob)} of {meta['nbytes']} bytes")
-    state = {}
-    for item in meta["layout"]:
-        dtype = getattr(torch, item["dtype"])
-        raw = bytearray(blob[item["offset"] : item["offset"] + item["nbytes"]])
-        tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        state[item["name"]] = tensor.reshape(item["shape"])
-    model.load_state_dict(state)
+    if not meta.get("streamed"):  # else the state receiver already wrote it into model
+        _load_state_records(model, records, meta)
 
     summary = stage_summary(
         cfg,
@@ -532,6 +557,22 @@ def _assemble(
         replicas_in_sync=len({s["param_digest"] for s in stats}) == 1,
     )
     return TrainResult(model=model, history=summary["history"], summary=summary)
+
+
+def _load_state_records(model: nn.Module, records: list[Record], meta: dict[str, Any]) -> None:
+    """Load rank 0's state from chunked task results (jobs without a state receiver)."""
+    blob = b"".join(
+        r.data for r in sorted((r for r in records if r.kind == "state"), key=lambda r: r.seq)
+    )
+    if len(blob) != meta["nbytes"]:
+        raise WorkerError(f"model state truncated: got {len(blob)} of {meta['nbytes']} bytes")
+    state = {}
+    for item in meta["layout"]:
+        dtype = getattr(torch, item["dtype"])
+        raw = bytearray(blob[item["offset"] : item["offset"] + item["nbytes"]])
+        tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        state[item["name"]] = tensor.reshape(item["shape"])
+    model.load_state_dict(state)
 
 
 def stage_summary(
@@ -576,6 +617,8 @@ def stage_summary(
         "compression_ratio": bytes_sent / wire_bytes if wire_bytes else 1.0,
         "restarts": 0,
         "replicas_in_sync": replicas_in_sync,
+        # each rank's process peak (VmHWM; ranks sharing a process report one figure)
+        "peak_rss_bytes_per_worker": [s.get("peak_rss_bytes", 0) for s in stats],
         "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
         "config": cfg.to_dict(),
         # strategy/compression "auto": what the stage-start probe chose and why

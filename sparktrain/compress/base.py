@@ -264,7 +264,11 @@ def decode_message(
     blob: np.ndarray | bytes, numel: int | None = None
 ) -> tuple[Payload, Ctx, float]:
     """Inverse of :func:`encode_message`; checks every length against the buffer (and
-    ``ctx.numel`` against ``numel`` if given). Raises FrameError, never crashes."""
+    ``ctx.numel`` against ``numel`` if given). Raises FrameError, never crashes.
+
+    Bytes from a socket must be decoded with the ``numel`` the receiver expects: a sparse
+    message's element count is not bounded by its size, so without it a forged count
+    makes the decompressor allocate that many elements."""
     data = np.frombuffer(blob, dtype=np.uint8) if isinstance(blob, bytes | bytearray) else blob
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
         raise bad("a message must be a 1-D uint8 buffer")

@@ -35,6 +35,12 @@ import numpy as np
 import torch
 
 from sparktrain.comm import wire
+from sparktrain.comm.chunked import (
+    DEFAULT_CHUNK_BYTES,
+    chunk_bytes_for,
+    recv_chunked_into,
+    send_chunked,
+)
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 from sparktrain.compress.base import (
@@ -126,9 +132,15 @@ class WeightsServer(DriverService):
         secret: bytes,
         job_id: str,
         security: WireSecurity | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         super().__init__(host, secret=secret, job_id=job_id, attempt=0, security=security)
         self._encoder = encoder
+        self.chunk_bytes = chunk_bytes  # the mirror goes out in frames of at most this
+        # One read-only copy of the current mirror, shared by every fetch of its round
+        # (the encoder advances the mirror in place); dropped when the round advances.
+        self._snapshot: tuple[int, np.ndarray] | None = None
+        self.snapshots = 0  # copies made: one per round that had fetches
         self._lock = threading.Lock()
         self.fetches = 0
         self.start()
@@ -140,14 +152,20 @@ class WeightsServer(DriverService):
                 seq = int(json.loads(request)["seq"])
                 with self._lock:
                     enc = self._encoder
-                    current = seq == enc.seq and enc.mirror is not None
-                    values = enc.mirror.copy() if current and enc.mirror is not None else None
+                    values = None
+                    if seq == enc.seq and enc.mirror is not None:
+                        if self._snapshot is None or self._snapshot[0] != seq:
+                            self._snapshot = (seq, enc.mirror.copy())
+                            self.snapshots += 1
+                        values = self._snapshot[1]
                 if values is None:
                     reply = {"error": f"mirror {seq} is gone (the driver is at {enc.seq})"}
                     conn.send_bytes(json.dumps(reply).encode(), wire.KIND_CONTROL)
                     return
-                conn.send_bytes(b"{}", wire.KIND_CONTROL)
-                conn.send_array(values)
+                # in pieces: a mirror over the frame cap (268M+ parameters) still goes out
+                step = chunk_bytes_for(conn.max_frame_bytes, self.chunk_bytes)
+                conn.send_bytes(json.dumps({"chunk_bytes": step}).encode(), wire.KIND_CONTROL)
+                send_chunked(conn, values, step)
                 self.fetches += 1
             except (CommError, OSError, ValueError, KeyError) as exc:
                 log.debug("weights server: a fetch failed: %s", exc)
@@ -155,6 +173,7 @@ class WeightsServer(DriverService):
     def next(self, weights: np.ndarray, exact: object = None, *, force: bool = False) -> Download:
         """:meth:`DownloadEncoder.next` under the server's lock."""
         with self._lock:
+            self._snapshot = None  # fetches under way keep theirs alive until done
             return self._encoder.next(weights, exact, force=force)
 
 
@@ -179,6 +198,9 @@ def fetch_mirror(
         reply = json.loads(status)
         if "error" in reply:
             raise CommError(f"partition {partition}: the driver's weights server: {reply['error']}")
+        step = int(reply.get("chunk_bytes", conn.max_frame_bytes))
+        if not 0 < step <= conn.max_frame_bytes:
+            raise CommError(f"partition {partition}: the weights server sent a bad chunk size")
         out = np.empty(numel, dtype=np.float32)
-        conn.recv_into(out)
+        recv_chunked_into(conn, out, step)
     return out

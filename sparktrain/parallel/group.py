@@ -16,6 +16,7 @@ from typing import cast
 from torch import nn
 
 from sparktrain.comm import Mesh, RingAllreduce
+from sparktrain.comm.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for
 from sparktrain.comm.wire import AsyncSender, CommStats, Connection
 from sparktrain.compress.base import build as build_compressor
 from sparktrain.compress.collective import CompressedAllreduce
@@ -62,8 +63,9 @@ class GroupMesh:
 
 
 def group_allreduce(mesh: Mesh, members: Sequence[int]) -> RingAllreduce:
-    """A ring SUM allreduce over ``members`` of ``mesh``."""
-    return RingAllreduce(GroupMesh(mesh, members).as_mesh())
+    """A ring SUM allreduce over ``members`` of ``mesh`` (pieces under its frame cap)."""
+    chunk = max(8, chunk_bytes_for(mesh.max_frame_bytes, DEFAULT_CHUNK_BYTES))
+    return RingAllreduce(GroupMesh(mesh, members).as_mesh(), chunk_bytes=chunk)
 
 
 class GroupGradientSync:

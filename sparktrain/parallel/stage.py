@@ -40,6 +40,7 @@ from torch import nn
 
 from sparktrain import errors
 from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
+from sparktrain.comm.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
 from sparktrain.comm.wire import KIND_DATA
 from sparktrain.config import single_spec
 from sparktrain.metrics import MetricsClient
@@ -57,6 +58,7 @@ from sparktrain.worker.data import (
 )
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
 from sparktrain.worker.loop import _SEEDED_INIT, Record, rendezvous
+from sparktrain.worker.state import byte_view
 
 KIND_ROWS = KIND_USER_MIN + 1
 """Frames of the one-off row gather (features to the first stage, labels to the last)."""
@@ -168,6 +170,8 @@ class _StageRunner:
         self.next = spec.rank_of(self.stage + 1, self.replica) if not self.last else None
         self.counters = _Counters()
         self.w_train: np.ndarray | None = None  # the row's sample weights (last stage)
+        # activations and rows travel in pieces under the frame cap, whatever their size
+        self.chunk_bytes = chunk_bytes_for(mesh.max_frame_bytes)
 
     # ----------------------------------------------------------------- setup
     def _gather_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -180,11 +184,13 @@ class _StageRunner:
         if not self.first:
             for arr in (self.train_part.x, ev.x):
                 if arr.size:
-                    mesh.sender(first).put(np.ascontiguousarray(arr, dtype=np.float32), KIND_ROWS)
+                    rows = np.ascontiguousarray(arr, dtype=np.float32)
+                    put_chunked(mesh.sender(first), rows, self.chunk_bytes, KIND_ROWS)
         if not self.last:
             for arr in (self.train_part.labels_with_weights(), ev.y):
                 if arr.size:
-                    mesh.sender(last).put(np.ascontiguousarray(arr, dtype=np.float64), KIND_ROWS)
+                    labels = np.ascontiguousarray(arr, dtype=np.float64)
+                    put_chunked(mesh.sender(last), labels, self.chunk_bytes, KIND_ROWS)
         empty_x = np.zeros((0, width), np.float32)
         empty_y = np.zeros(0, np.float64)
         key = "val" if self.has_validation else "train"
@@ -203,7 +209,7 @@ class _StageRunner:
                             if features
                             else np.empty((n, 2) if which == "train" else n, np.float64)
                         )
-                        mesh.connection(r).recv_into(buf, KIND_ROWS)
+                        recv_chunked_into(mesh.connection(r), buf, self.chunk_bytes, KIND_ROWS)
                         parts[which].append(buf)
             cat = np.concatenate
             if features:
@@ -241,12 +247,12 @@ class _StageRunner:
             t = t.view(torch.int16)
         arr = t.numpy().copy() if t.dtype == torch.float32 else t.numpy()
         self.counters.stage_bytes += arr.nbytes
-        self.mesh.sender(peer).put(arr, KIND_DATA)
+        put_chunked(self.mesh.sender(peer), arr, self.chunk_bytes, KIND_DATA)
 
     def _recv(self, peer: int, rows: int, shape: tuple[int, ...]) -> torch.Tensor:
         buf = np.empty((rows, *shape), dtype=_NUMPY_WIRE[self.wire])
         t = time.perf_counter()
-        self.mesh.connection(peer).recv_into(buf, KIND_DATA)
+        recv_chunked_into(self.mesh.connection(peer), buf, self.chunk_bytes, KIND_DATA)
         self.counters.wait_s += time.perf_counter() - t
         out = torch.from_numpy(buf)
         if self.wire == "bfloat16":
@@ -551,7 +557,7 @@ class _StageRunner:
 def _digest(params: list[nn.Parameter]) -> str:
     h = hashlib.sha256()
     for p in params:
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(byte_view(p.detach().contiguous()).data)  # the memory itself: no copy
     return h.hexdigest()[:16]
 
 

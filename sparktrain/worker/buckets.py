@@ -135,6 +135,22 @@ class GradientBuckets:
         """Each bucket's compression spec, in reduction order."""
         return [b.spec for b in self.buckets]
 
+    def bind_grads(self) -> None:
+        """Make every parameter's ``.grad`` a view into its bucket (DDP's
+        ``gradient_as_bucket_view``): backward then accumulates straight into the
+        buckets, so they are not a second copy of the gradients (a model's worth of
+        memory, and two copies of it per step). Keep gradients with
+        ``zero_grad(set_to_none=False)``; a gradient set to ``None`` or replaced later is
+        copied in and out as before."""
+        with torch.no_grad():
+            for b in self.buckets:
+                for p, view in zip(b.params, b.views, strict=True):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    else:
+                        view.zero_()
+                    p.grad = view
+
     def begin(self, count: int) -> None:
         """Start a step whose gradients stand for ``count`` samples of this rank."""
         self._count = count
@@ -185,7 +201,7 @@ class GradientBuckets:
         for p, view in zip(b.params, b.views, strict=True):
             if p.grad is None:
                 view.zero_()
-            else:
+            elif not _is_view(p.grad, view):  # bound gradients are already in place
                 view.copy_(p.grad)
         if self._count != 1:
             b.tensor.mul_(self._count)
@@ -199,9 +215,14 @@ class GradientBuckets:
             for p, view in zip(b.params, b.views, strict=True):
                 if p.grad is None:
                     p.grad = view.clone()
-                else:
+                elif not _is_view(p.grad, view):
                     p.grad.copy_(view)
         return total
+
+
+def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Is ``grad`` the bucket's own view (see :meth:`GradientBuckets.bind_grads`)?"""
+    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
 
 
 class _NoPlain:

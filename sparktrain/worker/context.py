@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparktrain.comm.security import WireSecurity
+from sparktrain.comm.wire import MAX_FRAME_BYTES_DEFAULT
 from sparktrain.config import TrainConfig
 from sparktrain.worker.faults import FaultPlan
 
@@ -34,6 +35,11 @@ class JobSpec:
     rendezvous_address: str | None = None  # the driver's all-gather (launch/rendezvous.py)
     threads: int = 1
     state_chunk_bytes: int = 4 << 20
+    # rank 0 streams its trained state here (launch/state_server.py) when set; without
+    # it the state returns as chunked task results (thread harnesses, benchmarks)
+    state_address: str | None = None
+    # cap on one frame between ranks; every transfer is chunked below it (tests shrink it)
+    max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT
     ps_addresses: tuple[str, ...] = ()  # one "host:port" per parameter-server shard
     resume_step: int | None = None  # continue from the checkpoint of this step
     resume_history: tuple[dict[str, Any], ...] = ()  # epochs done before resume_step (PS)

