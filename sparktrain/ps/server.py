@@ -46,9 +46,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,19 +59,19 @@ import torch
 from torch import nn
 
 from sparktrain.comm.link import link_from_config
+from sparktrain.comm.preauth import PreauthGate, notify_observer
 from sparktrain.comm.wire import (
     DRIVER_RANK,
     HEADER_BYTES,
     KIND_DATA,
-    AcceptTimeout,
     CommStats,
     Connection,
-    accept,
     address_of,
     open_listener,
+    serve_accepted,
 )
 from sparktrain.config import TrainConfig, single_spec
-from sparktrain.errors import CommError, ConfigError, FrameError, HandshakeError
+from sparktrain.errors import CommError, ConfigError, FrameError
 from sparktrain.modeling import build_optimizer
 from sparktrain.ps import protocol as P
 from sparktrain.ps.layout import (
@@ -161,6 +163,9 @@ class Shard:
         self.listener.settimeout(ACCEPT_POLL_S)
         self.address = address_of(self.listener)
         self.armed_attempt = server.attempt
+        self._gate = PreauthGate(
+            self.listener, name=f"ps-{index}", handshake=self._handshake, on_ready=self._adopt
+        )
         self._acceptor = threading.Thread(
             target=self._accept_loop, name=f"sparktrain-ps-accept-{index}", daemon=True
         )
@@ -171,60 +176,67 @@ class Shard:
 
     def start(self) -> None:
         self._acceptor.start()
+        notify_observer("listener", self.address)
 
     # ------------------------------------------------------------------ accepting
 
     def _accept_loop(self) -> None:
         srv = self.server
         while not srv.stopping:
-            attempt = srv.attempt
-            self.armed_attempt = attempt  # begin_attempt() waits for this
-            try:
-                conn = accept(
-                    self.listener,
-                    secret=srv.secret,
-                    job_id=srv.job_id,
-                    attempt=attempt,
-                    my_rank=DRIVER_RANK,
-                    timeout=min(srv.timeout, HANDSHAKE_TIMEOUT_S),
-                    stats=self.stats,
-                    link=link_from_config(srv.cfg),
-                )
-            except (AcceptTimeout, TimeoutError):
-                continue
-            except HandshakeError as exc:
-                log.warning("ps shard %d: %s", self.index, exc)
-                continue
-            except (CommError, OSError) as exc:
+            self.armed_attempt = srv.attempt  # begin_attempt() waits for this
+            try:  # handshakes run off this thread, under the pre-auth gate
+                self._gate.accept_one()
+            except OSError as exc:
                 if srv.stopping:
                     return
                 log.warning("ps shard %d: accept failed: %s", self.index, exc)
                 time.sleep(0.05)
-                continue
-            rank = conn.peer_rank
-            with self.cond:
-                refuse = (
-                    srv.stopping
-                    or attempt != srv.attempt
-                    or rank not in self.ranks
-                    or rank in self._conns
-                )
-                if not refuse:
-                    self._conns[rank] = conn
-                    self.ranks[rank].connected = True
-            if refuse:
-                log.warning("ps shard %d: refused a second or unknown rank %d", self.index, rank)
-                conn.close()
-                continue
-            conn.set_timeout(srv.timeout)  # a worker silent for this long is lost
-            t = threading.Thread(
-                target=self._serve,
-                args=(conn,),
-                name=f"sparktrain-ps-{self.index}-rank-{rank}",
-                daemon=True,
+
+    def _handshake(
+        self, sock: socket.socket, deadline: float, authenticated: Callable[[], bool]
+    ) -> tuple[int, Connection]:
+        srv = self.server
+        attempt = srv.attempt  # read when the handshake starts: a new attempt is armed at once
+        return attempt, serve_accepted(
+            sock,
+            secret=srv.secret,
+            job_id=srv.job_id,
+            attempt=attempt,
+            my_rank=DRIVER_RANK,
+            deadline=deadline,
+            stats=self.stats,
+            accept_rank=lambda _rank: authenticated(),
+            timeout=srv.timeout,
+            link=link_from_config(srv.cfg),
+        )
+
+    def _adopt(self, accepted: tuple[int, Connection]) -> None:
+        srv = self.server
+        attempt, conn = accepted
+        rank = conn.peer_rank
+        with self.cond:
+            refuse = (
+                srv.stopping
+                or attempt != srv.attempt
+                or rank not in self.ranks
+                or rank in self._conns
             )
-            self._threads.append(t)
-            t.start()
+            if not refuse:
+                self._conns[rank] = conn
+                self.ranks[rank].connected = True
+        if refuse:
+            log.warning("ps shard %d: refused a second or unknown rank %d", self.index, rank)
+            conn.close()
+            return
+        conn.set_timeout(srv.timeout)  # a worker silent for this long is lost
+        t = threading.Thread(
+            target=self._serve,
+            args=(conn,),
+            name=f"sparktrain-ps-{self.index}-rank-{rank}",
+            daemon=True,
+        )
+        self._threads.append(t)
+        t.start()
 
     # ------------------------------------------------------------------ serving
 
@@ -516,6 +528,7 @@ class Shard:
 
     def close(self) -> None:
         """Close the listener and every connection (wakes blocked handlers)."""
+        self._gate.close()
         with contextlib.suppress(OSError):
             self.listener.close()
         with self.cond:
