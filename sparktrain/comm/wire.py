@@ -243,8 +243,15 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(level, opt, value)
 
 
+LISTEN_BACKLOG = 1024
+"""The kernel's accept queue per listener (capped by ``net.core.somaxconn``). The accept
+threads drain it at once (:mod:`sparktrain.comm.preauth`), but a burst of strangers that
+fills it makes the kernel drop a real client's SYN, and the client then waits a TCP
+retransmission (1 s): measured as a 1-2 s slower fit under the attack test at 64."""
+
+
 def open_listener(
-    host: str, port: int = 0, backlog: int = 64, timeout: float = 1.0
+    host: str, port: int = 0, backlog: int = LISTEN_BACKLOG, timeout: float = 1.0
 ) -> socket.socket:
     """Open a TCP listener on ``(host, port)`` (port 0: any free port).
 
@@ -1372,7 +1379,11 @@ class Mesh:
         )
 
     def _on_rejected(self, exc: BaseException) -> None:
-        log.debug("rank %d: %s", self.rank, exc)
+        # A client that spoke the protocol but was refused (stale attempt, wrong job) is
+        # worth a warning; silence and garbage are strangers: logged quietly, as a flood
+        # of them would bury everything else.
+        spoke = isinstance(exc, HandshakeError) and str(exc).startswith("rejected a client")
+        log.log(logging.WARNING if spoke else logging.DEBUG, "rank %d: %s", self.rank, exc)
         with self._cond:  # the last few, for the error message if a peer never arrives
             self._rejections = [*self._rejections[-7:], str(exc)]
 
