@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -99,17 +100,23 @@ class _Pending:
     sock: socket.socket
     source: str
     since: float
+    started: bool = False  # its handshake thread runs (else it waits in the selector)
 
 
 class PreauthGate(Generic[T]):
     """Accepts on ``listener`` and runs each handshake off the accept thread.
 
-    ``handshake`` (see :data:`Handshake`) turns a raw socket into an authenticated
-    result; ``on_ready(result)`` then runs on that handshake's thread (it may serve the
-    client there, or hand it on). ``on_reject(exc)`` is told about every client that
-    failed (optional, e.g. for an error message later). The owner runs :meth:`serve`
-    (or its own loop of :meth:`accept_one`) on a thread and ends it with :meth:`close`;
-    the owner closes the listener.
+    The gate's thread (the owner's, in :meth:`serve` or a loop of :meth:`step`) only
+    accepts and watches the raw sockets in a selector: a stranger that stays silent
+    costs no thread and is closed at its deadline; one whose first bytes are not
+    ``first_bytes`` (what every client sends first, e.g. the hello magic) is closed at
+    once. A socket that spoke correctly gets a thread of its own for ``handshake``
+    (see :data:`Handshake`), which turns it into an authenticated result;
+    ``on_ready(result)`` then runs on that thread (it may serve the client there, or
+    hand it on). ``on_reject(exc)`` is told about every handshake that failed
+    (optional, e.g. for an error message later). End the gate with :meth:`close`; the
+    owner closes the listener. ``poll_s`` bounds how long a step waits, so that the
+    owner's loop notices it should stop.
     """
 
     def __init__(
@@ -120,35 +127,43 @@ class PreauthGate(Generic[T]):
         handshake: Handshake[T],
         on_ready: Callable[[T], None],
         on_reject: Callable[[BaseException], None] | None = None,
+        first_bytes: bytes = b"",
         deadline_s: float = PREAUTH_DEADLINE_S,
         max_pending: int = MAX_PENDING,
         max_per_source: int = MAX_PENDING_PER_SOURCE,
+        poll_s: float = 0.2,
     ) -> None:
-        if deadline_s <= 0 or max_pending < 1 or max_per_source < 1:
-            raise ValueError("the pre-auth deadline and caps must be positive")
+        if deadline_s <= 0 or max_pending < 1 or max_per_source < 1 or poll_s <= 0:
+            raise ValueError("the pre-auth deadline, caps and poll interval must be positive")
         self._listener = listener
         self.name = name
         self._handshake = handshake
         self._on_ready = on_ready
         self._on_reject = on_reject
+        self._first_bytes = bytes(first_bytes)
         self.deadline_s = deadline_s
         self.max_pending = max_pending
         self.max_per_source = max_per_source
+        self.poll_s = poll_s
         self._lock = threading.Lock()
         self._pending: OrderedDict[int, _Pending] = OrderedDict()  # oldest first
         self._ids = itertools.count()
         self._closed = False
+        listener.setblocking(False)  # the selector says when; accept() never waits
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(listener, selectors.EVENT_READ, None)
         self.dropped = 0
         """Pending connections dropped to make room (for tests and logs)."""
 
-    # ----------------------------------------------------------------- accepting
+    # ----------------------------------------------------------------- the gate's thread
 
     def serve(self, done: Callable[[], bool]) -> None:
-        """Accept until ``done()`` or :meth:`close`; then drop every pending stranger."""
+        """Run :meth:`step` until ``done()`` or :meth:`close`; then drop every pending
+        stranger."""
         try:
             while not self._closed and not done():
                 try:
-                    self.accept_one()
+                    self.step()
                 except OSError as exc:
                     if self._closed or done():
                         return
@@ -156,29 +171,46 @@ class PreauthGate(Generic[T]):
                     time.sleep(0.05)  # e.g. out of descriptors: let handshakes finish
         finally:
             self._drop_all()
+            self._sel.close()
 
-    def accept_one(self) -> bool:
-        """Accept one raw socket (waiting at most the listener's timeout) and start its
-        handshake; False if nobody connected. Raises ``OSError`` if the listener failed."""
-        try:
-            sock, peer = self._listener.accept()
-        except TimeoutError:
-            return False
-        if self._closed:
-            sock.close()
-            return False
-        source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        entry = _Pending(sock, source, time.monotonic())
-        key = next(self._ids)
+    def step(self) -> None:
+        """Wait at most ``poll_s`` (less if a deadline comes first), then accept new
+        connections, start the handshakes of those that spoke and close those that
+        spoke wrongly or stayed silent too long. Raises ``OSError`` if the listener
+        failed. Call it from one thread only."""
+        wait = self.poll_s
         with self._lock:
-            victims = self._make_room(source)
-            self._pending[key] = entry
-        for victim in victims:
-            _drop(victim)
-        threading.Thread(
-            target=self._run, args=(key, entry), name=f"sparktrain-{self.name}-preauth", daemon=True
-        ).start()
-        return True
+            waiting = [p.since for p in self._pending.values() if not p.started]
+        if waiting:
+            wait = min(wait, max(0.0, min(waiting) + self.deadline_s - time.monotonic()))
+        for key, _ in self._sel.select(wait):
+            if self._closed:
+                return
+            if key.data is None:
+                self._accept_queued()
+            else:
+                self._spoke(*key.data)
+        self._expire()
+
+    def _accept_queued(self) -> None:
+        for _ in range(self.max_pending):  # bounded: the rest waits for the next step
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, TimeoutError):
+                return
+            sock.setblocking(True)
+            source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            entry = _Pending(sock, source, time.monotonic())
+            key = next(self._ids)
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                victims = self._make_room(source)
+                self._pending[key] = entry
+            for victim in victims:
+                self._drop(victim)
+            self._sel.register(sock, selectors.EVENT_READ, (key, entry))
 
     def _make_room(self, source: str) -> list[_Pending]:
         """Unregister (oldest first) what must go before ``source`` adds one; holds the lock."""
@@ -192,6 +224,46 @@ class PreauthGate(Generic[T]):
         if victims:
             log.debug("%s: dropped %d oldest pre-auth connection(s)", self.name, len(victims))
         return victims
+
+    def _spoke(self, key: int, entry: _Pending) -> None:
+        """``entry`` is readable: its first bytes decide between a thread and the door."""
+        self._sel.unregister(entry.sock)
+        want = self._first_bytes
+        try:
+            first = entry.sock.recv(max(len(want), 1), socket.MSG_PEEK)
+        except OSError:
+            first = b""
+        with self._lock:
+            if first and first == want[: len(first)] and key in self._pending:
+                entry.started = True
+            else:  # closed, reset, or not our protocol: no thread for it
+                self._pending.pop(key, None)
+        if not entry.started:
+            entry.sock.close()
+            return
+        threading.Thread(
+            target=self._run, args=(key, entry), name=f"sparktrain-{self.name}-preauth", daemon=True
+        ).start()
+
+    def _expire(self) -> None:
+        limit = time.monotonic() - self.deadline_s
+        with self._lock:
+            late = [k for k, p in self._pending.items() if not p.started and p.since <= limit]
+            victims = [self._pending.pop(k) for k in late]
+        for victim in victims:
+            self._drop(victim)
+
+    def _drop(self, entry: _Pending) -> None:
+        """End a pending connection. One still in the selector is this thread's to close;
+        a started one is shut down, which wakes its handshake thread, and that thread
+        closes it (closing here could hand the descriptor to another socket under it)."""
+        if entry.started:
+            with contextlib.suppress(OSError):
+                entry.sock.shutdown(socket.SHUT_RDWR)
+            return
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(entry.sock)
+        entry.sock.close()
 
     # ----------------------------------------------------------------- handshakes
 
@@ -234,11 +306,13 @@ class PreauthGate(Generic[T]):
             return sum(1 for p in self._pending.values() if p.source == source)
 
     def close(self) -> None:
-        """Stop accepting, wake the accept loop and drop every pending stranger;
-        idempotent. Authenticated connections are their owners' business."""
-        self._closed = True
+        """Stop accepting and end every pending connection; idempotent, from any thread
+        (the gate's thread leaves :meth:`serve`; a :meth:`step` caller should stop).
+        Authenticated connections are their owners' business."""
+        with self._lock:
+            self._closed = True
         with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept()
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes a waiting select()
         self._drop_all()
 
     def _drop_all(self) -> None:
@@ -246,11 +320,4 @@ class PreauthGate(Generic[T]):
             victims = list(self._pending.values())
             self._pending.clear()
         for victim in victims:
-            _drop(victim)
-
-
-def _drop(entry: _Pending) -> None:
-    """End a pending handshake: shutdown wakes its thread, which closes the socket
-    (closing here could hand the descriptor number to another socket under it)."""
-    with contextlib.suppress(OSError):
-        entry.sock.shutdown(socket.SHUT_RDWR)
+            self._drop(victim)

@@ -39,12 +39,15 @@ class DriverService:
 
     def __init__(self, host: str, *, secret: bytes, job_id: str, attempt: int) -> None:
         self._listener = wire.open_listener(host)
-        self._listener.settimeout(0.5)  # lets the accept loop notice stop()
         self.address = wire.address_of(self._listener)
         self._secret, self._job_id, self._attempt = secret, job_id, attempt
         self._stopping = threading.Event()
         self._gate = PreauthGate(
-            self._listener, name=self.name, handshake=self._handshake, on_ready=self.handle
+            self._listener,
+            name=self.name,
+            handshake=self._handshake,
+            on_ready=self.handle,
+            first_bytes=wire.HELLO_PREFIX,
         )
         self._thread = threading.Thread(
             target=self._gate.serve,

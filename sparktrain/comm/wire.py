@@ -1117,6 +1117,12 @@ def accept(
     )
 
 
+HELLO_PREFIX = _HELLO_MAGIC
+"""What every client sends first: the pre-auth gates (:mod:`sparktrain.comm.preauth`)
+close a connection that starts otherwise before it costs a thread. Change it with the
+first bytes of the client's side of the handshake."""
+
+
 def serve_accepted(
     sock: socket.socket,
     *,
@@ -1324,9 +1330,9 @@ class Mesh:
             handshake=self._handshake,
             on_ready=self._adopt,
             on_reject=self._on_rejected,
+            first_bytes=HELLO_PREFIX,
         )
         if rank > 0:  # rank 0 has no lower rank to dial it
-            listener.settimeout(0.2)  # the accept loop polls for close()
             self._acceptor = threading.Thread(
                 target=self._accept_loop, name=f"sparktrain-accept-{rank}", daemon=True
             )

@@ -63,6 +63,7 @@ from sparktrain.comm.preauth import PreauthGate, notify_observer
 from sparktrain.comm.wire import (
     DRIVER_RANK,
     HEADER_BYTES,
+    HELLO_PREFIX,
     KIND_DATA,
     CommStats,
     Connection,
@@ -164,7 +165,12 @@ class Shard:
         self.address = address_of(self.listener)
         self.armed_attempt = server.attempt
         self._gate = PreauthGate(
-            self.listener, name=f"ps-{index}", handshake=self._handshake, on_ready=self._adopt
+            self.listener,
+            name=f"ps-{index}",
+            handshake=self._handshake,
+            on_ready=self._adopt,
+            first_bytes=HELLO_PREFIX,
+            poll_s=ACCEPT_POLL_S,
         )
         self._acceptor = threading.Thread(
             target=self._accept_loop, name=f"sparktrain-ps-accept-{index}", daemon=True
@@ -185,7 +191,7 @@ class Shard:
         while not srv.stopping:
             self.armed_attempt = srv.attempt  # begin_attempt() waits for this
             try:  # handshakes run off this thread, under the pre-auth gate
-                self._gate.accept_one()
+                self._gate.step()
             except OSError as exc:
                 if srv.stopping:
                     return

@@ -6,8 +6,10 @@ listener of the fit: the driver's services and parameter-server shards as they s
 (learned through the test-only hook :func:`sparktrain.comm.preauth.set_test_observer`)
 and the workers' mesh listeners while the mesh forms (the hook reports each rank's
 rendezvous message, before the ranks get the answer, and waits until the flood is
-under way). Every fit must complete, and the median wall time of the attacked runs
-may grow by less than 20 % over the median of the plain runs, interleaved.
+under way; that wait is the harness's, not the system's, and is left out of the
+attacked run's time). Every fit must complete, and the median wall time of the
+attacked runs may grow by less than 20 % over the median of the plain runs,
+interleaved.
 """
 
 from __future__ import annotations
@@ -113,11 +115,15 @@ def test_a_flood_of_strangers_does_not_slow_a_fit_down(
         # alternate which kind goes first, so a drift in the host's load favours neither
         for kind in ("plain", "attacked") if i % 2 == 0 else ("attacked", "plain"):
             preauth.set_test_observer(attack.observe if kind == "attacked" else None)
+            waited = attack.waited
             started = time.perf_counter()
             result = Trainer(DIGITS_MODEL, cfg, spark=spark).fit(train, validation_data=test)
-            walls[kind].append(time.perf_counter() - started)
+            # the harness holding the rendezvous while it starts the flood is not the
+            # system's slowdown: it is left out (and printed)
+            walls[kind].append(time.perf_counter() - started - (attack.waited - waited))
             stage = result.summary["stage_s"]
-            print(f"{strategy} {kind}: {walls[kind][-1]:.2f} s, stage {stage:.2f} s", flush=True)
+            held = attack.waited - waited
+            print(f"{strategy} {kind}: {walls[kind][-1]:.2f}s (+{held:.2f} held) stage {stage:.2f}")
             preauth.set_test_observer(None)
             assert result.summary["metric_value"] > 0.5  # it trained
     summary = attack.finish()

@@ -139,11 +139,14 @@ def test_silent_strangers_do_not_delay_a_driver_service_client(
 ) -> None:
     # today's main handshakes in the accept loop, 10 s each: the client waits for all
     flood(echo.address, strangers, 20)
-    flood(echo.address, strangers, 20, sources=1, first=3)
-    for s in strangers[::2]:
-        s.sendall(b"\x00" * 7)  # a partial hello: the handshake waits for the rest
+    for s in flood(echo.address, strangers, 20, first=3):
+        s.sendall(wire.HELLO_PREFIX + b"\x01\x00")  # a partial hello: waits for the rest
     time.sleep(0.2)  # every stranger accepted before the client dials
     assert echo_client(echo) < 1.5  # milliseconds unloaded; generous for a busy host
+    assert echo._gate.pending == 40
+    # a silent stranger costs a selector entry, not a thread; the partial hellos do
+    handshakes = [t for t in threading.enumerate() if t.name == "sparktrain-echo-preauth"]
+    assert len(handshakes) == 20
 
 
 def test_silent_strangers_do_not_delay_a_parameter_server_client(
