@@ -7,8 +7,10 @@ next to nothing: a dozen silent connections must not stall a stage.
 
 :class:`PreauthGate` enforces that:
 
-* the accept thread only accepts and registers the raw socket; the handshake runs on a
-  thread of its own, so a silent client never holds up the next one;
+* the accept thread only accepts and registers the raw socket in a selector. A
+  stranger that stays silent costs no thread; one whose first bytes are not the
+  protocol's (garbage) is closed at once. Only a client that spoke the protocol gets a
+  thread of its own for the handshake, so no client ever waits for another;
 * each handshake has a short deadline (:data:`PREAUTH_DEADLINE_S`), however long the
   caller's comm timeout;
 * the unauthenticated connections are bounded in total (:data:`MAX_PENDING`) and per
@@ -50,7 +52,8 @@ loaded host); a stranger gets no more than this of a handshake slot."""
 MAX_PENDING = 128
 """Unauthenticated connections one listener keeps at once. Above it the oldest is
 dropped. Large enough for every rank of a big job to handshake at once (each takes
-milliseconds), small enough that a flood costs bounded threads and descriptors."""
+milliseconds), small enough that a flood costs bounded threads and descriptors (a
+thread only for a connection that sent the protocol's first bytes)."""
 
 MAX_PENDING_PER_SOURCE = 32
 """Unauthenticated connections one source address keeps at once; above it that source's
@@ -227,7 +230,11 @@ class PreauthGate(Generic[T]):
 
     def _spoke(self, key: int, entry: _Pending) -> None:
         """``entry`` is readable: its first bytes decide between a thread and the door."""
-        self._sel.unregister(entry.sock)
+        with self._lock:
+            if key not in self._pending:  # dropped earlier in this step, or by close()
+                return
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(entry.sock)
         want = self._first_bytes
         try:
             first = entry.sock.recv(max(len(want), 1), socket.MSG_PEEK)
