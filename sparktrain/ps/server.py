@@ -91,7 +91,7 @@ log = logging.getLogger(__name__)
 
 ACCEPT_POLL_S = 0.2  # how often an accept loop looks at the stop flag
 WAIT_SLICE_S = 0.5  # waits re-check the stop flag and the failure at least this often
-HANDSHAKE_TIMEOUT_S = 10.0  # a silent client may hold an accept loop at most this long
+HANDSHAKE_TIMEOUT_S = 10.0  # begin_attempt() waits at most this (+ a poll) for re-arming
 JOIN_TIMEOUT_S = 2.0
 STALENESS_BINS = 32  # the histogram keeps staleness 0..31 exactly, the rest as "32+"
 
