@@ -27,6 +27,7 @@ import logging
 import threading
 
 from sparktrain.comm import wire
+from sparktrain.comm.preauth import notify_observer
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import HANDSHAKE_TIMEOUT_S, DriverService
 from sparktrain.errors import CommError, FrameError
@@ -98,6 +99,8 @@ class RendezvousServer(DriverService):
             if old is not None:  # the same rank again, or a dead task: its task is gone
                 old.close()
         if complete:
+            for text in everyone:  # test-only hook (no observer in production)
+                notify_observer("rendezvous", text)
             for waiter in waiters:
                 self._answer(waiter, {"messages": everyone})
 

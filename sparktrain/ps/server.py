@@ -53,9 +53,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,21 +66,22 @@ import torch
 from torch import nn
 
 from sparktrain.comm.link import link_from_config
+from sparktrain.comm.preauth import PreauthGate, notify_observer
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.wire import (
     DRIVER_RANK,
     HEADER_BYTES,
     KIND_DATA,
     MAX_FRAME_BYTES_DEFAULT,
-    AcceptTimeout,
     CommStats,
     Connection,
-    accept,
     address_of,
+    first_bytes,
     open_listener,
+    serve_accepted,
 )
 from sparktrain.config import TrainConfig, single_spec
-from sparktrain.errors import CommError, ConfigError, FrameError, HandshakeError
+from sparktrain.errors import CommError, ConfigError, FrameError
 from sparktrain.modeling import build_optimizer
 from sparktrain.ps import protocol as P
 from sparktrain.ps.layout import (
@@ -97,7 +100,7 @@ log = logging.getLogger(__name__)
 
 ACCEPT_POLL_S = 0.2  # how often an accept loop looks at the stop flag
 WAIT_SLICE_S = 0.5  # waits re-check the stop flag and the failure at least this often
-HANDSHAKE_TIMEOUT_S = 10.0  # a silent client may hold an accept loop at most this long
+HANDSHAKE_TIMEOUT_S = 10.0  # begin_attempt() waits at most this (+ a poll) for re-arming
 JOIN_TIMEOUT_S = 2.0
 STALENESS_BINS = 32  # the histogram keeps staleness 0..31 exactly, the rest as "32+"
 RECONNECT_GRACE_S = 3.0
@@ -174,9 +177,16 @@ class Shard:
         self._conns: dict[int, Connection] = {}
         self._threads: list[threading.Thread] = []
         self.listener = open_listener(server.host)
-        self.listener.settimeout(ACCEPT_POLL_S)
         self.address = address_of(self.listener)
         self.armed_attempt = server.attempt
+        self._gate = PreauthGate(
+            self.listener,
+            name=f"ps-{index}",
+            handshake=self._handshake,
+            on_ready=self._adopt,
+            first_bytes=first_bytes(server.security),
+            poll_s=ACCEPT_POLL_S,
+        )
         self._acceptor = threading.Thread(
             target=self._accept_loop, name=f"sparktrain-ps-accept-{index}", daemon=True
         )
@@ -187,6 +197,7 @@ class Shard:
 
     def start(self) -> None:
         self._acceptor.start()
+        notify_observer("listener", self.address)
 
     # ------------------------------------------------------------------ accepting
 
@@ -194,44 +205,48 @@ class Shard:
         srv = self.server
         while not srv.stopping:
             self._expire_broken()
-            attempt = srv.attempt
-            self.armed_attempt = attempt  # begin_attempt() waits for this
-            try:
-                conn = accept(
-                    self.listener,
-                    secret=srv.secret,
-                    job_id=srv.job_id,
-                    attempt=attempt,
-                    my_rank=DRIVER_RANK,
-                    timeout=min(srv.timeout, HANDSHAKE_TIMEOUT_S),
-                    stats=self.stats,
-                    link=link_from_config(srv.cfg),
-                    security=srv.security,
-                    max_frame_bytes=srv.max_frame_bytes,
-                )
-            except (AcceptTimeout, TimeoutError):
-                continue
-            except HandshakeError as exc:
-                log.warning("ps shard %d: %s", self.index, exc)
-                continue
-            except (CommError, OSError) as exc:
+            self.armed_attempt = srv.attempt  # begin_attempt() waits for this
+            try:  # handshakes run off this thread, under the pre-auth gate
+                self._gate.step()
+            except OSError as exc:
                 if srv.stopping:
                     return
                 log.warning("ps shard %d: accept failed: %s", self.index, exc)
                 time.sleep(0.05)
-                continue
-            rank = conn.peer_rank
-            if not self._admit(conn, attempt):
-                continue
-            conn.set_timeout(srv.timeout)  # a worker silent for this long is lost
-            t = threading.Thread(
-                target=self._serve,
-                args=(conn,),
-                name=f"sparktrain-ps-{self.index}-rank-{rank}",
-                daemon=True,
-            )
-            self._threads.append(t)
-            t.start()
+
+    def _handshake(
+        self, sock: socket.socket, deadline: float, authenticated: Callable[[], bool]
+    ) -> tuple[int, Connection]:
+        srv = self.server
+        attempt = srv.attempt  # read when the handshake starts: a new attempt is armed at once
+        return attempt, serve_accepted(
+            sock,
+            secret=srv.secret,
+            job_id=srv.job_id,
+            attempt=attempt,
+            my_rank=DRIVER_RANK,
+            deadline=deadline,
+            stats=self.stats,
+            accept_rank=lambda _rank: authenticated(),
+            timeout=srv.timeout,
+            link=link_from_config(srv.cfg),
+            security=srv.security,
+            max_frame_bytes=srv.max_frame_bytes,
+        )
+
+    def _adopt(self, accepted: tuple[int, Connection]) -> None:
+        attempt, conn = accepted
+        if not self._admit(conn, attempt):
+            return
+        conn.set_timeout(self.server.timeout)  # a worker silent for this long is lost
+        t = threading.Thread(
+            target=self._serve,
+            args=(conn,),
+            name=f"sparktrain-ps-{self.index}-rank-{conn.peer_rank}",
+            daemon=True,
+        )
+        self._threads.append(t)
+        t.start()
 
     def _admit(self, conn: Connection, attempt: int) -> bool:
         """Take ``conn`` as its rank's connection; a rank that dials again replaces its
@@ -661,6 +676,7 @@ class Shard:
 
     def close(self) -> None:
         """Close the listener and every connection (wakes blocked handlers)."""
+        self._gate.close()
         with contextlib.suppress(OSError):
             self.listener.close()
         with self.cond:

@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -109,7 +110,9 @@ def test_a_push_and_a_pull_travel_in_chunks_of_the_servers_size():
         flat = np.zeros(n, np.float32)
         frames = shard.stats.frames_sent
         assert client.pull(-1, flat) == P.FULL
-        assert shard.stats.frames_sent - frames == 1 + chunks  # reply header + chunks
+        # reply header + chunks; the shard counts its last frame once sendall returned,
+        # which may be just after the client has read it
+        _settles(lambda: shard.stats.frames_sent - frames, 1 + chunks)
         np.testing.assert_array_equal(flat, server.parameters())
         assert client.chunk_bytes == CAP  # named by the shard in its reply
         received = shard.stats.frames_recv
@@ -121,6 +124,13 @@ def test_a_push_and_a_pull_travel_in_chunks_of_the_servers_size():
         np.testing.assert_allclose(flat, _wide_flat(cfg) - 0.5 * grad, rtol=1e-6, atol=1e-6)
         s = server.stats()
         assert s["push"]["payload_bytes"] == chunks * HEADER_BYTES + n * 4
+
+
+def _settles(count: Callable[[], int], want: int, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while count() != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert count() == want
 
 
 def _wide_flat(cfg: TrainConfig) -> np.ndarray:

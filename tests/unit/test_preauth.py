@@ -1,0 +1,360 @@
+"""Strangers must not delay authenticated clients (the pre-auth gate, no Spark).
+
+A stranger connects from another loopback address (127.0.0.2 and up work on Linux
+without setup) and then says nothing, or sends garbage. Every listener kind is covered:
+a driver service, a parameter-server shard and a rank's mesh listener; plus the caps,
+the drop-oldest rule, the pre-auth deadline and the client's retry of a dropped
+handshake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sparktrain.comm import preauth, wire
+from sparktrain.comm.service import DriverService
+from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError, HandshakeError
+from sparktrain.models import mlp
+from sparktrain.ps.server import start_parameter_server
+
+HOST = "127.0.0.1"
+SECRET = secrets.token_bytes(32)
+JOB = "job"
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Echo(DriverService):
+    """A driver service that answers one control message with the same bytes."""
+
+    name = "echo"
+
+    def __init__(self) -> None:
+        super().__init__(HOST, secret=SECRET, job_id=JOB, attempt=0)
+        self.start()
+
+    def handle(self, conn: wire.Connection) -> None:
+        with contextlib.closing(conn):
+            _, payload = conn.recv_bytes(wire.KIND_CONTROL)
+            conn.send_bytes(payload, wire.KIND_CONTROL)
+
+
+@pytest.fixture
+def echo() -> Iterator[Echo]:
+    srv = Echo()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def strangers() -> Iterator[list[socket.socket]]:
+    socks: list[socket.socket] = []
+    try:
+        yield socks
+    finally:
+        for s in socks:
+            s.close()
+
+
+def open_stranger(address: str, source: str, junk: bytes = b"") -> socket.socket:
+    """A TCP connection to ``address`` from ``source`` that sends ``junk`` (or nothing)."""
+    host, port = wire.parse_address(address)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    sock.bind((source, 0))
+    sock.connect((host, port))
+    if junk:
+        sock.sendall(junk)
+    return sock
+
+
+def flood(
+    address: str, out: list[socket.socket], count: int, sources: int = 1, first: int = 2
+) -> list[socket.socket]:
+    """``count`` silent strangers, spread round-robin over ``sources`` addresses."""
+    mine = [open_stranger(address, f"127.0.0.{first + i % sources}") for i in range(count)]
+    out.extend(mine)
+    return mine
+
+
+def closed_by_server(sock: socket.socket, wait: float) -> bool:
+    """True once the server closed ``sock`` (it never sends first, so readable = closed)."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_READ)
+        if not sel.select(wait):
+            return False
+    try:
+        return sock.recv(1) == b""
+    except OSError:  # reset
+        return True
+
+
+def wait_closed(socks: list[socket.socket], within: float) -> list[bool]:
+    deadline = time.monotonic() + within
+    done = [False] * len(socks)
+    while not all(done) and time.monotonic() < deadline:
+        for i, s in enumerate(socks):
+            done[i] = done[i] or closed_by_server(s, 0.0)
+        time.sleep(0.02)
+    return done
+
+
+def echo_client(srv: DriverService, timeout: float = 8.0) -> float:
+    """Connect as rank 0, round-trip one message; returns the seconds it took."""
+    started = time.monotonic()
+    conn = wire.connect(
+        srv.address,
+        secret=SECRET,
+        job_id=JOB,
+        attempt=0,
+        my_rank=0,
+        peer_rank=wire.DRIVER_RANK,
+        timeout=timeout,
+        stats=wire.CommStats(),
+    )
+    with contextlib.closing(conn):
+        conn.send_bytes(b"hello", wire.KIND_CONTROL)
+        assert conn.recv_bytes(wire.KIND_CONTROL)[1] == b"hello"
+    return time.monotonic() - started
+
+
+# ------------------------------------------------------------ strangers vs. real clients
+
+
+def test_silent_strangers_do_not_delay_a_driver_service_client(
+    echo: Echo, strangers: list[socket.socket]
+) -> None:
+    # today's main handshakes in the accept loop, 10 s each: the client waits for all
+    flood(echo.address, strangers, 20)
+    for s in flood(echo.address, strangers, 20, first=3):
+        s.sendall(wire.HELLO_PREFIX + b"\x01\x00")  # a partial hello: waits for the rest
+    time.sleep(0.2)  # every stranger accepted before the client dials
+    assert echo_client(echo) < 1.5  # milliseconds unloaded; generous for a busy host
+    assert echo._gate.pending == 40
+    # a silent stranger costs a selector entry, not a thread; the partial hellos do
+    handshakes = [t for t in threading.enumerate() if t.name == "sparktrain-echo-preauth"]
+    assert len(handshakes) == 20
+
+
+def test_silent_strangers_do_not_delay_a_parameter_server_client(
+    strangers: list[socket.socket],
+) -> None:
+    cfg = TrainConfig(strategy="ps", ps_shards=1, comm_timeout=10.0, num_workers=1)
+    server = start_parameter_server(
+        mlp(4, (8,), 3), cfg, host=HOST, secret=SECRET, job_id=JOB, attempt=0, world_size=1
+    )
+    try:
+        flood(server.addresses[0], strangers, 30, sources=2)
+        time.sleep(0.2)
+        started = time.monotonic()
+        conn = wire.connect(
+            server.addresses[0],
+            secret=SECRET,
+            job_id=JOB,
+            attempt=0,
+            my_rank=0,
+            peer_rank=wire.DRIVER_RANK,
+            timeout=8.0,
+            stats=wire.CommStats(),
+        )
+        conn.close()
+        assert time.monotonic() - started < 1.5
+    finally:
+        server.stop()
+
+
+def test_silent_strangers_do_not_keep_a_lower_rank_out_of_a_mesh(
+    strangers: list[socket.socket],
+) -> None:
+    # today's main refuses new clients once 2 * world + 8 handshakes are pending,
+    # and a pending one holds its slot for the whole comm timeout
+    listeners = [wire.open_listener(HOST) for _ in range(2)]
+    addresses = [wire.address_of(s) for s in listeners]
+    meshes = [
+        wire.Mesh(r, 2, listeners[r], addresses, SECRET, JOB, attempt=0, timeout=10.0)
+        for r in range(2)
+    ]
+    try:
+        flood(addresses[1], strangers, 40, sources=4)
+        time.sleep(0.2)
+        started = time.monotonic()
+        accepted: list[Any] = []
+        t = threading.Thread(target=lambda: accepted.append(meshes[1].connection(0)))
+        t.start()
+        meshes[0].connect_all([1])
+        t.join(10)
+        assert accepted and accepted[0].peer_rank == 0
+        assert time.monotonic() - started < 1.5
+        # the mesh is complete: its gate let go of every stranger
+        assert all(wait_closed(strangers, 2.0))
+    finally:
+        for m in meshes:
+            m.close()
+
+
+# ------------------------------------------------------------ caps, drop-oldest, deadline
+
+
+def test_one_source_keeps_at_most_its_cap_and_loses_its_oldest_first(
+    echo: Echo, strangers: list[socket.socket]
+) -> None:
+    cap, extra = preauth.MAX_PENDING_PER_SOURCE, 6
+    others = flood(echo.address, strangers, 4, first=9)  # another host, older
+    mine = flood(echo.address, strangers, cap + extra, first=2)
+    closed = wait_closed(mine[:extra], within=1.5)  # well before the pre-auth deadline
+    assert all(closed), closed
+    assert not any(closed_by_server(s, 0.0) for s in mine[extra:])
+    assert not any(closed_by_server(s, 0.0) for s in others)  # a flood never evicts others
+    assert echo._gate.pending_from("127.0.0.2") == cap
+
+
+def test_when_full_the_oldest_stranger_is_dropped_not_the_new_client(
+    echo: Echo, strangers: list[socket.socket]
+) -> None:
+    total, extra = preauth.MAX_PENDING, 5
+    sources = -(-total // preauth.MAX_PENDING_PER_SOURCE) + 1  # no source at its own cap
+    oldest = flood(echo.address, strangers, extra, first=2)
+    rest = flood(echo.address, strangers, total, sources=sources, first=3)
+    assert all(wait_closed(oldest, within=1.5))
+    assert not any(closed_by_server(s, 0.0) for s in rest[extra:])
+    assert echo._gate.pending == total
+    assert echo_client(echo) < 1.5  # the newest connection is never the one refused
+
+
+def test_a_silent_stranger_is_closed_after_the_pre_auth_deadline(
+    echo: Echo, strangers: list[socket.socket]
+) -> None:
+    # today's main gives it 10 s (the old handshake timeout)
+    (sock,) = flood(echo.address, strangers, 1)
+    started = time.monotonic()
+    assert wait_closed([sock], within=preauth.PREAUTH_DEADLINE_S + 2.0) == [True]
+    took = time.monotonic() - started
+    assert preauth.PREAUTH_DEADLINE_S - 0.5 < took < preauth.PREAUTH_DEADLINE_S + 1.5
+
+
+def test_a_garbage_stranger_is_closed_at_once(echo: Echo, strangers: list[socket.socket]) -> None:
+    sock = open_stranger(echo.address, "127.0.0.2", secrets.token_bytes(200))
+    strangers.append(sock)
+    assert wait_closed([sock], within=1.0) == [True]
+
+
+def test_the_gate_rejects_bad_limits() -> None:
+    with socket.socket() as s, pytest.raises(ValueError, match="positive"):
+        preauth.PreauthGate(
+            s, name="x", handshake=lambda *a: None, on_ready=lambda r: None, max_pending=0
+        )
+
+
+# ------------------------------------------------------------ the client retries a drop
+
+
+@pytest.mark.parametrize("how", ["reset", "eof"])
+def test_a_dial_dropped_during_the_handshake_is_retried(how: str) -> None:
+    listener = wire.open_listener(HOST, timeout=5.0)
+    served: list[Any] = []
+
+    def server() -> None:
+        first, _ = listener.accept()
+        first.recv(16)  # the client's hello is on its way: drop it mid-handshake
+        if how == "reset":
+            first.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        first.close()
+        served.append(
+            wire.accept(
+                listener,
+                secret=SECRET,
+                job_id=JOB,
+                attempt=0,
+                my_rank=wire.DRIVER_RANK,
+                timeout=5.0,
+                stats=wire.CommStats(),
+            )
+        )
+
+    t = threading.Thread(target=server)
+    t.start()
+    try:
+        conn = wire.connect(
+            wire.address_of(listener),
+            secret=SECRET,
+            job_id=JOB,
+            attempt=0,
+            my_rank=0,
+            peer_rank=wire.DRIVER_RANK,
+            timeout=5.0,
+            stats=wire.CommStats(),
+        )
+        t.join(5)
+        assert served and served[0].peer_rank == 0
+        assert conn.timeout == 5.0  # the caller's timeout, not what was left of it
+        conn.close()
+        served[0].close()
+    finally:
+        t.join(5)
+        listener.close()
+
+
+def test_an_authentication_rejection_is_not_retried() -> None:
+    listener = wire.open_listener(HOST, timeout=5.0)
+    seen: list[str] = []
+
+    def server() -> None:
+        with contextlib.suppress(HandshakeError):
+            wire.accept(
+                listener,
+                secret=SECRET,
+                job_id=JOB,
+                attempt=0,
+                my_rank=wire.DRIVER_RANK,
+                timeout=2.0,
+                stats=wire.CommStats(),
+            )
+        seen.append("refused")
+        listener.settimeout(1.0)
+        with contextlib.suppress(TimeoutError):  # a retry would show up here
+            again, _ = listener.accept()
+            again.close()
+            seen.append("dialed again")
+
+    t = threading.Thread(target=server)
+    t.start()
+    try:
+        with pytest.raises(HandshakeError, match="rejected"):
+            wire.connect(
+                wire.address_of(listener),
+                secret=secrets.token_bytes(32),
+                job_id=JOB,
+                attempt=0,
+                my_rank=0,
+                peer_rank=wire.DRIVER_RANK,
+                timeout=5.0,
+                stats=wire.CommStats(),
+            )
+        t.join(5)
+        assert seen == ["refused"]  # one refused handshake, then nobody
+    finally:
+        t.join(5)
+        listener.close()
+
+
+# ------------------------------------------------------------ IPv4-mapped wildcards
+
+
+@pytest.mark.parametrize("host", ["::ffff:0.0.0.0", "[::ffff:0.0.0.0]", "::ffff:0:0"])
+def test_an_ipv4_mapped_wildcard_is_refused(host: str) -> None:
+    # today's main binds it: on a dual-stack host that is every IPv4 interface
+    with pytest.raises(ConfigError, match="wildcard"):
+        wire.open_listener(host)
