@@ -1,13 +1,13 @@
-"""Regenerate the README's results section from the benchmarks' JSON files.
+"""Regenerate the results page (``docs/results.md``) from the benchmarks' JSON files.
 
-    sparktrain bench report                  # rewrite README.md between the markers
-    sparktrain bench report --check          # exit 1 when the README section is stale
-    sparktrain bench report --print          # the section on stdout, README untouched
+    sparktrain bench report                  # rewrite docs/results.md between the markers
+    sparktrain bench report --check          # exit 1 when the page's section is stale
+    sparktrain bench report --print          # the section on stdout, the page untouched
 
 Every benchmark writes JSON (and most a PNG) under one folder (``--results``, default
 ``docs/results``). This command renders one subsection per benchmark — the command that
 produced it, a table built from the JSON by the benchmark's own ``table`` function, the
-plot — plus a description of the machine and today's date, and replaces the README text
+plot — plus a description of the machine and today's date, and replaces the page's text
 between ``<!-- results:begin -->`` and ``<!-- results:end -->``. A missing file gives a
 "not run" line instead of a table.
 
@@ -41,6 +41,7 @@ BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
 MACHINE_BEGIN = "<!-- results:machine:begin -->"
 MACHINE_END = "<!-- results:machine:end -->"
+DEFAULT_PAGE = "docs/results.md"
 
 
 # ---------------------------------------------------------------------- renderers
@@ -513,12 +514,12 @@ def _strip_machine(text: str) -> str:
 
 
 def splice(readme: str, section: str) -> str:
-    """``readme`` with the text between the markers replaced by ``section``."""
+    """``readme`` (the page) with the text between the markers replaced by ``section``."""
     start, end = readme.find(BEGIN), readme.find(END)
     if start < 0 or end < start:
         raise SparkTrainError(
-            f"README has no {BEGIN} ... {END} pair: put the markers around the results "
-            "section once, then rerun"
+            f"the results page has no {BEGIN} ... {END} pair: put the markers around the "
+            "results section once, then rerun"
         )
     return readme[: start + len(BEGIN)] + "\n" + section + readme[end:]
 
@@ -526,24 +527,30 @@ def splice(readme: str, section: str) -> str:
 def current_section(readme: str) -> str:
     start, end = readme.find(BEGIN), readme.find(END)
     if start < 0 or end < start:
-        raise SparkTrainError(f"README has no {BEGIN} ... {END} pair")
+        raise SparkTrainError(f"the results page has no {BEGIN} ... {END} pair")
     return readme[start + len(BEGIN) : end]
 
 
 # ---------------------------------------------------------------------- entry
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", default="docs/results", help="folder of the JSON and PNGs")
-    parser.add_argument("--readme", default="README.md")
+    parser.add_argument(
+        "--page",
+        "--readme",  # deprecated alias: the section lived in README.md until the docs split
+        dest="page",
+        default=DEFAULT_PAGE,
+        help=f"the markdown page holding the results markers (default {DEFAULT_PAGE})",
+    )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="exit 1 if the README is stale")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
     mode.add_argument("--print", action="store_true", help="print the section, write nothing")
 
 
 def main(args: argparse.Namespace) -> int:
-    results, readme_path = Path(args.results), Path(args.readme)
+    results, readme_path = Path(args.results), Path(args.page)
     if not readme_path.exists():
         raise SparkTrainError(f"{readme_path} not found; run from the repository root")
-    # image links relative to the README
+    # image links relative to the page
     rel = os.path.relpath(results.resolve(), readme_path.resolve().parent)
     prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
     today = dt.datetime.now(dt.UTC).date().isoformat()
