@@ -1,4 +1,4 @@
-"""Regenerate README.md's results section from docs/results/*.json; same arguments as
+"""Regenerate docs/results.md's results section from docs/results/*.json; same arguments as
 `sparktrain bench report` (``--check`` exits 1 when the section is stale).
 
     python jobs/bench_report.py [--check]

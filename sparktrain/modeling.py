@@ -98,7 +98,7 @@ class Loss:
     weight sum: the driver has divided the weights by their mean over the training data
     (``launch/prepare.py``), which makes the gradient of the whole training set exactly
     that of ``sum w_i l_i / sum w_i`` and keeps the workers' sample-count averaging exact
-    (README: "Sample weights"). Loss-specific per-row factors (``CrossEntropyLoss``'s
+    (docs/ml.md: "Sample weights"). Loss-specific per-row factors (``CrossEntropyLoss``'s
     class ``weight``, ``BCEWithLogitsLoss``'s ``weight``/``pos_weight``) multiply the
     sample weight; rows skipped by ``ignore_index`` count in ``n`` with loss 0.
 

@@ -75,7 +75,7 @@ _JOB_GROUP_PROPERTIES = (
 @dataclass
 class TrainResult:
     """What :meth:`Trainer.fit` returns: the trained module (rank 0's weights, on the
-    driver), the per-epoch history and the run's summary (see README for the keys)."""
+    driver), the per-epoch history and the run's summary (see docs/summary.md for the keys)."""
 
     model: nn.Module
     history: list[dict[str, Any]]
@@ -587,7 +587,7 @@ def stage_summary(
     replicas_in_sync: bool,
 ) -> dict[str, Any]:
     """The summary keys every barrier-stage run reports, from the per-rank ``stats``
-    records and rank 0's ``meta`` (history, metric name); see the README."""
+    records and rank 0's ``meta`` (history, metric name); see docs/summary.md."""
     history = meta["history"]
     last = history[-1]
     train_s = max(s["train_s"] for s in stats)

@@ -107,7 +107,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
     @property
     def summary(self) -> dict[str, Any]:
         """The Trainer's summary of the run that fitted this model (history, strategy,
-        bytes sent, final metric...; see the README's summary keys)."""
+        bytes sent, final metric...; see docs/summary.md for the keys)."""
         if self._summary is None:
             raise RuntimeError(
                 f"no training summary is available for this {type(self).__name__} "

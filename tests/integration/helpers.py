@@ -10,7 +10,7 @@ from sparktrain import TrainConfig, datasets
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
 
-# Every training path's summary has these keys (README, "The summary").
+# Every training path's summary has these keys (docs/summary.md).
 SUMMARY_KEYS = frozenset(
     {
         "strategy",
