@@ -36,8 +36,6 @@ def _frame(spark):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("strategy", ["ring", "ps"])
 def test_a_model_over_the_frame_cap_trains(spark, strategy):
-    # ps: needs the parameter server's chunked shards and pulls (branch ps); until that
-    # is merged this leg fails in the server, not here
     assert MODEL_BYTES * 2 > GIB  # the float64 copy the old start sent did not fit
     cfg = TrainConfig(
         strategy=strategy,
