@@ -19,6 +19,7 @@ to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -82,49 +83,69 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# Each benchmark: (module under sparktrain.bench, help line). The modules import torch,
+# Spark and matplotlib, so they are imported only when their benchmark is asked for:
+# `sparktrain --help` and `sparktrain train --help` then import neither torch nor pyspark.
+BENCHES: dict[str, tuple[str, str]] = {
+    "allreduce": ("allreduce", "ring/tree allreduce vs torch Gloo"),
+    "ps": ("ps", "parameter server: async/ssp, staleness_lr on/off"),
+    "compression": (
+        "compression",
+        "compressor speed (GB/s), ratio; --quality: accuracy vs bytes",
+    ),
+    "mllib": ("mllib", "tree_aggregate vs MLlib's MLP (L-BFGS) on digits"),
+    "train": ("train", "every strategy x compressor vs TorchDistributor and MLlib, same run"),
+    "report": ("report", "regenerate README's results section from the JSON"),
+    "pipeline": ("pipeline", "GPipe vs 1F1B: step time, activation memory"),
+    "scaling": ("scaling", "worlds 1, 2, 4 measured; alpha-beta predictions to 1024 workers"),
+    "overlap": ("overlap", "step time with overlap on/off, ring and ps"),
+}
+# what a benchmark may import that only the `bench` extra installs
+BENCH_EXTRA_MODULES = ("matplotlib", "sklearn")
+
+
+def bench_module(name: str) -> Any:
+    """Import ``sparktrain.bench.<module>`` for benchmark ``name``; a missing extra gets an
+    error that names it."""
+    try:
+        return importlib.import_module(f"sparktrain.bench.{BENCHES[name][0]}")
+    except ModuleNotFoundError as exc:
+        _raise_if_extra_missing(exc)
+        raise
+
+
+def _raise_if_extra_missing(exc: ModuleNotFoundError) -> None:
+    if (exc.name or "").partition(".")[0] in BENCH_EXTRA_MODULES:
+        raise SparkTrainError(
+            f"the benchmarks need {exc.name}, which is not installed: "
+            "pip install 'sparktrain[bench]'"
+        ) from exc
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    from sparktrain.bench.allreduce import main as bench_allreduce
-    from sparktrain.bench.ps import main as bench_ps
-
-    if args.what == "allreduce":
-        return bench_allreduce(args)
-    if args.what == "ps":
-        return bench_ps(args)
-    if args.what == "compression":
-        from sparktrain.bench.compression import main as bench_compression
-
-        return bench_compression(args)
-    if args.what == "pipeline":
-        from sparktrain.bench.pipeline import main as bench_pipeline
-
-        return bench_pipeline(args)
-    if args.what == "mllib":
-        from sparktrain.bench.mllib import main as bench_mllib
-
-        return bench_mllib(args)
-    if args.what == "train":
-        from sparktrain.bench.train import main as bench_train
-
-        return bench_train(args)
-    if args.what == "report":
-        from sparktrain.bench.report import main as bench_report
-
-        return bench_report(args)
-    if args.what == "scaling":
-        from sparktrain.bench.scaling import main as bench_scaling
-
-        return bench_scaling(args)
-    if args.what == "overlap":
-        from sparktrain.bench.overlap import main as bench_overlap
-
-        return bench_overlap(args)
-    raise SparkTrainError(
-        f"unknown benchmark {args.what!r}; available: allreduce, ps, compression, mllib, "
-        "train, report, pipeline, scaling, overlap"
-    )
+    if args.what not in BENCHES:
+        raise SparkTrainError(f"unknown benchmark {args.what!r}; available: {', '.join(BENCHES)}")
+    try:
+        return int(bench_module(args.what).main(args))
+    except ModuleNotFoundError as exc:  # a plot's lazy `import matplotlib`
+        _raise_if_extra_missing(exc)
+        raise
 
 
-def build_parser() -> argparse.ArgumentParser:
+def wanted_bench(argv: Sequence[str]) -> str | None:
+    """The benchmark ``argv`` runs (``bench NAME ...``), if any: only its module is imported
+    to build its arguments. Top-level options take no values, so the first two positional
+    words are the command and the benchmark."""
+    words = [a for a in argv if not a.startswith("-")]
+    if len(words) >= 2 and words[0] == "bench":
+        return words[1]
+    return None
+
+
+def build_parser(bench: str | None = "*") -> argparse.ArgumentParser:
+    """The command line's parser. ``bench`` says which benchmark's arguments to add (its
+    module is imported for them): ``"*"`` all, ``None`` none (they then parse as the
+    benchmark's name only, enough for ``--help`` and for the other commands)."""
     parser = argparse.ArgumentParser(prog="sparktrain", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,63 +162,24 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
     train.set_defaults(func=cmd_train)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="what", required=True)
-    from sparktrain.bench.allreduce import add_arguments
-
-    add_arguments(bench_sub.add_parser("allreduce", help="ring/tree allreduce vs torch Gloo"))
-    from sparktrain.bench.ps import add_arguments as add_ps_arguments
-
-    add_ps_arguments(
-        bench_sub.add_parser("ps", help="parameter server: async/ssp, staleness_lr on/off")
-    )
-    from sparktrain.bench.compression import add_arguments as add_compression_arguments
-
-    add_compression_arguments(
-        bench_sub.add_parser(
-            "compression", help="compressor speed (GB/s), ratio; --quality: accuracy vs bytes"
-        )
-    )
-    from sparktrain.bench.mllib import add_arguments as add_mllib_arguments
-
-    add_mllib_arguments(
-        bench_sub.add_parser("mllib", help="tree_aggregate vs MLlib's MLP (L-BFGS) on digits")
-    )
-    from sparktrain.bench.train import add_arguments as add_train_arguments
-
-    add_train_arguments(
-        bench_sub.add_parser(
-            "train", help="every strategy x compressor vs TorchDistributor and MLlib, same run"
-        )
-    )
-    from sparktrain.bench.report import add_arguments as add_report_arguments
-
-    add_report_arguments(
-        bench_sub.add_parser("report", help="regenerate README's results section from the JSON")
-    )
-    from sparktrain.bench.pipeline import add_arguments as add_pipeline_arguments
-
-    add_pipeline_arguments(
-        bench_sub.add_parser("pipeline", help="GPipe vs 1F1B: step time, activation memory")
-    )
-    from sparktrain.bench.scaling import add_arguments as add_scaling_arguments
-
-    add_scaling_arguments(
-        bench_sub.add_parser(
-            "scaling", help="worlds 1, 2, 4 measured; alpha-beta predictions to 1024 workers"
-        )
-    )
-    from sparktrain.bench.overlap import add_arguments as add_overlap_arguments
-
-    add_overlap_arguments(
-        bench_sub.add_parser("overlap", help="step time with overlap on/off, ring and ps")
-    )
-    bench.set_defaults(func=cmd_bench)
+    bench_parser = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench_parser.add_subparsers(dest="what", required=True)
+    for name, (_, help_line) in BENCHES.items():
+        sub_parser = bench_sub.add_parser(name, help=help_line)
+        if bench in ("*", name):
+            bench_module(name).add_arguments(sub_parser)
+    bench_parser.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        parser = build_parser(bench=wanted_bench(argv))
+    except SparkTrainError as exc:  # a benchmark's extra is missing
+        print(f"sparktrain: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -25,8 +25,17 @@ class Split:
 def digits(test_fraction: float = 0.25, seed: int = 0) -> Split:
     """scikit-learn's bundled 8x8 handwritten digits (1,797 images), scaled to [0, 1],
     split stratified into train and test."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "sklearn":
+            raise
+        # scikit-learn is an extra, not a core dependency: say which one to install
+        raise ConfigError(
+            "the digits data set needs scikit-learn, which is not installed: "
+            "pip install 'sparktrain[datasets]'"
+        ) from exc
 
     data = load_digits()
     x = (data.data / 16.0).astype(np.float32)

@@ -1,0 +1,83 @@
+"""The package stays light for its users: ``import sparktrain`` and the command line's help
+import neither torch nor pyspark (seconds of start-up), and a missing extra (scikit-learn,
+matplotlib) gets an error that names it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sparktrain import cli, datasets
+from sparktrain.errors import ConfigError, SparkTrainError
+
+HEAVY = ("torch", "pyspark", "sklearn", "matplotlib")
+
+# Run `main(argv)` in a fresh interpreter (catching --help's SystemExit), then print which of
+# the heavy modules it imported.
+PROBE = """
+import json, sys
+argv = json.loads(sys.argv[1])
+if argv is None:
+    import sparktrain
+else:
+    from sparktrain.cli import main
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print(json.dumps([m for m in {heavy!r} if m in sys.modules]))
+"""
+
+
+def heavy_imports(argv: list[str] | None) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy=HEAVY), json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    result: list[str] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [None, ["--help"], ["train", "--help"], ["bench", "--help"]],
+    ids=["import", "help", "train-help", "bench-help"],
+)
+def test_help_and_import_load_neither_torch_nor_pyspark(argv: list[str] | None) -> None:
+    assert heavy_imports(argv) == []
+
+
+def test_bench_imports_only_the_benchmark_asked_for() -> None:
+    assert cli.wanted_bench(["-v", "bench", "report", "--check"]) == "report"
+    assert cli.wanted_bench(["train", "conf.toml", "--set", "x=1"]) is None
+    parser = cli.build_parser(bench="report")
+    args = parser.parse_args(["bench", "report", "--check"])
+    assert args.what == "report" and args.check
+
+
+def test_every_benchmark_builds_its_arguments() -> None:
+    parser = cli.build_parser()  # default: all benchmarks, as before
+    for name in cli.BENCHES:
+        assert parser.parse_args(["bench", name]).what == name
+
+
+def test_missing_bench_extra_names_it() -> None:
+    exc = ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+    with pytest.raises(SparkTrainError, match=r"sparktrain\[bench\]"):
+        cli._raise_if_extra_missing(exc)
+    other = ModuleNotFoundError("No module named 'foo'", name="foo")
+    cli._raise_if_extra_missing(other)  # not an extra's module: left to propagate
+
+
+def test_missing_sklearn_names_the_datasets_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m == "sklearn" or m.startswith("sklearn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import of sklearn now fails
+    with pytest.raises(ConfigError, match=r"sparktrain\[datasets\]"):
+        datasets.digits()
