@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 
 import numpy as np
@@ -32,15 +30,6 @@ from .helpers import DIGITS_MODEL, digits
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
 PIXELS = [f"p{i}" for i in range(64)]
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None and bool(
-            importlib.import_module(module)
-        )
-    except Exception:
-        return False
 
 
 def pixel_frames(spark):  # type: ignore[no-untyped-def]
@@ -298,9 +287,6 @@ def test_clear_errors(spark):  # type: ignore[no-untyped-def]
         model.setPredictionCol("label").transform(vectors)
 
 
-@pytest.mark.skipif(
-    not _importable("sparktrain.ps.server"), reason="sparktrain.ps is not available yet"
-)
 def test_parameter_server_strategy(spark):  # type: ignore[no-untyped-def]
     train, test = pixel_frames(spark)
     clf = TorchClassifier(
@@ -318,10 +304,6 @@ def test_parameter_server_strategy(spark):  # type: ignore[no-untyped-def]
     assert accuracy >= 0.85 and model.summary["strategy"] == "ps"
 
 
-@pytest.mark.skipif(
-    not _importable("sparktrain.launch.rounds"),
-    reason="strategy='tree_aggregate' is not available yet",
-)
 def test_tree_aggregate_strategy(spark):  # type: ignore[no-untyped-def]
     train, test = pixel_frames(spark)
     clf = TorchClassifier(
@@ -351,9 +333,6 @@ def _class_share(model, frame, label: float) -> float:  # type: ignore[no-untype
     return float((predictions["prediction"] == label).mean())
 
 
-@pytest.mark.skipif(
-    not _importable("sparktrain.ps.server"), reason="sparktrain.ps is not available yet"
-)
 def test_equal_weights_give_the_unweighted_model_with_ps(spark):  # type: ignore[no-untyped-def]
     from pyspark.sql import functions as F
 
@@ -379,10 +358,6 @@ def test_equal_weights_give_the_unweighted_model_with_ps(spark):  # type: ignore
     assert _class_share(plain, test, 3.0) > 0.05
 
 
-@pytest.mark.skipif(
-    not _importable("sparktrain.launch.rounds"),
-    reason="strategy='tree_aggregate' is not available yet",
-)
 def test_zero_weight_on_a_class_with_tree_aggregate(spark):  # type: ignore[no-untyped-def]
     from pyspark.sql import functions as F
 

@@ -52,18 +52,13 @@ def test_rdd_input_and_the_driver_model_is_reassembled(spark):
 def test_a_model_over_the_parameter_cap_trains_with_two_stages(spark):
     """The deeper MLP holds ~0.07 MiB of parameters; a 0.05 MiB cap refuses it whole
     but each of two stages fits."""
-    cfg = _pipeline_config(epochs=2)
-    object.__setattr__(cfg, "max_param_mb", 0.05)  # until TrainConfig declares the key
+    cfg = _pipeline_config(epochs=2, max_param_mb=0.05)
     train, _ = digits_frames(spark)
     result = Trainer(DEEP_MLP, cfg, model_kwargs=DEEP_KWARGS, spark=spark).fit(train)
     assert max(result.summary["stage_param_mb"]) <= 0.05
     assert result.summary["num_parameters"] * 4 / (1 << 20) > 0.05
 
 
-@pytest.mark.skipif(
-    "max_param_mb" not in TrainConfig.allowed_keys(),
-    reason="needs the max_param_mb key and the data-parallel check in trainer.py",
-)
 def test_data_parallel_refuses_a_model_over_the_cap(spark):
     train, _ = digits_frames(spark)
     cfg = fast_config(epochs=1, max_param_mb=0.05)
