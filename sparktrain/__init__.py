@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
-    from sparktrain.trainer import Trainer, TrainResult
+    from sparktrain.result import TrainResult
+    from sparktrain.trainer import Trainer
 
 __all__ = ["TrainConfig", "TrainResult", "Trainer"]
 __version__ = "0.1.0"
 
 _HOMES = {"TrainConfig": "sparktrain.config", "Trainer": "sparktrain.trainer"}
-_HOMES["TrainResult"] = _HOMES["Trainer"]
+_HOMES["TrainResult"] = "sparktrain.result"
 
 
 def __getattr__(name: str) -> Any:

@@ -11,14 +11,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import json
 import logging
 import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,9 +51,9 @@ from sparktrain.modeling import (
     check_weighted_loss,
     resolve_model_fn,
 )
+from sparktrain.result import Record, TrainResult, assemble
 from sparktrain.worker.context import JobSpec
 from sparktrain.worker.faults import FaultPlan
-from sparktrain.worker.loop import Record
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -70,22 +67,6 @@ _JOB_GROUP_PROPERTIES = (
     "spark.job.description",
     "spark.job.interruptOnCancel",
 )
-
-
-@dataclass
-class TrainResult:
-    """What :meth:`Trainer.fit` returns: the trained module (rank 0's weights, on the
-    driver), the per-epoch history and the run's summary (see docs/summary.md for the keys)."""
-
-    model: nn.Module
-    history: list[dict[str, Any]]
-    summary: dict[str, Any] = field(default_factory=dict)
-
-    def save_summary(self, path: str | Path) -> None:
-        """Write the summary as pretty JSON."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.summary, indent=2) + "\n")
 
 
 class Trainer:
@@ -265,7 +246,7 @@ class Trainer:
                 ps_saver.stop()
             if ps is not None:
                 ps.stop()
-        result = _assemble(
+        result = assemble(
             model,
             records,
             cfg,
@@ -527,120 +508,3 @@ def _start_ps(
 def _steps_per_epoch(display: ProgressDisplay) -> int:
     """Steps per epoch as the first stage reported them (0 before)."""
     return int(display._steps_per_epoch)  # read-only; the display learns it from rank 0
-
-
-def _assemble(
-    model: nn.Module, records: list[Record], cfg: TrainConfig, wall_s: float, stage_s: float
-) -> TrainResult:
-    """Load rank 0's state into the driver's model and build the summary."""
-    stats = sorted(
-        (json.loads(r.data) for r in records if r.kind == "stats"), key=lambda s: s["rank"]
-    )
-    metas = [r for r in records if r.kind == "meta"]
-    if len(metas) != 1 or len(stats) != cfg.num_workers:
-        raise WorkerError(
-            f"the training stage returned {len(stats)} of {cfg.num_workers} worker reports "
-            f"and {len(metas)} model states; this is a bug, please report it"
-        )
-    meta = json.loads(metas[0].data)
-    if not meta.get("streamed"):  # else the state receiver already wrote it into model
-        _load_state_records(model, records, meta)
-
-    summary = stage_summary(
-        cfg,
-        model,
-        stats,
-        meta,
-        world_size=cfg.num_workers,
-        wall_s=wall_s,
-        stage_s=stage_s,
-        replicas_in_sync=len({s["param_digest"] for s in stats}) == 1,
-    )
-    return TrainResult(model=model, history=summary["history"], summary=summary)
-
-
-def _load_state_records(model: nn.Module, records: list[Record], meta: dict[str, Any]) -> None:
-    """Load rank 0's state from chunked task results (jobs without a state receiver)."""
-    blob = b"".join(
-        r.data for r in sorted((r for r in records if r.kind == "state"), key=lambda r: r.seq)
-    )
-    if len(blob) != meta["nbytes"]:
-        raise WorkerError(f"model state truncated: got {len(blob)} of {meta['nbytes']} bytes")
-    state = {}
-    for item in meta["layout"]:
-        dtype = getattr(torch, item["dtype"])
-        raw = bytearray(blob[item["offset"] : item["offset"] + item["nbytes"]])
-        tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        state[item["name"]] = tensor.reshape(item["shape"])
-    model.load_state_dict(state)
-
-
-def stage_summary(
-    cfg: TrainConfig,
-    model: nn.Module,
-    stats: list[dict[str, Any]],
-    meta: dict[str, Any],
-    *,
-    world_size: int,
-    wall_s: float,
-    stage_s: float,
-    replicas_in_sync: bool,
-) -> dict[str, Any]:
-    """The summary keys every barrier-stage run reports, from the per-rank ``stats``
-    records and rank 0's ``meta`` (history, metric name); see docs/summary.md."""
-    history = meta["history"]
-    last = history[-1]
-    train_s = max(s["train_s"] for s in stats)
-    train_samples = sum(s["train_rows"] for s in stats)
-    comm = [s["comm"] for s in stats]
-    bytes_sent = sum(c["raw_bytes_sent"] for c in comm)
-    wire_bytes = sum(c["wire_bytes_sent"] for c in comm)
-    return {
-        "strategy": cfg.strategy,
-        "compression": cfg.compression,
-        "world_size": world_size,
-        "epochs": cfg.epochs,
-        "train_samples": train_samples,
-        "train_rows_per_worker": [s["train_rows"] for s in stats],
-        "steps_per_epoch": stats[0]["steps_per_epoch"],
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "final_loss": last["loss"],
-        "metric_name": meta["metric_name"],
-        "metric_value": last["metric"],
-        "wall_s": wall_s,
-        "stage_s": stage_s,
-        "train_s": train_s,
-        "comm_s": max(s["comm_s"] for s in stats),
-        "samples_per_s": train_samples * cfg.epochs / train_s if train_s > 0 else 0.0,
-        "bytes_sent": bytes_sent,
-        "wire_bytes": wire_bytes,
-        "compression_ratio": bytes_sent / wire_bytes if wire_bytes else 1.0,
-        "restarts": 0,
-        "replicas_in_sync": replicas_in_sync,
-        # each rank's process peak (VmHWM; ranks sharing a process report one figure)
-        "peak_rss_bytes_per_worker": [s.get("peak_rss_bytes", 0) for s in stats],
-        "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
-        "config": cfg.to_dict(),
-        # strategy/compression "auto": what the stage-start probe chose and why
-        **({"auto": stats[0]["auto"]} if "auto" in stats[0] else {}),
-        **_sync_summary(stats),
-    }
-
-
-def _sync_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """Overlap and per-spec compression figures from the ranks' StepSync stats (only the
-    keys the strategy reported)."""
-    from sparktrain.worker.sync import by_spec
-
-    out: dict[str, Any] = {}
-    first = stats[0]
-    for key in ("overlap", "compression_path"):
-        if key in first:
-            out[key] = first[key]
-    launched = [s[k] for s in stats for k in ("buckets_launched_in_backward",) if k in s]
-    if launched:
-        out["buckets_launched_in_backward"] = sum(launched)
-    buckets = [b for s in stats for b in s.get("compression_buckets", [])]
-    if buckets:
-        out["compression_by_spec"] = by_spec(buckets)
-    return out

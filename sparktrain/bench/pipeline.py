@@ -33,9 +33,9 @@ from sparktrain.models import mlp
 from sparktrain.parallel.partition import partition
 from sparktrain.parallel.schedule import ideal_bubble
 from sparktrain.parallel.stage import PipelineSpec, train_stage
+from sparktrain.result import Record
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
-from sparktrain.worker.loop import Record
 
 
 class _Collectives:

@@ -16,9 +16,10 @@ import pyarrow as pa
 
 from sparktrain.launch import rendezvous
 from sparktrain.launch.prepare import PreparedData
+from sparktrain.result import Record
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import from_arrow, from_rows
-from sparktrain.worker.loop import Record, train_partition
+from sparktrain.worker.loop import train_partition
 
 if TYPE_CHECKING:
     from pyspark import RDD

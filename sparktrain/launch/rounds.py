@@ -104,7 +104,7 @@ from sparktrain.launch.rounds_worker import (
 from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, download_compressor
 from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
 from sparktrain.modeling import build_optimizer
-from sparktrain.trainer import TrainResult
+from sparktrain.result import TrainResult
 from sparktrain.worker.data import PartitionData, check_labels, from_arrow, from_rows, steps_for
 from sparktrain.worker.evaluate import finish_metric, metric_name
 

@@ -43,14 +43,14 @@ from sparktrain.metrics import MetricsServer, ProgressDisplay
 from sparktrain.parallel.partition import Partition, partition
 from sparktrain.parallel.schedule import SCHEDULES, ideal_bubble
 from sparktrain.parallel.stage import WIRE_DTYPES, PipelineSpec, train_stage
+from sparktrain.result import Record, TrainResult, load_state_records, stage_summary
 from sparktrain.worker.context import JobSpec
 from sparktrain.worker.data import from_arrow, from_rows
-from sparktrain.worker.loop import Record
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
 
-    from sparktrain.trainer import Trainer, TrainResult
+    from sparktrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -278,20 +278,7 @@ def load_stage_states(model: nn.Module, records: list[Record], stages: int) -> d
     state: dict[str, torch.Tensor] = {}
     last_meta: dict[str, Any] = {}
     for rank, meta in metas.items():
-        chunks = sorted(
-            (r for r in records if r.kind == "state" and r.rank == rank), key=lambda r: r.seq
-        )
-        blob = b"".join(r.data for r in chunks)
-        if len(blob) != meta["nbytes"]:
-            raise WorkerError(
-                f"stage {meta['stage']}'s state truncated: got {len(blob)} of "
-                f"{meta['nbytes']} bytes"
-            )
-        for item in meta["layout"]:
-            dtype = getattr(torch, item["dtype"])
-            raw = bytearray(blob[item["offset"] : item["offset"] + item["nbytes"]])
-            tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-            state[item["name"]] = tensor.reshape(item["shape"])
+        state.update(load_state_records(records, rank, meta))
         if meta["stage"] == stages - 1:
             last_meta = meta
     model.load_state_dict(state)  # strict: every key of the whole model, from some stage
@@ -306,8 +293,6 @@ def assemble(
     stage_s: float,
 ) -> TrainResult:
     """The trained model and the summary (data-parallel keys plus pipeline figures)."""
-    from sparktrain.trainer import TrainResult, stage_summary
-
     cfg = spec.job.config
     P, D = spec.stages, spec.replicas
     stats = sorted(

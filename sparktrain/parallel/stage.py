@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +47,7 @@ from sparktrain.modeling import build_loss, build_optimizer, label_dtype, resolv
 from sparktrain.parallel.group import GroupGradientSync, group_allreduce
 from sparktrain.parallel.partition import Partition, as_sequential
 from sparktrain.parallel.schedule import make_schedule
+from sparktrain.result import Record, state_records
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import (
     PartitionData,
@@ -57,7 +57,7 @@ from sparktrain.worker.data import (
     weights_at,
 )
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
-from sparktrain.worker.loop import _SEEDED_INIT, Record, rendezvous
+from sparktrain.worker.loop import _SEEDED_INIT, rendezvous
 from sparktrain.worker.state import byte_view
 
 KIND_ROWS = KIND_USER_MIN + 1
@@ -542,15 +542,18 @@ class _StageRunner:
         }
         records = [Record(self.ctx.rank, "stats", 0, json.dumps(stats).encode())]
         if self.replica == 0:
-            records += _state_records(
-                self.ctx.rank,
-                self.stage,
-                owned,
-                module,
-                history if self.last else [],
-                metric,
-                spec.job.state_chunk_bytes,
+            # this stage's state under the whole model's key names (<layer index>.<key>)
+            named = (
+                (f"{index}.{name}", tensor)
+                for pos, index in enumerate(owned)
+                for name, tensor in module[pos].state_dict().items()
             )
+            meta = {
+                "stage": self.stage,
+                "history": history if self.last else [],
+                "metric_name": metric,
+            }
+            records += state_records(self.ctx.rank, named, meta, spec.job.state_chunk_bytes)
         return records
 
 
@@ -559,44 +562,3 @@ def _digest(params: list[nn.Parameter]) -> str:
     for p in params:
         h.update(byte_view(p.detach().contiguous()).data)  # the memory itself: no copy
     return h.hexdigest()[:16]
-
-
-def _state_records(
-    rank: int,
-    stage: int,
-    owned: list[int],
-    module: nn.Sequential,
-    history: list[dict[str, Any]],
-    metric_name: str,
-    chunk: int,
-) -> Iterator[Record]:
-    """This stage's state under the whole model's key names (``<layer index>.<key>``),
-    as raw bytes in chunks plus a JSON layout; no pickle."""
-    layout = []
-    blobs = []
-    offset = 0
-    for pos, index in enumerate(owned):
-        for name, tensor in module[pos].state_dict().items():
-            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            layout.append(
-                {
-                    "name": f"{index}.{name}",
-                    "dtype": str(tensor.dtype).removeprefix("torch."),
-                    "shape": list(tensor.shape),
-                    "offset": offset,
-                    "nbytes": len(raw),
-                }
-            )
-            blobs.append(raw)
-            offset += len(raw)
-    meta = {
-        "stage": stage,
-        "layout": layout,
-        "history": history,
-        "metric_name": metric_name,
-        "nbytes": offset,
-    }
-    yield Record(rank, "meta", 0, json.dumps(meta).encode())
-    state = b"".join(blobs)
-    for seq, start in enumerate(range(0, len(state), chunk)):
-        yield Record(rank, "state", seq, state[start : start + chunk])

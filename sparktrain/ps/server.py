@@ -94,7 +94,7 @@ from sparktrain.ps.layout import (
 )
 
 if TYPE_CHECKING:
-    from sparktrain.trainer import TrainResult
+    from sparktrain.result import TrainResult
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +33,7 @@ from sparktrain.comm.link import link_from_config
 from sparktrain.errors import CheckpointError
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_model, label_dtype, resolve_model_fn
+from sparktrain.result import Record, state_records
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
@@ -47,16 +46,6 @@ from sparktrain.worker.sync import StepSync, load_rank_state, make_sync, rank_st
 # reused Python worker) must not interleave seeding and initialisation.
 _SEEDED_INIT = threading.Lock()
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Record:
-    """One output row of a task: ``kind`` is ``stats``, ``meta`` or ``state``."""
-
-    rank: int
-    kind: str
-    seq: int
-    data: bytes
 
 
 def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
@@ -335,7 +324,8 @@ def _return_state(
     job has one (any size, no copy; :mod:`sparktrain.worker.state`), else as chunked
     task results. The ``meta`` record (history, metric) is a task result either way."""
     if spec.state_address is None:
-        return list(_state_records(model, history, metric, spec.state_chunk_bytes))
+        meta: dict[str, Any] = {"history": history, "metric_name": metric}
+        return list(state_records(0, model.state_dict().items(), meta, spec.state_chunk_bytes))
     sent = send_state(
         spec.state_address,
         model,
@@ -406,30 +396,3 @@ def _digest(params: list[nn.Parameter]) -> str:
     for p in params:
         h.update(byte_view(p.detach().contiguous()).data)  # the memory itself: no copy
     return h.hexdigest()[:16]
-
-
-def _state_records(
-    model: nn.Module, history: list[dict[str, Any]], metric_name: str, chunk: int
-) -> Iterator[Record]:
-    """The trained state as raw bytes in chunks plus a JSON layout; no pickle."""
-    layout = []
-    blobs = []
-    offset = 0
-    for name, tensor in model.state_dict().items():
-        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        layout.append(
-            {
-                "name": name,
-                "dtype": str(tensor.dtype).removeprefix("torch."),
-                "shape": list(tensor.shape),
-                "offset": offset,
-                "nbytes": len(raw),
-            }
-        )
-        blobs.append(raw)
-        offset += len(raw)
-    meta = {"layout": layout, "history": history, "metric_name": metric_name, "nbytes": offset}
-    yield Record(0, "meta", 0, json.dumps(meta).encode())
-    state = b"".join(blobs)
-    for seq, start in enumerate(range(0, len(state), chunk)):
-        yield Record(0, "state", seq, state[start : start + chunk])

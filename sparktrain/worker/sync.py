@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +39,7 @@ from sparktrain.compress.policy import resolve_policy
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.modeling import build_optimizer
+from sparktrain.result import by_spec
 from sparktrain.worker.buckets import NONE, GradientBuckets, GradientReadiness
 from sparktrain.worker.context import WorkerContext
 
@@ -332,36 +333,6 @@ class AllreduceSync:
             self._ready.remove()
         if self._worker is not None:
             self._worker.close()
-
-
-def by_spec(buckets: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per-bucket compression figures summed per spec, with the spec's byte ratio
-    (what the plain allreduce would have sent / what went on the wire). Works on one
-    rank's ``compression_buckets`` or on all ranks' concatenated: bytes add up over the
-    rows, buckets and elements count each bucket index once."""
-    out: dict[str, dict[str, Any]] = {}
-    seen: set[tuple[str, int]] = set()
-    for b in buckets:
-        s = out.setdefault(
-            b["spec"],
-            {
-                "path": b["path"],
-                "buckets": 0,
-                "elements": 0,
-                "raw_bytes_sent": 0,
-                "wire_bytes_sent": 0,
-            },
-        )
-        key = (b["spec"], b.get("index", len(seen)))
-        if key not in seen:
-            seen.add(key)
-            s["buckets"] += 1
-            s["elements"] += b["elements"]
-        s["raw_bytes_sent"] += b["raw_bytes_sent"]
-        s["wire_bytes_sent"] += b["wire_bytes_sent"]
-    for s in out.values():
-        s["ratio"] = s["raw_bytes_sent"] / s["wire_bytes_sent"] if s["wire_bytes_sent"] else 1.0
-    return out
 
 
 def rank_state(sync: StepSync) -> dict[str, Any] | None:

@@ -29,7 +29,7 @@ from sparktrain.comm.chunked import (
 from sparktrain.errors import FrameError, WorkerError
 from sparktrain.launch.state_server import StateReceiver
 from sparktrain.models import embedding_regressor, mlp
-from sparktrain.trainer import _assemble
+from sparktrain.result import assemble as _assemble
 from sparktrain.worker.loop import _start_from_rank0, train_partition
 from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
 from sparktrain.worker.state import send_state, tensor_layout

@@ -13,7 +13,7 @@ from sparktrain.comm.ring import ring_raw_bytes_sent
 from sparktrain.compress import build
 from sparktrain.compress.collective import CompressedAllreduce, path_for
 from sparktrain.errors import CommError, ConfigError
-from sparktrain.trainer import _assemble
+from sparktrain.result import assemble as _assemble
 
 from . import comm_harness
 from .test_loop import _parts, _reference, _run, _spec

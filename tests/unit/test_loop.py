@@ -12,7 +12,7 @@ import torch
 from sparktrain.config import TrainConfig
 from sparktrain.errors import DataError
 from sparktrain.models import mlp
-from sparktrain.trainer import _assemble
+from sparktrain.result import assemble as _assemble
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.loop import train_partition

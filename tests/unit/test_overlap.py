@@ -23,7 +23,7 @@ from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError, PeerLostError
 from sparktrain.ps.client import check_compression_table
 from sparktrain.ps.server import start_parameter_server
-from sparktrain.trainer import _assemble
+from sparktrain.result import assemble as _assemble
 from sparktrain.worker.buckets import GradientBuckets, GradientReadiness
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData

@@ -21,7 +21,7 @@ from sparktrain.ps import protocol as P
 from sparktrain.ps.client import ParameterServerSync, ShardClient, connect_shards
 from sparktrain.ps.layout import shard_ranges
 from sparktrain.ps.server import ParameterServer, start_parameter_server
-from sparktrain.trainer import _assemble
+from sparktrain.result import assemble as _assemble
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.loop import train_partition

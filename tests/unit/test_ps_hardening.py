@@ -25,7 +25,7 @@ from sparktrain.ps import persist
 from sparktrain.ps import protocol as P
 from sparktrain.ps.client import connect_shards
 from sparktrain.ps.server import ParameterServer, start_parameter_server
-from sparktrain.trainer import _assemble
+from sparktrain.result import assemble as _assemble
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.loop import train_partition
 

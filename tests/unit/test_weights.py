@@ -22,7 +22,7 @@ from sparktrain.launch import rounds_worker as rw
 from sparktrain.launch.rounds_worker import Block, RoundSpec
 from sparktrain.modeling import build_loss, check_weighted_loss
 from sparktrain.models import mlp
-from sparktrain.trainer import _assemble
+from sparktrain.result import assemble as _assemble
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.loop import train_partition

@@ -1,0 +1,235 @@
+"""What a training run gives back, and how it travels: the task output rows, the state
+codec that carries trained tensors from ranks to the driver without pickle, and the
+summary every barrier-stage run reports (keys: docs/summary.md).
+
+This module sits at the bottom of the house (it imports only torch and the standard
+library): the strategies, the stage runner, the pipeline and the rounds driver all build
+their results here, and executor code encodes its state here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sparktrain.errors import WorkerError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from sparktrain.config import TrainConfig
+
+
+@dataclass
+class Record:
+    """One output row of a task: ``kind`` is ``stats``, ``meta`` or ``state``."""
+
+    rank: int
+    kind: str
+    seq: int
+    data: bytes
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`Trainer.fit` returns: the trained module (rank 0's weights, on the
+    driver), the per-epoch history and the run's summary (see docs/summary.md for the keys)."""
+
+    model: nn.Module
+    history: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def save_summary(self, path: str | Path) -> None:
+        """Write the summary as pretty JSON."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.summary, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- state codec
+def state_records(
+    rank: int,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    meta: dict[str, Any],
+    chunk_bytes: int,
+) -> Iterator[Record]:
+    """Named tensors as raw bytes in chunks plus one JSON ``meta`` record holding their
+    layout (and ``meta``'s own keys); no pickle. For jobs without a state receiver
+    (thread harnesses, benchmarks); :func:`load_state_records` is the other end."""
+    layout = []
+    blobs = []
+    offset = 0
+    for name, tensor in tensors:
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        layout.append(
+            {
+                "name": name,
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "offset": offset,
+                "nbytes": len(raw),
+            }
+        )
+        blobs.append(raw)
+        offset += len(raw)
+    yield Record(rank, "meta", 0, json.dumps({**meta, "layout": layout, "nbytes": offset}).encode())
+    state = b"".join(blobs)
+    for seq, start in enumerate(range(0, len(state), chunk_bytes)):
+        yield Record(rank, "state", seq, state[start : start + chunk_bytes])
+
+
+def load_state_records(
+    records: Sequence[Record], rank: int, meta: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The tensors one rank sent with :func:`state_records`, by name."""
+    chunks = sorted(
+        (r for r in records if r.kind == "state" and r.rank == rank), key=lambda r: r.seq
+    )
+    blob = b"".join(r.data for r in chunks)
+    if len(blob) != meta["nbytes"]:
+        raise WorkerError(
+            f"rank {rank}'s model state truncated: got {len(blob)} of {meta['nbytes']} bytes"
+        )
+    state = {}
+    for item in meta["layout"]:
+        dtype = getattr(torch, item["dtype"])
+        raw = bytearray(blob[item["offset"] : item["offset"] + item["nbytes"]])
+        tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        state[item["name"]] = tensor.reshape(item["shape"])
+    return state
+
+
+def assemble(
+    model: nn.Module, records: list[Record], cfg: TrainConfig, wall_s: float, stage_s: float
+) -> TrainResult:
+    """Load rank 0's state into the driver's model (unless it was streamed there) and
+    build the data-parallel run's result."""
+    stats = sorted(
+        (json.loads(r.data) for r in records if r.kind == "stats"), key=lambda s: s["rank"]
+    )
+    metas = [r for r in records if r.kind == "meta"]
+    if len(metas) != 1 or len(stats) != cfg.num_workers:
+        raise WorkerError(
+            f"the training stage returned {len(stats)} of {cfg.num_workers} worker reports "
+            f"and {len(metas)} model states; this is a bug, please report it"
+        )
+    meta = json.loads(metas[0].data)
+    if not meta.get("streamed"):  # else the state receiver already wrote it into model
+        model.load_state_dict(load_state_records(records, 0, meta))
+
+    summary = stage_summary(
+        cfg,
+        model,
+        stats,
+        meta,
+        world_size=cfg.num_workers,
+        wall_s=wall_s,
+        stage_s=stage_s,
+        replicas_in_sync=len({s["param_digest"] for s in stats}) == 1,
+    )
+    return TrainResult(model=model, history=summary["history"], summary=summary)
+
+
+# --------------------------------------------------------------------------- summaries
+def stage_summary(
+    cfg: TrainConfig,
+    model: nn.Module,
+    stats: list[dict[str, Any]],
+    meta: dict[str, Any],
+    *,
+    world_size: int,
+    wall_s: float,
+    stage_s: float,
+    replicas_in_sync: bool,
+) -> dict[str, Any]:
+    """The summary keys every barrier-stage run reports, from the per-rank ``stats``
+    records and rank 0's ``meta`` (history, metric name); see docs/summary.md."""
+    history = meta["history"]
+    last = history[-1]
+    train_s = max(s["train_s"] for s in stats)
+    train_samples = sum(s["train_rows"] for s in stats)
+    comm = [s["comm"] for s in stats]
+    bytes_sent = sum(c["raw_bytes_sent"] for c in comm)
+    wire_bytes = sum(c["wire_bytes_sent"] for c in comm)
+    return {
+        "strategy": cfg.strategy,
+        "compression": cfg.compression,
+        "world_size": world_size,
+        "epochs": cfg.epochs,
+        "train_samples": train_samples,
+        "train_rows_per_worker": [s["train_rows"] for s in stats],
+        "steps_per_epoch": stats[0]["steps_per_epoch"],
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": last["loss"],
+        "metric_name": meta["metric_name"],
+        "metric_value": last["metric"],
+        "wall_s": wall_s,
+        "stage_s": stage_s,
+        "train_s": train_s,
+        "comm_s": max(s["comm_s"] for s in stats),
+        "samples_per_s": train_samples * cfg.epochs / train_s if train_s > 0 else 0.0,
+        "bytes_sent": bytes_sent,
+        "wire_bytes": wire_bytes,
+        "compression_ratio": bytes_sent / wire_bytes if wire_bytes else 1.0,
+        "restarts": 0,
+        "replicas_in_sync": replicas_in_sync,
+        # each rank's process peak (VmHWM; ranks sharing a process report one figure)
+        "peak_rss_bytes_per_worker": [s.get("peak_rss_bytes", 0) for s in stats],
+        "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
+        "config": cfg.to_dict(),
+        # strategy/compression "auto": what the stage-start probe chose and why
+        **({"auto": stats[0]["auto"]} if "auto" in stats[0] else {}),
+        **sync_summary(stats),
+    }
+
+
+def sync_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Overlap and per-spec compression figures from the ranks' StepSync stats (only the
+    keys the strategy reported)."""
+    out: dict[str, Any] = {}
+    first = stats[0]
+    for key in ("overlap", "compression_path"):
+        if key in first:
+            out[key] = first[key]
+    launched = [s[k] for s in stats for k in ("buckets_launched_in_backward",) if k in s]
+    if launched:
+        out["buckets_launched_in_backward"] = sum(launched)
+    buckets = [b for s in stats for b in s.get("compression_buckets", [])]
+    if buckets:
+        out["compression_by_spec"] = by_spec(buckets)
+    return out
+
+
+def by_spec(buckets: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-bucket compression figures summed per spec, with the spec's byte ratio
+    (what the plain allreduce would have sent / what went on the wire). Works on one
+    rank's ``compression_buckets`` or on all ranks' concatenated: bytes add up over the
+    rows, buckets and elements count each bucket index once."""
+    out: dict[str, dict[str, Any]] = {}
+    seen: set[tuple[str, int]] = set()
+    for b in buckets:
+        s = out.setdefault(
+            b["spec"],
+            {
+                "path": b["path"],
+                "buckets": 0,
+                "elements": 0,
+                "raw_bytes_sent": 0,
+                "wire_bytes_sent": 0,
+            },
+        )
+        key = (b["spec"], b.get("index", len(seen)))
+        if key not in seen:
+            seen.add(key)
+            s["buckets"] += 1
+            s["elements"] += b["elements"]
+        s["raw_bytes_sent"] += b["raw_bytes_sent"]
+        s["wire_bytes_sent"] += b["wire_bytes_sent"]
+    for s in out.values():
+        s["ratio"] = s["raw_bytes_sent"] / s["wire_bytes_sent"] if s["wire_bytes_sent"] else 1.0
+    return out
