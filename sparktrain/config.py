@@ -405,7 +405,7 @@ def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -
         raise ConfigError(f"compression must be a spec string such as 'topk:0.01+ef', got {spec!r}")
     if spec == "auto":
         return
-    from sparktrain.compress.base import build, split_spec
+    from sparktrain.compress.registry import build, split_spec
 
     comp = build(spec)
     parts = split_spec(spec)

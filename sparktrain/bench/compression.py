@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from sparktrain.bench.allreduce import parse_size
-from sparktrain.compress.base import BucketState, build
+from sparktrain.compress.base import BucketState
+from sparktrain.compress.registry import build
 from sparktrain.errors import ConfigError
 
 DEFAULT_SPECS = [
@@ -159,7 +160,7 @@ def quality_run(
     table (:mod:`sparktrain.compress.policy`); ``drop_last`` leaves out each partition's
     short final batch (for every spec alike, the baseline included)."""
     from sparktrain import TrainConfig, Trainer
-    from sparktrain.compress.base import build
+    from sparktrain.compress.registry import build
 
     specs = [spec] if isinstance(spec, str) else list(spec.values())
     kwargs = dict(RECIPE["optimizer_kwargs"])

@@ -23,16 +23,15 @@ from sparktrain.compress.base import (
     BucketState,
     Ctx,
     Payload,
-    Stage,
     SumFn,
     as_tensor,
-    check_options,
     expect_len,
     expect_meta,
     expect_parts,
     summable_allreduce,
     to_numpy,
 )
+from sparktrain.compress.spec import Stage, check_options
 
 FP16_MAX = 65504.0
 

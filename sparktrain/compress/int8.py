@@ -32,15 +32,13 @@ from sparktrain.compress.base import (
     BucketState,
     Ctx,
     Payload,
-    Stage,
     as_tensor,
     bad,
-    check_options,
     expect_len,
     expect_meta,
     expect_parts,
-    int_option,
 )
+from sparktrain.compress.spec import Stage, check_options, int_option
 
 GEN_SLOT = "int8.generator"
 SCRATCH_SLOT = "int8.scratch"

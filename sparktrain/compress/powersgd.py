@@ -34,15 +34,13 @@ from sparktrain.compress.base import (
     BucketState,
     Ctx,
     Payload,
-    Stage,
     SumFn,
     as_tensor,
     bad,
-    check_options,
     expect_len,
     expect_parts,
-    int_option,
 )
+from sparktrain.compress.spec import Stage, check_options, int_option
 
 Q_SLOT = "powersgd.q"
 

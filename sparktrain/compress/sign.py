@@ -38,15 +38,13 @@ from sparktrain.compress.base import (
     BucketState,
     Ctx,
     Payload,
-    Stage,
     as_tensor,
     bad,
-    check_options,
     expect_len,
     expect_meta,
     expect_parts,
-    int_option,
 )
+from sparktrain.compress.spec import Stage, check_options, int_option
 
 ABS_SLOT = "sign.abs"
 

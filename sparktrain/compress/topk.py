@@ -36,16 +36,14 @@ from sparktrain.compress.base import (
     BucketState,
     Ctx,
     Payload,
-    Stage,
     SumFn,
     as_tensor,
     bad,
-    check_options,
     expect_meta,
     expect_parts,
-    float_option,
     summable_allreduce,
 )
+from sparktrain.compress.spec import Stage, check_options, float_option
 
 
 def keep_count(ratio: float, numel: int) -> int:

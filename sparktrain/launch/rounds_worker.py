@@ -58,12 +58,11 @@ from sparktrain.compress.base import (
     BucketState,
     Compressor,
     add_bf16,
-    build,
     decode_message,
     encode_message,
-    split_spec,
 )
 from sparktrain.compress.feedback import SCALE
+from sparktrain.compress.registry import build, split_spec
 from sparktrain.config import TrainConfig
 from sparktrain.launch.weights_server import (
     Download,

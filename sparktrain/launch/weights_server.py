@@ -43,14 +43,8 @@ from sparktrain.comm.chunked import (
 )
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
-from sparktrain.compress.base import (
-    BucketState,
-    Compressor,
-    build,
-    decode_message,
-    encode_message,
-    split_spec,
-)
+from sparktrain.compress.base import BucketState, Compressor, decode_message, encode_message
+from sparktrain.compress.registry import build, split_spec
 from sparktrain.errors import CommError, ConfigError
 
 log = logging.getLogger(__name__)

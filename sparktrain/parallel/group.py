@@ -18,8 +18,8 @@ from torch import nn
 from sparktrain.comm import Mesh, RingAllreduce
 from sparktrain.comm.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for
 from sparktrain.comm.wire import AsyncSender, CommStats, Connection
-from sparktrain.compress.base import build as build_compressor
 from sparktrain.compress.collective import CompressedAllreduce
+from sparktrain.compress.registry import build as build_compressor
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.worker.buckets import GradientBuckets
 

@@ -79,14 +79,8 @@ import numpy as np
 import torch
 
 from sparktrain.comm.wire import KIND_USER_MIN, Connection
-from sparktrain.compress.base import (
-    BucketState,
-    Compressor,
-    build,
-    decode_message,
-    encode_message,
-    split_spec,
-)
+from sparktrain.compress.base import BucketState, Compressor, decode_message, encode_message
+from sparktrain.compress.registry import build, split_spec
 from sparktrain.errors import ConfigError, FrameError
 
 KIND_PUSH = KIND_USER_MIN

@@ -44,7 +44,8 @@ from torch import nn
 
 from sparktrain.comm.tree import TreeAllreduce
 from sparktrain.comm.wire import KIND_DATA, Mesh
-from sparktrain.compress.base import BucketState, build, decode_message, encode_message
+from sparktrain.compress.base import BucketState, decode_message, encode_message
+from sparktrain.compress.registry import build
 from sparktrain.costmodel import (
     AUTO_COMPRESSIONS,
     AUTO_STRATEGIES,

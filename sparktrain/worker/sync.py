@@ -33,9 +33,9 @@ from torch import nn
 from sparktrain.comm import Mesh, RingAllreduce, TreeAllreduce, make_allreduce
 from sparktrain.comm.chunked import PiecewiseAllreduce
 from sparktrain.comm.ring import DEFAULT_CHUNK_BYTES
-from sparktrain.compress.base import build as build_compressor
 from sparktrain.compress.collective import CompressedAllreduce
 from sparktrain.compress.policy import resolve_policy
+from sparktrain.compress.registry import build as build_compressor
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.modeling import build_optimizer

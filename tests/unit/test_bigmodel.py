@@ -303,7 +303,7 @@ def test_only_rank0_may_return_the_state():
 
 
 def test_the_weights_mirror_is_fetched_in_pieces():
-    from sparktrain.compress.base import build
+    from sparktrain.compress.registry import build
     from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, fetch_mirror
 
     comp = build("int8")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sparktrain.compress import BucketState, Ctx, build, decode_message, encode_message
-from sparktrain.compress.base import parse_spec
 from sparktrain.compress.collective import bytes_per_rank
+from sparktrain.compress.registry import parse_spec
 from sparktrain.compress.sign import pack_bits, unpack_bits
 from sparktrain.errors import ConfigError, FrameError
 
@@ -332,6 +332,20 @@ def test_parse_spec_stages():
     stages = parse_spec("delta+int8:chunk=64+ef")
     assert [s.name for s in stages] == ["delta", "int8", "ef"]
     assert stages[1].option("chunk") == "64"
+
+
+def test_a_registered_compressor_builds_and_unknown_names_list_the_registry(monkeypatch):
+    from sparktrain.compress import registry
+    from sparktrain.compress.cast import Half
+
+    monkeypatch.setitem(registry._REGISTRY, "mine", lambda stage: Half())
+    assert isinstance(build("mine+ef").inner, Half)
+    with pytest.raises(ConfigError) as err:
+        build("zip")
+    assert "unknown compressor 'zip' (registered: " in str(err.value)
+    listed = str(err.value).partition("registered: ")[2].partition(")")[0].split(", ")
+    assert listed == registry.registered()
+    assert {"fp16", "int8", "topk", "powersgd", "mine"} <= set(listed)
 
 
 # ---------------------------------------------------------------- bytes

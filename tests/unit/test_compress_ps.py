@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from sparktrain.comm.wire import CommStats
-from sparktrain.compress.base import BucketState, build
+from sparktrain.compress.base import BucketState
 from sparktrain.compress.feedback import MOMENTUM, RESIDUAL, SCALE
+from sparktrain.compress.registry import build
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.launch import rounds_worker as rw

@@ -371,7 +371,7 @@ def test_compressed_downloads_learn_and_every_copy_of_the_mirror_is_the_same(
 def test_the_weights_server_serves_only_the_current_mirror_to_the_job() -> None:
     import secrets
 
-    from sparktrain.compress.base import build
+    from sparktrain.compress.registry import build
     from sparktrain.errors import CommError, HandshakeError
     from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, fetch_mirror
 

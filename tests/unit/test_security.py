@@ -177,7 +177,8 @@ def test_arbitrary_bytes_through_every_decompressor_raise_only_our_errors(spec, 
     message's own 16): without one, a flipped byte in the count makes a sparse
     decompressor allocate whatever it says. Only Spark's own channel (treeAggregate)
     decodes without a count."""
-    from sparktrain.compress.base import BucketState, build, decode_message, encode_message
+    from sparktrain.compress.base import BucketState, decode_message, encode_message
+    from sparktrain.compress.registry import build
 
     comp = build(spec)
     assert comp is not None
