@@ -102,6 +102,7 @@ def attack() -> Iterator[Attacker]:
                 hostile.proc.kill()
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_flood_of_strangers_does_not_slow_a_fit_down(
     spark: Any, attack: Attacker, strategy: str

@@ -12,6 +12,7 @@ from .helpers import DIGITS_MODEL, SUMMARY_KEYS, digits_frames, fast_config
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(400)]
 
 
+@pytest.mark.timing
 def test_auto_trains_digits_and_reports_its_choice(spark):
     train, test = digits_frames(spark)
     cfg = fast_config(strategy="auto", compression="auto")

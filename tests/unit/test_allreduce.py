@@ -175,6 +175,7 @@ def test_processes_world_3() -> None:
 # ----------------------------------------------------------------------------- failures
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("algo", ["ring", "tree"])
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -205,9 +206,10 @@ def test_peer_dying_mid_way_is_named(algo: str, world: int) -> None:
         exc, elapsed = result
         assert exc.rank == dead, f"rank {rank}: {exc}"
         assert f"rank {dead}" in str(exc)
-        assert elapsed < 6.0
+        assert elapsed < 10.0  # a few 2 s timeouts, not a hang
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(60)
 def test_peer_dying_during_a_large_ring_allreduce() -> None:
     # Rank 2 vanishes while megabytes are in flight through the sender threads.
@@ -244,9 +246,10 @@ def test_peer_dying_during_a_large_ring_allreduce() -> None:
         exc, elapsed = results[rank]
         assert isinstance(exc, PeerLostError), f"rank {rank}: {exc!r}"
         assert exc.rank == dead, f"rank {rank}: {exc}"
-        assert elapsed < 6.0
+        assert elapsed < 10.0  # a few 2 s timeouts, not a hang
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("algo", "listening"), [("ring", False), ("ring", True), ("tree", True)])
 def test_peer_that_never_shows_up(algo: str, listening: bool) -> None:
@@ -271,7 +274,7 @@ def test_peer_that_never_shows_up(algo: str, listening: bool) -> None:
         assert isinstance(results[rank], tuple), f"rank {rank}: {results[rank]!r}"
         exc, elapsed = results[rank]
         assert exc.rank == missing, f"rank {rank}: {exc}"
-        assert elapsed < 6.0
+        assert elapsed < 10.0  # a few 2 s timeouts, not a hang
 
 
 @pytest.mark.timeout(60)

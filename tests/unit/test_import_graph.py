@@ -406,6 +406,7 @@ def check(root: Path, package: str = PACKAGE) -> Report:
 
 # --- the real tree ---------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def real() -> Report:
     return check(REPO)

@@ -47,6 +47,7 @@ def test_epochs_reach_the_display_and_the_jsonl(tmp_path):
     assert [line["epoch"] for line in lines] == [0, 1]
 
 
+@pytest.mark.timing
 def test_a_client_with_the_wrong_secret_is_ignored_and_training_goes_on():
     display = ProgressDisplay(enabled=False)
     server = MetricsServer("127.0.0.1", secret=SECRET, job_id="j", attempt=0, on_message=display)

@@ -189,6 +189,7 @@ def test_unused_parameters_do_not_deadlock(strategy):
     assert len({s["param_digest"] for s in on_stats + off_stats}) == 1
 
 
+@pytest.mark.timing
 def test_a_lost_peer_surfaces_as_peer_lost_in_the_training_thread(tmp_path):
     """Rank 1 dies at step 3 while rank 0's communication thread waits for it inside an
     allreduce: rank 0's step() raises PeerLostError naming rank 1, in bounded time."""
@@ -308,6 +309,7 @@ def test_ordered_worker_keeps_order_and_reraises_the_same_error():
     w.close()
 
 
+@pytest.mark.timing
 def test_ordered_worker_wait_is_bounded():
     release = threading.Event()
     w = OrderedWorker("t", lambda i: release.wait(10.0))
@@ -315,7 +317,7 @@ def test_ordered_worker_wait_is_bounded():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="no progress"):
         w.wait(0.3)
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 5.0  # the wait's bound, not the task's 10 s
     release.set()
     w.close()
 

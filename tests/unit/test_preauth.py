@@ -134,6 +134,7 @@ def echo_client(srv: DriverService, timeout: float = 8.0) -> float:
 # ------------------------------------------------------------ strangers vs. real clients
 
 
+@pytest.mark.timing
 def test_silent_strangers_do_not_delay_a_driver_service_client(
     echo: Echo, strangers: list[socket.socket]
 ) -> None:
@@ -142,13 +143,21 @@ def test_silent_strangers_do_not_delay_a_driver_service_client(
     for s in flood(echo.address, strangers, 20, first=3):
         s.sendall(wire.HELLO_PREFIX + b"\x01\x00")  # a partial hello: waits for the rest
     time.sleep(0.2)  # every stranger accepted before the client dials
-    assert echo_client(echo) < 1.5  # milliseconds unloaded; generous for a busy host
+    # milliseconds unloaded; a stranger holding it would cost the 3 s pre-auth deadline
+    assert echo_client(echo) < preauth.PREAUTH_DEADLINE_S - 0.5
     assert echo._gate.pending == 40
-    # a silent stranger costs a selector entry, not a thread; the partial hellos do
-    handshakes = [t for t in threading.enumerate() if t.name == "sparktrain-echo-preauth"]
-    assert len(handshakes) == 20
+    # a silent stranger costs a selector entry, not a thread; the partial hellos do (the
+    # client's own handshake thread may take a moment to end after its reply)
+    def handshakes() -> int:
+        return sum(t.name == "sparktrain-echo-preauth" for t in threading.enumerate())
+
+    deadline = time.monotonic() + 5.0
+    while handshakes() > 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handshakes() == 20
 
 
+@pytest.mark.timing
 def test_silent_strangers_do_not_delay_a_parameter_server_client(
     strangers: list[socket.socket],
 ) -> None:
@@ -171,11 +180,12 @@ def test_silent_strangers_do_not_delay_a_parameter_server_client(
             stats=wire.CommStats(),
         )
         conn.close()
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < preauth.PREAUTH_DEADLINE_S - 0.5
     finally:
         server.stop()
 
 
+@pytest.mark.timing
 def test_silent_strangers_do_not_keep_a_lower_rank_out_of_a_mesh(
     strangers: list[socket.socket],
 ) -> None:
@@ -197,9 +207,9 @@ def test_silent_strangers_do_not_keep_a_lower_rank_out_of_a_mesh(
         meshes[0].connect_all([1])
         t.join(10)
         assert accepted and accepted[0].peer_rank == 0
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < preauth.PREAUTH_DEADLINE_S - 0.5
         # the mesh is complete: its gate let go of every stranger
-        assert all(wait_closed(strangers, 2.0))
+        assert all(wait_closed(strangers, preauth.PREAUTH_DEADLINE_S - 0.5))
     finally:
         for m in meshes:
             m.close()
@@ -208,19 +218,21 @@ def test_silent_strangers_do_not_keep_a_lower_rank_out_of_a_mesh(
 # ------------------------------------------------------------ caps, drop-oldest, deadline
 
 
+@pytest.mark.timing
 def test_one_source_keeps_at_most_its_cap_and_loses_its_oldest_first(
     echo: Echo, strangers: list[socket.socket]
 ) -> None:
     cap, extra = preauth.MAX_PENDING_PER_SOURCE, 6
     others = flood(echo.address, strangers, 4, first=9)  # another host, older
     mine = flood(echo.address, strangers, cap + extra, first=2)
-    closed = wait_closed(mine[:extra], within=1.5)  # well before the pre-auth deadline
+    closed = wait_closed(mine[:extra], within=preauth.PREAUTH_DEADLINE_S - 0.5)  # before it
     assert all(closed), closed
     assert not any(closed_by_server(s, 0.0) for s in mine[extra:])
     assert not any(closed_by_server(s, 0.0) for s in others)  # a flood never evicts others
     assert echo._gate.pending_from("127.0.0.2") == cap
 
 
+@pytest.mark.timing
 def test_when_full_the_oldest_stranger_is_dropped_not_the_new_client(
     echo: Echo, strangers: list[socket.socket]
 ) -> None:
@@ -228,27 +240,30 @@ def test_when_full_the_oldest_stranger_is_dropped_not_the_new_client(
     sources = -(-total // preauth.MAX_PENDING_PER_SOURCE) + 1  # no source at its own cap
     oldest = flood(echo.address, strangers, extra, first=2)
     rest = flood(echo.address, strangers, total, sources=sources, first=3)
-    assert all(wait_closed(oldest, within=1.5))
+    assert all(wait_closed(oldest, within=preauth.PREAUTH_DEADLINE_S - 0.5))
     assert not any(closed_by_server(s, 0.0) for s in rest[extra:])
     assert echo._gate.pending == total
-    assert echo_client(echo) < 1.5  # the newest connection is never the one refused
+    # the newest connection is never the one refused
+    assert echo_client(echo) < preauth.PREAUTH_DEADLINE_S - 0.5
 
 
+@pytest.mark.timing
 def test_a_silent_stranger_is_closed_after_the_pre_auth_deadline(
     echo: Echo, strangers: list[socket.socket]
 ) -> None:
     # today's main gives it 10 s (the old handshake timeout)
     (sock,) = flood(echo.address, strangers, 1)
     started = time.monotonic()
-    assert wait_closed([sock], within=preauth.PREAUTH_DEADLINE_S + 2.0) == [True]
+    assert wait_closed([sock], within=preauth.PREAUTH_DEADLINE_S + 6.0) == [True]
     took = time.monotonic() - started
-    assert preauth.PREAUTH_DEADLINE_S - 0.5 < took < preauth.PREAUTH_DEADLINE_S + 1.5
+    assert preauth.PREAUTH_DEADLINE_S - 0.5 < took < preauth.PREAUTH_DEADLINE_S + 5.0
 
 
+@pytest.mark.timing
 def test_a_garbage_stranger_is_closed_at_once(echo: Echo, strangers: list[socket.socket]) -> None:
     sock = open_stranger(echo.address, "127.0.0.2", secrets.token_bytes(200))
     strangers.append(sock)
-    assert wait_closed([sock], within=1.0) == [True]
+    assert wait_closed([sock], within=preauth.PREAUTH_DEADLINE_S - 0.5) == [True]
 
 
 def test_the_gate_rejects_bad_limits() -> None:

@@ -28,6 +28,7 @@ def _same_but_timing(estimates):  # type: ignore[no-untyped-def]
     return {dataclasses.replace(e, probe_s=0.0) for e in estimates}
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("world", [2, 3])
 def test_probe_gives_sane_figures_that_every_rank_agrees_on(world):
     started = time.perf_counter()
@@ -38,10 +39,10 @@ def test_probe_gives_sane_figures_that_every_rank_agrees_on(world):
     assert len(_same_but_timing(results)) == 1
     est = results[0]
     assert est.world == world
-    assert 0 < est.alpha_s < 0.05  # loopback: tens of microseconds, a loaded CI box less
+    assert 0 < est.alpha_s < 0.2  # loopback: tens of microseconds, a loaded CI box less
     assert 0 < est.beta_s_per_byte < 1e-6  # faster than 1 MB/s on loopback
     assert est.compute_s == pytest.approx(0.001 * world)  # the slowest rank's
-    assert 0 < est.probe_s < 2.0
+    assert 0 < est.probe_s < 5.0
     assert time.perf_counter() - started < 10.0
 
 

@@ -322,6 +322,7 @@ def test_pulling_an_unchanged_shard_costs_a_header_only():
         server.stop()
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(20)
 def test_stop_is_prompt_and_leaves_nothing_listening():
     server = _server(_cfg(ps_mode="sync", ps_shards=3), world=2)
@@ -342,7 +343,7 @@ def test_stop_is_prompt_and_leaves_nothing_listening():
     started = time.monotonic()
     server.stop()
     server.stop()  # idempotent
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 5.0
     t.join(5)
     assert not t.is_alive() and isinstance(waiting[0], CommError)
     for address in server.addresses:
@@ -353,6 +354,7 @@ def test_stop_is_prompt_and_leaves_nothing_listening():
     assert not alive
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(20)
 def test_a_worker_that_disconnects_fails_the_others_naming_it():
     server = _server(_cfg(ps_mode="sync", ps_shards=2, comm_timeout=30.0), world=2)

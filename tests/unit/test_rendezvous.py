@@ -41,13 +41,15 @@ def gather(srv: RendezvousServer, rank: int, message: str, **kw: object) -> list
     return all_gather(srv.address, **args)  # type: ignore[arg-type]
 
 
+@pytest.mark.timing
 def test_every_rank_gets_every_message_in_rank_order_at_once(server: RendezvousServer) -> None:
     started = time.perf_counter()
     out = run_ranks(3, lambda rank, _: gather(server, rank, f"m{rank}"), timeout=20)
     elapsed = time.perf_counter() - started
     assert out == [["m0", "m1", "m2"]] * 3
     assert server.rounds_completed == 1
-    assert elapsed < 0.9  # Spark's allGather takes >= 1 s on its poll
+    # Spark's allGather takes >= 1 s on its poll: this bound is the claim, it cannot be looser
+    assert elapsed < 0.9
 
 
 def test_a_task_without_the_job_secret_is_refused(server: RendezvousServer) -> None:
@@ -68,6 +70,7 @@ def test_a_rank_outside_the_world_is_told_so(server: RendezvousServer) -> None:
         gather(server, 5, "m5")
 
 
+@pytest.mark.timing
 def test_missing_peers_end_in_a_comm_error_within_the_timeout(server: RendezvousServer) -> None:
     started = time.perf_counter()
     with pytest.raises(CommError, match="did not all reach the rendezvous"):
@@ -101,6 +104,7 @@ def test_a_dead_task_never_joins_a_round(server: RendezvousServer) -> None:
     assert out == [["new0", "new1", "new2"]] * 3
 
 
+@pytest.mark.timing
 def test_stop_releases_a_waiting_task_promptly() -> None:
     srv = RendezvousServer(HOST, secret=SECRET, job_id="job", attempt=0, world_size=2)
     started = time.perf_counter()
@@ -111,7 +115,7 @@ def test_stop_releases_a_waiting_task_promptly() -> None:
             gather(srv, 0, "m0", timeout=30)
     finally:
         srv.stop()
-    assert time.perf_counter() - started < 5
+    assert time.perf_counter() - started < 10  # at the stop, not the 30 s timeout
 
 
 def test_refuses_to_listen_on_every_interface() -> None:

@@ -32,8 +32,9 @@ pytestmark = pytest.mark.timeout(120)
 # ------------------------------------------------------------------ fuzzing the decoder
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(junk=st.binary(min_size=0, max_size=300), via=st.sampled_from(["bytes", "array"]))
+@pytest.mark.timing
 def test_arbitrary_bytes_after_the_handshake_raise_only_our_errors(junk, via):
-    client, server = h.pair(1.0)
+    client, server = h.pair(10.0)
     try:
         client._sock.sendall(junk)
         client._sock.shutdown(socket.SHUT_WR)  # then end of stream: the decoder must stop
@@ -45,7 +46,7 @@ def test_arbitrary_bytes_after_the_handshake_raise_only_our_errors(junk, via):
                 server.recv_into(np.empty(16, dtype=np.float32))
         except CommError:
             pass  # FrameError, PeerLostError: ours
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < 5.0  # at the end of the stream, not the timeout
     finally:
         client.close()
         server.close()

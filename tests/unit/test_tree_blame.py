@@ -52,6 +52,7 @@ def _run_with_a_hung_rank(world: int, hung: int, op: str) -> list[Any]:
     return results
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("world", "hung", "op"),
@@ -73,4 +74,4 @@ def test_every_rank_names_the_rank_that_hung(world: int, hung: int, op: str) -> 
         exc, elapsed = result
         assert exc.rank == hung, f"rank {rank} blamed rank {exc.rank}: {exc}"
         # bounded: the longest wait is (1 + (rounds + 1) / 2) timeouts
-        assert elapsed < 4 * TIMEOUT + 2.0, f"rank {rank}: {elapsed:.1f} s"
+        assert elapsed < 4 * TIMEOUT + 6.0, f"rank {rank}: {elapsed:.1f} s"

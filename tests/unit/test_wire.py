@@ -146,13 +146,14 @@ def test_driver_rank_handshake() -> None:
     ],
     ids=["secret", "job_id", "attempt"],
 )
+@pytest.mark.timing
 def test_wrong_credentials_rejected_on_both_sides(client_kw: dict[str, Any]) -> None:
     started = time.monotonic()
-    client, server = h.pair(2.0, client_kw=client_kw)
+    client, server = h.pair(10.0, client_kw=client_kw)
     assert isinstance(client, HandshakeError), client
     assert isinstance(server, HandshakeError), server
     assert "rejected" in str(client)
-    assert time.monotonic() - started < 1.5  # promptly, not at the timeout
+    assert time.monotonic() - started < 5.0  # promptly, not at the timeout
 
 
 def test_unexpected_rank_rejected() -> None:
@@ -189,32 +190,35 @@ def _raw_client(listener: socket.socket, payload: bytes | None, timeout: float) 
         raw.close()
 
 
+@pytest.mark.timing
 def test_garbage_client_rejected_promptly() -> None:
     listener = open_listener("127.0.0.1")
     try:
-        exc, elapsed = _raw_client(listener, os.urandom(4096), timeout=3.0)
+        exc, elapsed = _raw_client(listener, os.urandom(4096), timeout=10.0)
         assert "not a sparktrain hello" in str(exc)
-        assert elapsed < 1.0
+        assert elapsed < 5.0  # promptly, not at the timeout
         # A plausible hello followed by a wrong proof.
         hello = wire._HELLO.pack(b"STH1", wire.PROTOCOL_VERSION, 0, 0, os.urandom(32))
-        exc, elapsed = _raw_client(listener, hello + os.urandom(32), timeout=3.0)
+        exc, elapsed = _raw_client(listener, hello + os.urandom(32), timeout=10.0)
         assert "rejected" in str(exc)
-        assert elapsed < 1.0
+        assert elapsed < 5.0
     finally:
         listener.close()
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("payload", [None, b"STH1\x01"], ids=["silent", "partial-hello"])
 def test_silent_client_times_out(payload: bytes | None) -> None:
     listener = open_listener("127.0.0.1")
     try:
         exc, elapsed = _raw_client(listener, payload, timeout=0.5)
         assert "did not complete the handshake" in str(exc)
-        assert 0.4 < elapsed < 3.0
+        assert 0.4 < elapsed < 5.0
     finally:
         listener.close()
 
 
+@pytest.mark.timing
 def test_silent_server_and_no_server() -> None:
     # A listener nobody accepts on: TCP connects, the handshake gets no answer.
     listener = open_listener("127.0.0.1")
@@ -226,7 +230,7 @@ def test_silent_server_and_no_server() -> None:
         with pytest.raises(PeerLostError) as info:
             connect(address_of(listener), timeout=0.5, **kw)
         assert info.value.rank == 4
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < 5.0
         address = address_of(listener)
     finally:
         listener.close()
@@ -234,9 +238,10 @@ def test_silent_server_and_no_server() -> None:
     started = time.monotonic()
     with pytest.raises(PeerLostError, match="could not connect"):
         connect(address, timeout=0.5, **kw)
-    assert 0.4 < time.monotonic() - started < 3.0
+    assert 0.4 < time.monotonic() - started < 5.0
 
 
+@pytest.mark.timing
 def test_accept_with_nobody_connecting() -> None:
     listener = open_listener("127.0.0.1", timeout=0.2)
     kw: dict[str, Any] = dict(
@@ -245,8 +250,8 @@ def test_accept_with_nobody_connecting() -> None:
     try:
         started = time.monotonic()
         with pytest.raises(wire.AcceptTimeout):
-            accept(listener, timeout=5.0, **kw)  # the listener's shorter timeout wins
-        assert time.monotonic() - started < 2.0
+            accept(listener, timeout=30.0, **kw)  # the listener's shorter timeout wins
+        assert time.monotonic() - started < 10.0
         assert listener.gettimeout() == 0.2
         with pytest.raises(PeerLostError) as info:
             accept(listener, timeout=0.1, expect_rank=3, **kw)
@@ -357,8 +362,9 @@ def test_send_side_checks() -> None:
 
 
 def _attack(frames: bytes, receive: Any) -> tuple[BaseException, float, int]:
-    """Send raw ``frames`` after a valid handshake; return the receiver's error."""
-    client, server = _ok_pair()
+    """Send raw ``frames`` after a valid handshake; return the receiver's error (and how
+    long it took: well under the connection's 10 s timeout, it was not a timeout)."""
+    client, server = _ok_pair(timeout=10.0)
     try:
         client._sock.sendall(frames)
         started = time.monotonic()
@@ -375,6 +381,7 @@ def _attack(frames: bytes, receive: Any) -> tuple[BaseException, float, int]:
         server.close()
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("via", ["recv_bytes", "recv_into"])
 def test_huge_length_prefix_rejected_without_allocating(via: str) -> None:
     header = _raw_header(code=1, shape=(1 << 40,), length=1 << 40)
@@ -387,10 +394,11 @@ def test_huge_length_prefix_rejected_without_allocating(via: str) -> None:
 
     exc, elapsed, peak = _attack(header, receive)
     assert isinstance(exc, FrameError) and "cap" in str(exc)
-    assert elapsed < 1.0
+    assert elapsed < 5.0
     assert peak < 1 << 20
 
 
+@pytest.mark.timing
 def test_bad_magic_and_malformed_headers() -> None:
     cases = [
         (_raw_header(magic=b"HTTP"), "magic"),
@@ -401,9 +409,10 @@ def test_bad_magic_and_malformed_headers() -> None:
     for frames, match in cases:
         exc, elapsed, _ = _attack(frames, lambda c: c.recv_into(np.empty(4, np.float32)))
         assert isinstance(exc, FrameError) and match in str(exc), exc
-        assert elapsed < 1.0
+        assert elapsed < 5.0
 
 
+@pytest.mark.timing
 def test_replayed_frame_rejected() -> None:
     frame = _raw_header(seq=0) + np.arange(4, dtype=np.float32).tobytes()
     got: list[np.ndarray] = []
@@ -417,9 +426,10 @@ def test_replayed_frame_rejected() -> None:
     exc, elapsed, _ = _attack(frame + frame, receive)
     assert len(got) == 1 and got[0].tolist() == [0, 1, 2, 3]
     assert isinstance(exc, FrameError) and "sequence number 0, expected 1" in str(exc)
-    assert elapsed < 1.0
+    assert elapsed < 5.0
 
 
+@pytest.mark.timing
 def test_truncated_frame_then_silence_times_out() -> None:
     client, server = _ok_pair(timeout=0.5)
     try:
@@ -428,26 +438,28 @@ def test_truncated_frame_then_silence_times_out() -> None:
         with pytest.raises(PeerLostError, match="no progress") as info:
             server.recv_into(np.empty(4, np.float32))
         assert info.value.rank == 0
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < 5.0
     finally:
         client.close()
         server.close()
 
 
+@pytest.mark.timing
 def test_peer_closing_is_peer_lost() -> None:
-    client, server = _ok_pair()
+    client, server = _ok_pair(timeout=10.0)
     client.close()
     started = time.monotonic()
     with pytest.raises(PeerLostError, match="closed the connection") as info:
         server.recv_bytes()
     assert info.value.rank == 0
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5.0  # at once, not at the timeout
     with pytest.raises(PeerLostError):
         server.send_array(np.zeros(3))
 
 
+@pytest.mark.timing
 def test_close_wakes_a_blocked_receiver() -> None:
-    client, server = _ok_pair(timeout=10.0)
+    client, server = _ok_pair(timeout=30.0)
     errors: list[BaseException] = []
 
     def wait() -> None:
@@ -461,8 +473,8 @@ def test_close_wakes_a_blocked_receiver() -> None:
     time.sleep(0.1)
     started = time.monotonic()
     server.close()
-    t.join(5)
-    assert not t.is_alive() and time.monotonic() - started < 2.0
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - started < 10.0
     assert isinstance(errors[0], PeerLostError)
     client.close()
 

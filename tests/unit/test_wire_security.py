@@ -276,6 +276,7 @@ def test_mesh_ring_allreduce_over_tls_and_mac(mode: str, tls: WireSecurity) -> N
 # ----------------------------------------------------------------------------- stamps, deadlines
 
 
+@pytest.mark.timing
 def test_a_stamped_frame_on_an_unshaped_connection_is_delivered_at_once() -> None:
     client, server = _pair(None, timeout=10.0)
     try:
@@ -285,13 +286,14 @@ def test_a_stamped_frame_on_an_unshaped_connection_is_delivered_at_once() -> Non
         started = time.monotonic()
         out = np.empty(4, np.float32)
         server.recv_into(out)
-        assert time.monotonic() - started < 1.0  # not held: no link emulation here
+        assert time.monotonic() - started < 4.0  # not held the 5 s: no link emulation here
         assert out.tolist() == [1, 1, 1, 1]
     finally:
         client.close()
         server.close()
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("via", ["recv_into", "recv_bytes"])
 def test_a_peer_trickling_bytes_hits_the_whole_frame_deadline(via: str) -> None:
     client, server = _pair(None, timeout=1.5)  # each byte comes well within 1.5 s
@@ -356,10 +358,11 @@ class _TrickleSocket:
         pass
 
 
+@pytest.mark.timing
 def test_a_peer_reading_slowly_hits_the_whole_frame_deadline_on_send() -> None:
     sock: Any = _TrickleSocket()
     conn = Connection(sock, peer_rank=1, my_rank=0, stats=CommStats(), timeout=0.5)
     started = time.monotonic()
     with pytest.raises(PeerLostError, match="did not complete in time"):
         conn.send_array(np.zeros(50, np.float32))  # 288 bytes at 20 B/s: 14 s on main
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 8.0
