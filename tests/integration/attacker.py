@@ -9,6 +9,10 @@ aliases 127.0.0.2 and up. A connection the server closes is opened again after
 refuses connections (its service stopped) is forgotten. Single-threaded, selectors,
 non-blocking connects: a listener that stopped accepting never stalls the attack.
 Bounded: at most ``max_s`` seconds, at most :data:`MAX_TARGETS` targets.
+
+A module of its own, not part of :mod:`tests.integration.fixtures`: the spawned process
+imports it by name, and it imports only the standard library, so the attacker starts in
+milliseconds and shares nothing (no torch, no Spark, no sparktrain) with what it attacks.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from sparktrain import Trainer
 from sparktrain.comm import preauth
 
 from . import attacker
-from .helpers import DIGITS_MODEL, digits_frames, fast_config
+from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.attack, pytest.mark.timeout(300)]
 

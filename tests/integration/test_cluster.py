@@ -6,7 +6,7 @@ import pytest
 
 from sparktrain import Trainer
 
-from .helpers import DIGITS_MODEL, digits_frames, fast_config
+from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(400)]
 

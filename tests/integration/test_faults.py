@@ -11,7 +11,7 @@ from sparktrain import Trainer
 from sparktrain.errors import CommError, WorkerError
 from sparktrain.worker.faults import FaultPlan
 
-from .helpers import DIGITS_MODEL, digits_frames, fast_config
+from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(400)]
 

@@ -25,7 +25,7 @@ from sparktrain.ml import (
     TorchRegressor,
 )
 
-from .helpers import DIGITS_MODEL, digits
+from .fixtures import DIGITS_MODEL, digits
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 

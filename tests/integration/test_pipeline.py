@@ -9,7 +9,7 @@ from sparktrain import TrainConfig, Trainer
 from sparktrain.errors import ConfigError
 from sparktrain.models import mlp
 
-from .helpers import SUMMARY_KEYS, accuracy, digits, digits_frames, digits_rdd, fast_config
+from .fixtures import SUMMARY_KEYS, accuracy, digits, digits_frames, digits_rdd, fast_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 

@@ -18,7 +18,7 @@ from sparktrain import Trainer
 from sparktrain.checkpoint import CheckpointStore
 from sparktrain.ps import persist
 
-from .helpers import DIGITS_MODEL, accuracy, digits, digits_frames, fast_config
+from .fixtures import DIGITS_MODEL, accuracy, digits, digits_frames, fast_config
 
 pytestmark = [pytest.mark.spark]
 
@@ -100,7 +100,7 @@ def _driver(config: Path, summary: Path, log: Path) -> subprocess.Popen[bytes]:
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the driver (no goodbye, no finally) and then whatever it started."""
-    from .standalone import descendants
+    from .fixtures import descendants
 
     children = descendants(proc.pid)
     proc.kill()

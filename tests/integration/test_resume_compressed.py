@@ -13,7 +13,7 @@ import torch
 from sparktrain import Trainer
 from sparktrain.worker.faults import FaultPlan
 
-from .helpers import DIGITS_MODEL, digits_frames, fast_config
+from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(400)]
 

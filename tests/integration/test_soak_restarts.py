@@ -12,7 +12,7 @@ import pytest
 from sparktrain import Trainer
 from sparktrain.worker.faults import FaultPlan
 
-from .helpers import DIGITS_MODEL, digits_frames, fast_config
+from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.soak, pytest.mark.timeout(600)]
 

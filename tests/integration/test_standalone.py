@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .standalone import StandaloneCluster, descendants, spark_home
+from .fixtures import StandaloneCluster, descendants, spark_home
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 

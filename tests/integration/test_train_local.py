@@ -13,7 +13,7 @@ from sparktrain import Trainer
 from sparktrain.cli import main as cli_main
 from sparktrain.errors import DataError, ResourceError
 
-from .helpers import (
+from .fixtures import (
     DIGITS_MODEL,
     SUMMARY_KEYS,
     accuracy,

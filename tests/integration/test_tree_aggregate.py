@@ -21,7 +21,7 @@ from sparktrain.launch.rounds import RoundRunner, SparkVolume, cache_blocks, run
 from sparktrain.launch.rounds_worker import RoundSpec
 from sparktrain.modeling import build_model, resolve_model_fn
 
-from .helpers import (
+from .fixtures import (
     DIGITS_MODEL,
     SUMMARY_KEYS,
     accuracy,

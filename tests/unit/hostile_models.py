@@ -1,6 +1,7 @@
 """Stands for a module an attacker names in a saved model's metadata. Importing a module
 runs its code, so the model-loading tests assert that this module is never imported
-(``"tests.unit.hostile_models" not in sys.modules``). Nothing may import it."""
+(``"tests.unit.hostile_models" not in sys.modules``). Nothing may import it, so it
+cannot live in :mod:`tests.unit.fixtures`."""
 
 from torch import nn
 

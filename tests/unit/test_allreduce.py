@@ -18,7 +18,7 @@ from sparktrain.comm.tree import TreeAllreduce
 from sparktrain.errors import CommError, ConfigError, PeerLostError
 
 try:  # tests/ laid out as packages or as plain directories
-    from . import comm_harness as h
+    from . import fixtures as h
 except ImportError:
     import comm_harness as h  # type: ignore[no-redef]
 
@@ -64,7 +64,7 @@ def test_matches_numpy_reference(algo: str, world: int, dtype: Any) -> None:
             outs[n] = buf
         return outs
 
-    results = h.run_ranks(world, body)
+    results = h.run_mesh_ranks(world, body)
     h.raise_first(results)
     for n in LENGTHS:
         _check([r[n] for r in results], datasets[n], dtype)
@@ -90,7 +90,7 @@ def test_large_buffers_use_the_sender_thread(algo: str, world: int, length: int)
         assert again.tobytes() == buf.tobytes()
         return buf
 
-    results = h.run_ranks(world, body)
+    results = h.run_mesh_ranks(world, body)
     h.raise_first(results)
     _check(results, data, np.float32)
 
@@ -110,7 +110,7 @@ def test_repeated_calls_on_one_mesh(algo: str) -> None:
             outs.append(buf)
         return outs
 
-    results = h.run_ranks(world, body)
+    results = h.run_mesh_ranks(world, body)
     h.raise_first(results)
     for i in range(calls):
         _check([r[i] for r in results], data[i], np.float64)
@@ -129,7 +129,7 @@ def test_ring_and_tree_share_a_mesh() -> None:
             outs.append(buf)
         return outs
 
-    results = h.run_ranks(4, body)
+    results = h.run_mesh_ranks(4, body)
     h.raise_first(results)
     for i in range(3):
         _check([r[i] for r in results], data, np.float32)
@@ -197,7 +197,7 @@ def test_peer_dying_mid_way_is_named(algo: str, world: int) -> None:
             return exc, time.monotonic() - started
         return "no error"
 
-    results = h.run_ranks(world, body, timeout=timeout)
+    results = h.run_mesh_ranks(world, body, timeout=timeout)
     for rank, result in enumerate(results):
         if rank == dead:
             assert result == "died"
@@ -239,7 +239,7 @@ def test_peer_dying_during_a_large_ring_allreduce() -> None:
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
-    results = h.run_ranks(world, body, timeout=2.0)
+    results = h.run_mesh_ranks(world, body, timeout=2.0)
     t.join(15)
     for rank in (0, 1):
         assert isinstance(results[rank], tuple), f"rank {rank}: {results[rank]!r}"
@@ -268,7 +268,9 @@ def test_peer_that_never_shows_up(algo: str, listening: bool) -> None:
             return exc, time.monotonic() - started
         return "no error"
 
-    results = h.run_ranks(world, body, timeout=2.0, listeners=(listeners, addresses), ranks=[0, 1])
+    results = h.run_mesh_ranks(
+        world, body, timeout=2.0, listeners=(listeners, addresses), ranks=[0, 1]
+    )
     listeners[missing].close()
     for rank in (0, 1):
         assert isinstance(results[rank], tuple), f"rank {rank}: {results[rank]!r}"
@@ -293,7 +295,7 @@ def test_failed_mesh_keeps_raising_the_first_error() -> None:
                 errors.append(exc)
         return errors
 
-    results = h.run_ranks(2, body, timeout=2.0)
+    results = h.run_mesh_ranks(2, body, timeout=2.0)
     first, second = results[0]
     assert first is second and first.rank == 1
     assert results[0] and isinstance(results[0][0], PeerLostError)
@@ -313,7 +315,7 @@ def test_ring_byte_counts(world: int, length: int) -> None:
         after = mesh.stats.as_dict()
         return {k: after[k] - before[k] for k in after}
 
-    results = h.run_ranks(world, body)
+    results = h.run_mesh_ranks(world, body)
     h.raise_first(results)
     for rank, delta in enumerate(results):
         expected = ring_raw_bytes_sent(length, world, rank, 4)
@@ -412,7 +414,7 @@ def test_connections_in_any_order_do_not_deadlock() -> None:
         assert mesh.connection(peers[0]) is mesh.connection(peers[0])
         return peers
 
-    results = h.run_ranks(world, body)
+    results = h.run_mesh_ranks(world, body)
     h.raise_first(results)
 
 

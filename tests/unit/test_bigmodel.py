@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import json
 import secrets
-import threading
 
 import numpy as np
 import pytest
@@ -30,41 +29,35 @@ from sparktrain.errors import FrameError, WorkerError
 from sparktrain.launch.state_server import StateReceiver
 from sparktrain.models import embedding_regressor, mlp
 from sparktrain.result import assemble as _assemble
-from sparktrain.worker.loop import _start_from_rank0, train_partition
+from sparktrain.worker.loop import _start_from_rank0
 from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
 from sparktrain.worker.state import send_state, tensor_layout
 
-from .comm_harness import JOB, SECRET, open_listeners, pair, raise_first
-from .test_loop import _parts, _reference, _spec
-from .threads import run_ranks as run_thread_ranks
+from .fixtures import (
+    assert_close_params,
+    assert_same_state,
+    loop_spec,
+    pair,
+    pipeline_parts,
+    pipeline_reference,
+    pipeline_run,
+    pipeline_spec,
+    raise_first,
+    random_parts,
+    run_mesh_ranks,
+    sgd_reference,
+    train_and_assemble,
+    train_in_threads,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 CAP = 4096  # bytes per frame in these tests
 
 
-def _run_capped(world: int, fn, cap: int = CAP, timeout: float = 10.0) -> list:
-    """``fn(rank, mesh)`` on one thread per rank, every mesh with frame cap ``cap``."""
-    listeners, addresses = open_listeners(world)
-    results: list = [None] * world
-
-    def body(rank: int) -> None:
-        mesh = Mesh(
-            rank, world, listeners[rank], addresses, SECRET, JOB, 0, timeout, max_frame_bytes=cap
-        )
-        try:
-            results[rank] = fn(rank, mesh)
-        except BaseException as exc:
-            results[rank] = exc
-        finally:
-            mesh.close()
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "a rank thread hung"
+def _run_capped(world: int, fn) -> list:
+    """``fn(rank, mesh)`` on one thread per rank, every mesh with frame cap ``CAP``."""
+    results = run_mesh_ranks(world, fn, timeout=10.0, join_timeout=60.0, max_frame_bytes=CAP)
     raise_first(results)
     return results
 
@@ -187,35 +180,17 @@ def test_piecewise_tree_equals_one_tree_call_bitwise():
         np.testing.assert_array_equal(got, whole)
 
 
-def _run_loop(spec, parts):
-    world = len(parts)
-
-    def rank_fn(rank, coll):
-        from sparktrain.worker.context import WorkerContext
-
-        ctx = WorkerContext(
-            rank, world, "127.0.0.1", functools.partial(coll.all_gather, rank), coll.barrier, spec
-        )
-        return train_partition(ctx, parts[rank])
-
-    return [r for out in run_thread_ranks(world, rank_fn) for r in out]
-
-
 @pytest.mark.parametrize("strategy", ["ring", "tree"])
 def test_training_under_a_frame_cap_smaller_than_the_model(strategy):
     """The model (2,051 float32 parameters: 8 KB, 16 KB as float64) is larger than a
     frame: the start, every gradient bucket and the state return go in pieces."""
-    spec = _spec(strategy=strategy, bucket_mb=1.0)
+    spec = loop_spec(strategy=strategy, bucket_mb=1.0)
     spec = dataclasses.replace(
         spec, model_fn=functools.partial(mlp, 4, (256,), 3), max_frame_bytes=CAP
     )
-    parts = _parts([7, 9])
-    records = _run_loop(spec, parts)
-    torch.manual_seed(0)
-    result = _assemble(spec.model_fn(), records, spec.config, wall_s=1.0, stage_s=1.0)
-    ref = _reference(spec, parts)
-    for got, want in zip(result.model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    parts = random_parts([7, 9])
+    result = train_and_assemble(spec, parts)
+    assert_close_params(result.model, sgd_reference(spec, parts), 1e-5)
     assert result.summary["replicas_in_sync"]
     peaks = result.summary["peak_rss_bytes_per_worker"]
     assert len(peaks) == 2 and all(p > 0 for p in peaks)
@@ -224,8 +199,8 @@ def test_training_under_a_frame_cap_smaller_than_the_model(strategy):
 def test_rank0_streams_its_state_into_the_drivers_model_in_pieces():
     """The trained state goes to the driver's receiver over the wire (no task result,
     no maxResultSize), 300-byte frames, straight into the driver's own tensors."""
-    spec = dataclasses.replace(_spec(strategy="ring"), state_chunk_bytes=300)
-    parts = _parts([7, 9])
+    spec = dataclasses.replace(loop_spec(strategy="ring"), state_chunk_bytes=300)
+    parts = random_parts([7, 9])
     torch.manual_seed(123)
     driver_model = spec.model_fn()  # other weights than the trained ones
     ptrs = [t.data_ptr() for t in driver_model.state_dict().values()]
@@ -234,7 +209,7 @@ def test_rank0_streams_its_state_into_the_drivers_model_in_pieces():
     )
     try:
         spec = dataclasses.replace(spec, state_address=receiver.address)
-        records = _run_loop(spec, parts)
+        records = [r for out in train_in_threads(spec, parts) for r in out]
         assert receiver.done.is_set()
         assert receiver.received_bytes == sum(p.numel() * 4 for p in driver_model.parameters())
     finally:
@@ -244,7 +219,7 @@ def test_rank0_streams_its_state_into_the_drivers_model_in_pieces():
     assert result.model is driver_model
     assert [t.data_ptr() for t in driver_model.state_dict().values()] == ptrs
     for got, want in zip(
-        driver_model.parameters(), _reference(spec, parts).parameters(), strict=True
+        driver_model.parameters(), sgd_reference(spec, parts).parameters(), strict=True
     ):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert result.summary["history"] and result.summary["replicas_in_sync"]
@@ -326,13 +301,11 @@ def test_the_weights_mirror_is_fetched_in_pieces():
 
 
 def test_pipeline_activations_and_rows_travel_in_pieces():
-    from . import test_pipeline as tp
-
-    spec = tp._spec(2, 2, micro=2)
+    spec = pipeline_spec(2, 2, micro=2)
     spec = dataclasses.replace(spec, job=dataclasses.replace(spec.job, max_frame_bytes=64))
-    parts = tp._parts([17, 9, 5, 6])  # 17 rows x 6 features = 408 bytes: 7 frames
-    result = tp._run(spec, parts)
-    tp._assert_same(result.model, tp._reference(spec, parts))
+    parts = pipeline_parts([17, 9, 5, 6])  # 17 rows x 6 features = 408 bytes: 7 frames
+    result = pipeline_run(spec, parts)
+    assert_same_state(result.model, pipeline_reference(spec, parts))
     assert result.summary["replicas_in_sync"]
 
 

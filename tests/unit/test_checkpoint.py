@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import pickle
 
@@ -13,8 +12,7 @@ from sparktrain.checkpoint import Checkpoint, CheckpointStore
 from sparktrain.errors import CheckpointError, PeerLostError
 from sparktrain.worker.faults import FaultPlan, InjectedFaultError
 
-from .test_loop import _parts, _spec
-from .threads import run_ranks
+from .fixtures import loop_spec, random_parts, spec_with, state_bytes, train_in_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,31 +65,6 @@ def test_a_corrupt_checkpoint_says_what_to_do(tmp_path):
         CheckpointStore(str(tmp_path)).load()
 
 
-def _run(spec, parts):
-    from sparktrain.worker.context import WorkerContext
-    from sparktrain.worker.loop import train_partition
-
-    def rank_fn(rank, coll):
-        ctx = WorkerContext(
-            rank,
-            len(parts),
-            "127.0.0.1",
-            functools.partial(coll.all_gather, rank),
-            coll.barrier,
-            spec,
-        )
-        return train_partition(ctx, parts[rank])
-
-    return run_ranks(len(parts), rank_fn)
-
-
-def _weights(outputs) -> bytes:
-    records = [r for out in outputs for r in out]
-    return b"".join(
-        r.data for r in sorted((r for r in records if r.kind == "state"), key=lambda r: r.seq)
-    )
-
-
 def test_a_run_resumed_mid_epoch_equals_an_unbroken_run(tmp_path):
     common = {
         "epochs": 4,
@@ -101,23 +74,19 @@ def test_a_run_resumed_mid_epoch_equals_an_unbroken_run(tmp_path):
         "lr": 0.05,
         "checkpoint_every": 0.5,
     }
-    parts = _parts([10, 7])
-    unbroken = _run(_spec(checkpoint_dir=str(tmp_path / "a"), **common), parts)
+    parts = random_parts([10, 7])
+    unbroken = train_in_threads(loop_spec(checkpoint_dir=str(tmp_path / "a"), **common), parts)
 
-    spec = _spec(checkpoint_dir=str(tmp_path / "b"), **common)
+    spec = loop_spec(checkpoint_dir=str(tmp_path / "b"), **common)
     plan = FaultPlan(rank=1, step=9, marker=str(tmp_path / "fault"))
     with pytest.raises((InjectedFaultError, PeerLostError)):  # rank 1 fails, rank 0 loses it
-        _run(_spec_with(spec, fault=plan), parts)
+        train_in_threads(spec_with(spec, fault=plan), parts)
     store = CheckpointStore(str(tmp_path / "b"))
     resume = store.latest_step()
     assert resume is not None and 0 < resume < 9  # checkpoints every 2 steps (half an epoch)
-    resumed = _run(_spec_with(spec, fault=plan, attempt=1, resume_step=resume), parts)
-    assert _weights(resumed) == _weights(unbroken)  # bitwise: same batches, same optimizer state
+    resumed = train_in_threads(spec_with(spec, fault=plan, attempt=1, resume_step=resume), parts)
+    assert state_bytes(resumed) == state_bytes(
+        unbroken
+    )  # bitwise: same batches, same optimizer state
     meta = json.loads(next(r.data for out in resumed for r in out if r.kind == "meta"))
     assert [h["epoch"] for h in meta["history"]] == [0, 1, 2, 3]
-
-
-def _spec_with(spec, **changes):
-    import dataclasses
-
-    return dataclasses.replace(spec, **changes)

@@ -26,8 +26,7 @@ from sparktrain.compress.snapshot import dump_states, load_states
 from sparktrain.errors import CheckpointError, ConfigError, PeerLostError
 from sparktrain.worker.faults import FaultPlan, InjectedFaultError
 
-from .test_checkpoint import _run, _spec_with, _weights
-from .test_loop import _parts, _spec
+from .fixtures import loop_spec, random_parts, spec_with, state_bytes, train_in_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -261,19 +260,19 @@ def test_a_compressed_run_resumed_mid_epoch_equals_an_unbroken_run(tmp_path, com
         "compression": compression,
         "optimizer_kwargs": {"momentum": 0.9},
     }
-    parts = _parts([10, 7])
-    unbroken = _run(_spec(checkpoint_dir=str(tmp_path / "a"), **common), parts)
-    spec = _spec(checkpoint_dir=str(tmp_path / "b"), **common)
+    parts = random_parts([10, 7])
+    unbroken = train_in_threads(loop_spec(checkpoint_dir=str(tmp_path / "a"), **common), parts)
+    spec = loop_spec(checkpoint_dir=str(tmp_path / "b"), **common)
     plan = FaultPlan(rank=1, step=9, marker=str(tmp_path / "fault"))
     with pytest.raises((InjectedFaultError, PeerLostError)):
-        _run(_spec_with(spec, fault=plan), parts)
+        train_in_threads(spec_with(spec, fault=plan), parts)
     store = CheckpointStore(str(tmp_path / "b"))
     resume = store.newest_intact()
     assert resume is not None and 0 < resume < 9
     shards = sorted(p.name for p in (tmp_path / "b").glob(f"ckpt-{resume:012d}.rank-*"))
     assert len(shards) == 2
-    resumed = _run(_spec_with(spec, fault=plan, attempt=1, resume_step=resume), parts)
-    assert _weights(resumed) == _weights(unbroken)  # bitwise
+    resumed = train_in_threads(spec_with(spec, fault=plan, attempt=1, resume_step=resume), parts)
+    assert state_bytes(resumed) == state_bytes(unbroken)  # bitwise
 
 
 def test_a_fault_series_fires_each_plan_once(tmp_path):

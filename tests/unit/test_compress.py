@@ -397,15 +397,16 @@ def test_path_choice_moves_the_fewest_bytes():
 def _ring_reduce(world: int, spec: str, inputs: list[np.ndarray], steps: int = 1):
     """Reduce ``inputs[r]`` (the same each step) ``steps`` times on a world-sized ring in
     threads; per rank: outputs, final residual, count, path and byte deltas."""
+    from sparktrain.comm import make_allreduce
     from sparktrain.compress.collective import CompressedAllreduce
     from sparktrain.compress.feedback import RESIDUAL
 
-    from . import comm_harness
+    from .fixtures import raise_first, run_mesh_ranks
 
     def body(rank: int, mesh):
         comp = build(spec)
         assert comp is not None
-        red = CompressedAllreduce(comp, comm_harness.make_allreduce("ring", mesh))
+        red = CompressedAllreduce(comp, make_allreduce("ring", mesh))
         before = mesh.stats.as_dict()
         outs, counts = [], []
         for _ in range(steps):
@@ -422,8 +423,8 @@ def _ring_reduce(world: int, spec: str, inputs: list[np.ndarray], steps: int = 1
             "wire": after["wire_bytes_sent"] - before["wire_bytes_sent"],
         }
 
-    results = comm_harness.run_ranks(world, body, timeout=20.0, join_timeout=120.0)
-    comm_harness.raise_first(results)
+    results = run_mesh_ranks(world, body, timeout=20.0, join_timeout=120.0)
+    raise_first(results)
     return results
 
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from sparktrain.comm.wire import CommStats
 from sparktrain.compress.base import BucketState
 from sparktrain.compress.feedback import MOMENTUM, RESIDUAL, SCALE
 from sparktrain.compress.registry import build
@@ -18,27 +17,24 @@ from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.launch import rounds_worker as rw
 from sparktrain.ps import protocol as P
-from sparktrain.ps.client import connect_shards, shard_shapes
+from sparktrain.ps.client import shard_shapes
 
-from .test_ps import SECRET, _cfg, _parts, _server, _train
+from .fixtures import (
+    FakeBlocks,
+    FakeContext,
+    NoVolume,
+    ps_cfg,
+    ps_clients,
+    ps_server,
+    ps_train,
+    random_parts,
+    rounds_blocks,
+    rounds_cfg,
+    rounds_model,
+    rounds_spec,
+)
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _clients(server, spec: str, world_rank: int = 0):
-    n = server.ranges[-1][1]
-    return connect_shards(
-        server.addresses,
-        rank=world_rank,
-        secret=SECRET,
-        job_id="job",
-        attempt=0,
-        timeout=5.0,
-        stats=CommStats(),
-        num_elements=n,
-        dtype=np.dtype(np.float32),
-        compression=P.make_compression(spec),
-    ), n
 
 
 # ---------------------------------------------------------------------- parameter server
@@ -46,8 +42,8 @@ def _clients(server, spec: str, world_rank: int = 0):
 def test_compressed_ps_trains_close_to_uncompressed(spec):
     sizes = [13, 9]
     common = {"ps_shards": 2, "optimizer_kwargs": {"momentum": 0.5}, "epochs": 3}
-    base, _, _ = _train(_cfg(**common), _parts(sizes))
-    got, _, _ = _train(_cfg(compression=spec, **common), _parts(sizes))
+    base, _, _ = ps_train(ps_cfg(**common), random_parts(sizes))
+    got, _, _ = ps_train(ps_cfg(compression=spec, **common), random_parts(sizes))
     s = got.summary
     assert s["replicas_in_sync"] and np.isfinite(s["final_loss"])
     assert s["final_loss"] < base.summary["history"][0]["loss"] + 0.05
@@ -69,9 +65,10 @@ def test_compressed_ps_trains_close_to_uncompressed(spec):
 
 @pytest.mark.parametrize("spec", ["delta+int8", "delta+topk:0.2+ef", "delta+fp16", "delta+sign"])
 def test_delta_pulls_keep_the_mirror_and_the_copy_bit_identical(spec):
-    cfg = _cfg(compression=spec, ps_shards=2, optimizer_kwargs={"momentum": 0.9}, lr=0.5)
-    with _server(cfg, world=1) as server:
-        clients, n = _clients(server, spec)
+    cfg = ps_cfg(compression=spec, ps_shards=2, optimizer_kwargs={"momentum": 0.9}, lr=0.5)
+    with ps_server(cfg, world=1) as server:
+        clients = ps_clients(server, spec=spec)
+        n = server.ranges[-1][1]
         flat = np.zeros(n, np.float32)
         for c in clients:
             assert c.pull(-1, flat[c.lo : c.hi]) == P.FULL
@@ -92,9 +89,9 @@ def test_delta_pulls_keep_the_mirror_and_the_copy_bit_identical(spec):
 
 
 def test_a_malformed_compressed_push_is_refused_not_fatal():
-    cfg = _cfg(compression="topk:0.5+ef")
-    with _server(cfg, world=1) as server:
-        clients, _ = _clients(server, cfg.compression)
+    cfg = ps_cfg(compression="topk:0.5+ef")
+    with ps_server(cfg, world=1) as server:
+        clients = ps_clients(server, spec=cfg.compression)
         c = clients[0]
         c.pull(-1, np.zeros(c.hi - c.lo, np.float32))
         c.codec.encode = lambda values: np.full(64, 7, np.uint8)  # type: ignore[method-assign]
@@ -194,13 +191,10 @@ def test_tree_aggregate_codec_merges_like_decode_then_sum(spec):
 
 
 def test_tree_aggregate_error_feedback_state_survives_a_retry():
-    from .test_rounds import _blocks, _model, _spec
-    from .test_rounds import _cfg as _rounds_cfg
-
-    cfg = _rounds_cfg(compression="topk:0.2+ef")
-    blocks = _blocks()
-    model = _model()
-    spec = _spec(cfg, model, blocks, "ef-retry")
+    cfg = rounds_cfg(compression="topk:0.2+ef")
+    blocks = rounds_blocks()
+    model = rounds_model()
+    spec = rounds_spec(cfg, model, blocks, "ef-retry")
     weights = rw.flatten(list(model.parameters()))
     rw.partition_round(spec, weights, blocks[0], 0)
     first = rw.partition_round(spec, weights, blocks[0], 1)
@@ -214,15 +208,12 @@ def test_tree_aggregate_error_feedback_state_survives_a_retry():
 def test_tree_aggregate_driver_loop_learns_compressed(spec):
     from sparktrain.launch.rounds import RoundRunner, _Loop
 
-    from .test_rounds import _blocks, _FakeBlocks, _FakeContext, _model, _NoVolume, _spec
-    from .test_rounds import _cfg as _rounds_cfg
-
-    cfg = _rounds_cfg(epochs=6, lr=0.2, compression=spec)
-    blocks = _blocks((90, 70))
-    model = _model()
-    rspec = _spec(cfg, model, blocks, f"loop-{spec}")
-    runner = RoundRunner(_FakeContext(), _FakeBlocks(blocks), rspec)  # type: ignore[arg-type]
-    loop = _Loop(model, cfg, runner, lambda m: None, _NoVolume(), 160, 2, True)  # type: ignore[arg-type]
+    cfg = rounds_cfg(epochs=6, lr=0.2, compression=spec)
+    blocks = rounds_blocks((90, 70))
+    model = rounds_model()
+    rspec = rounds_spec(cfg, model, blocks, f"loop-{spec}")
+    runner = RoundRunner(FakeContext(), FakeBlocks(blocks), rspec)  # type: ignore[arg-type]
+    loop = _Loop(model, cfg, runner, lambda m: None, NoVolume(), 160, 2, True)  # type: ignore[arg-type]
     loop.train()
     assert loop.history[-1]["loss"] < loop.history[0]["loss"]
     assert loop.wire_bytes > 0

@@ -9,14 +9,23 @@ import numpy as np
 import pytest
 import torch
 
+from sparktrain.comm import make_allreduce
 from sparktrain.comm.ring import ring_raw_bytes_sent
 from sparktrain.compress import build
 from sparktrain.compress.collective import CompressedAllreduce, path_for
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.result import assemble as _assemble
 
-from . import comm_harness
-from .test_loop import _parts, _reference, _run, _spec
+from .fixtures import (
+    assert_close_params,
+    loop_spec,
+    raise_first,
+    random_parts,
+    run_mesh_ranks,
+    sgd_reference,
+    train_and_assemble,
+    train_in_threads,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,8 +52,8 @@ def _stats(outputs) -> list[dict]:
 def test_compressed_training_keeps_replicas_bitwise_in_sync(strategy, sizes, spec):
     # tiny buckets: several per step, so buckets without the count slot are covered too
     cfg = dict(strategy=strategy, num_workers=len(sizes), compression=spec, bucket_mb=1e-4)
-    spec_ = _spec(**cfg, batch_size=4, epochs=2, shuffle=True)
-    outputs = _run(spec_, _parts(sizes))
+    spec_ = loop_spec(**cfg, batch_size=4, epochs=2, shuffle=True)
+    outputs = train_in_threads(spec_, random_parts(sizes))
     stats = _stats(outputs)
     assert len({s["param_digest"] for s in stats}) == 1
     comp = build(spec)
@@ -61,15 +70,10 @@ def test_fp16_full_batch_matches_single_process_training(strategy):
     """The weighting rule survives compression: uneven and empty partitions, full-batch
     steps, fp16 -> the single-process result up to fp16 rounding."""
     sizes = [7, 3, 0]
-    spec = _spec(strategy=strategy, num_workers=3, compression="fp16")
-    parts = _parts(sizes)
-    outputs = _run(spec, parts)
-    records = [r for out in outputs for r in out]
-    torch.manual_seed(0)
-    result = _assemble(spec.model_fn(), records, spec.config, wall_s=1.0, stage_s=1.0)
-    ref = _reference(spec, parts)
-    for got, want in zip(result.model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
+    spec = loop_spec(strategy=strategy, num_workers=3, compression="fp16")
+    parts = random_parts(sizes)
+    result = train_and_assemble(spec, parts)
+    assert_close_params(result.model, sgd_reference(spec, parts), 5e-3)
 
 
 def test_count_slot_is_exact_through_every_path():
@@ -84,13 +88,13 @@ def test_count_slot_is_exact_through_every_path():
             comp = build(spec)
             assert comp is not None
             for algo in ("ring", "tree"):
-                red = CompressedAllreduce(comp, comm_harness.make_allreduce(algo, mesh))
+                red = CompressedAllreduce(comp, make_allreduce(algo, mesh))
                 grads = torch.ones(100)
                 out[spec, algo] = red.reduce_(0, grads, counts[rank], raw_length=101)
         return out
 
-    results = comm_harness.run_ranks(world, body)
-    comm_harness.raise_first(results)
+    results = run_mesh_ranks(world, body)
+    raise_first(results)
     for res in results:
         assert set(res.values()) == {12352.0}
 
@@ -103,15 +107,15 @@ def test_byte_accounting_topk_allgather():
     def body(rank: int, mesh):
         comp = build("topk:0.01")
         assert comp is not None
-        red = CompressedAllreduce(comp, comm_harness.make_allreduce("ring", mesh))
+        red = CompressedAllreduce(comp, make_allreduce("ring", mesh))
         before = mesh.stats.as_dict()
         red.reduce_(0, torch.randn(n), 1.0, raw_length=n + 1)
         after = mesh.stats.as_dict()
         return {k: after[k] - before[k] for k in after}
 
     for world in (2, 3):
-        results = comm_harness.run_ranks(world, body)
-        comm_harness.raise_first(results)
+        results = run_mesh_ranks(world, body)
+        raise_first(results)
         for rank, d in enumerate(results):
             assert d["raw_bytes_sent"] == ring_raw_bytes_sent(n + 1, world, rank, 4)
             payload = 1000 * 8
@@ -145,13 +149,13 @@ def test_malformed_peer_payload_fails_every_rank_without_hanging():
         comp = build("int8")
         if rank == 1:
             comp = Garbage(comp)
-        red = CompressedAllreduce(comp, comm_harness.make_allreduce("ring", mesh))  # type: ignore[arg-type]
+        red = CompressedAllreduce(comp, make_allreduce("ring", mesh))  # type: ignore[arg-type]
         red.reduce_(0, torch.randn(5000), 1.0)
 
-    results = comm_harness.run_ranks(3, body, timeout=10.0, join_timeout=60.0)
+    results = run_mesh_ranks(3, body, timeout=10.0, join_timeout=60.0)
     assert all(isinstance(r, CommError) for r in results), results
 
 
 def test_delta_is_refused_on_ring_and_tree():
     with pytest.raises(ConfigError, match="drop 'delta"):
-        _spec(compression="delta+int8")
+        loop_spec(compression="delta+int8")

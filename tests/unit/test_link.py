@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparktrain.comm import CommStats, Connection, Mesh, RingAllreduce, open_listener, wire
+from sparktrain.comm import CommStats, Connection, Mesh, RingAllreduce, wire
 from sparktrain.comm.link import (
     DEFAULT_BURST_BYTES,
     MBIT,
@@ -36,7 +36,7 @@ from sparktrain.config import LINK_PROFILES, TrainConfig
 from sparktrain.errors import ConfigError, PeerLostError
 
 try:  # tests/ laid out as packages or as plain directories
-    from . import comm_harness as h
+    from . import fixtures as h
 except ImportError:
     import comm_harness as h  # type: ignore[no-redef]
 
@@ -411,36 +411,22 @@ def test_ring_allreduce_over_an_emulated_link() -> None:
     segment), so about 0.56 s plus 4 one-way delays; the sums stay exact."""
     world, n = 3, 1 << 20
     link = link_profile("none", bandwidth_mbit=80, rtt_ms=10)
-    listeners = [open_listener(h.HOST) for _ in range(world)]
-    addresses = [wire.address_of(lst) for lst in listeners]
     inputs = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(world)]
-    results: list[Any] = [None] * world
-    elapsed: list[float] = [0.0] * world
 
-    def body(rank: int) -> None:
-        mesh = Mesh(rank, world, listeners[rank], addresses, h.SECRET, h.JOB, 0, 10.0, link=link)
-        try:
-            buf = inputs[rank].copy()
-            ring = RingAllreduce(mesh)
-            mesh.connect_all([(rank + 1) % world, (rank - 1) % world])
-            t0 = time.monotonic()
-            ring.allreduce_(buf)
-            elapsed[rank] = time.monotonic() - t0
-            results[rank] = buf
-        except BaseException as exc:
-            results[rank] = exc
-        finally:
-            mesh.close()
+    def body(rank: int, mesh: Mesh) -> tuple[np.ndarray, float]:
+        buf = inputs[rank].copy()
+        ring = RingAllreduce(mesh)
+        mesh.connect_all([(rank + 1) % world, (rank - 1) % world])
+        t0 = time.monotonic()
+        ring.allreduce_(buf)
+        return buf, time.monotonic() - t0
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    results = h.run_mesh_ranks(world, body, timeout=10.0, link=link)
+    h.raise_first(results)
     expected = np.sum(inputs, axis=0, dtype=np.float32)
-    for r in results:
-        assert isinstance(r, np.ndarray), r
-        np.testing.assert_allclose(r, expected, rtol=1e-5, atol=1e-5)
+    for buf, _ in results:
+        np.testing.assert_allclose(buf, expected, rtol=1e-5, atol=1e-5)
+    elapsed = [took for _, took in results]
     print("ring allreduce times:", [round(x, 3) for x in elapsed])
     assert 0.5 <= max(elapsed) <= 3.0
 

@@ -31,7 +31,7 @@ from sparktrain.worker.faults import FaultPlan
 from sparktrain.worker.loop import train_partition
 from sparktrain.worker.sync import OrderedWorker, by_spec
 
-from .threads import ThreadCollectives
+from .fixtures import ThreadCollectives, random_parts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,18 +78,6 @@ def _spec(ps_addresses: tuple[str, ...] = (), unused: bool = False, **overrides)
         num_outputs=3,
         ps_addresses=ps_addresses,
     )
-
-
-def _parts(sizes: list[int], seed: int = 0) -> list[PartitionData]:
-    rng = np.random.default_rng(seed)
-    return [
-        PartitionData(
-            rng.standard_normal((n, 4)).astype(np.float32),
-            rng.integers(0, 3, n).astype(np.float64),
-            np.zeros(n, bool),
-        )
-        for n in sizes
-    ]
 
 
 def _run_all(spec: JobSpec, parts: list[PartitionData], timeout: float = 60.0) -> list[object]:
@@ -155,7 +143,7 @@ def _digest(spec: JobSpec, parts: list[PartitionData]) -> str:
     ["none", "fp16", "topk:0.3+ef", "powersgd:1+ef", {"fc2.*": "fp16", "*": "sign+ef"}],
 )
 def test_overlap_gives_the_bits_of_overlap_off(strategy, compression):
-    parts = _parts([13, 6, 0])  # uneven, and one rank without data
+    parts = random_parts([13, 6, 0])  # uneven, and one rank without data
     common = dict(strategy=strategy, num_workers=3, compression=compression)
     on_stats, _ = _train(_spec(overlap=True, **common), parts)
     off = _digest(_spec(overlap=False, **common), parts)
@@ -168,7 +156,7 @@ def test_overlap_gives_the_bits_of_overlap_off(strategy, compression):
 
 @pytest.mark.parametrize("shards", [1, 3])
 def test_parameter_server_overlap_gives_the_bits_of_overlap_off(shards):
-    parts = _parts([9, 5])
+    parts = random_parts([9, 5])
     common = dict(strategy="ps", num_workers=2, ps_shards=shards)
     on_stats, _ = _train(_spec(overlap=True, **common), parts)
     off_stats, _ = _train(_spec(overlap=False, **common), parts)
@@ -182,7 +170,7 @@ def test_parameter_server_overlap_gives_the_bits_of_overlap_off(shards):
 def test_unused_parameters_do_not_deadlock(strategy):
     """A layer without a gradient never completes its bucket from a hook: step() hands it
     over, on every rank in the same order."""
-    parts = _parts([7, 5])
+    parts = random_parts([7, 5])
     common = dict(strategy=strategy, num_workers=2, ps_shards=3, unused=True)
     on_stats, _ = _train(_spec(overlap=True, **common), parts)
     off_stats, _ = _train(_spec(overlap=False, **common), parts)
@@ -197,7 +185,7 @@ def test_a_lost_peer_surfaces_as_peer_lost_in_the_training_thread(tmp_path):
     spec = _spec(strategy="ring", num_workers=2, overlap=True, comm_timeout=5.0)
     spec = dataclasses.replace(spec, fault=fault)
     started = time.monotonic()
-    results = _run_all(spec, _parts([40, 40]))
+    results = _run_all(spec, random_parts([40, 40]))
     assert isinstance(results[0], PeerLostError), results
     assert results[0].rank == 1
     assert time.monotonic() - started < 30
@@ -211,7 +199,7 @@ def test_mixed_policy_trains_each_bucket_with_its_compressor(rest):
     policy = {"fc2.*": "fp16", "*": rest}
     sizes = [13, 6]
     spec = _spec(strategy="ring", num_workers=2, compression=policy, bucket_mb=1.0, epochs=3)
-    stats, records = _train(spec, _parts(sizes))
+    stats, records = _train(spec, random_parts(sizes))
     assert len({s["param_digest"] for s in stats}) == 1
     for s in stats:
         assert s["compression_path"] == {"fp16": "reduce", rest: "allgather"}

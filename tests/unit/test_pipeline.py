@@ -3,141 +3,29 @@ equal single-process training of the same model on the same batches."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, PeerLostError
-from sparktrain.models import mlp
 from sparktrain.parallel.partition import partition, split_costs
-from sparktrain.parallel.pipeline import assemble, check_param_cap, layout
+from sparktrain.parallel.pipeline import check_param_cap, layout
 from sparktrain.parallel.schedule import gpipe, max_in_flight, one_f_one_b
-from sparktrain.parallel.stage import PipelineSpec, micro_batches, train_stage
-from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import PartitionData
+from sparktrain.parallel.stage import micro_batches
 
-from .threads import run_ranks
+from .fixtures import (
+    PIPE_CLASSES,
+    PIPE_WIDTH,
+    assert_same_state,
+    pipeline_model,
+    pipeline_parts,
+    pipeline_reference,
+    pipeline_run,
+    pipeline_spec,
+)
 
 pytestmark = pytest.mark.timeout(180)
-
-WIDTH = 6
-CLASSES = 3
-
-
-def _model() -> torch.nn.Sequential:
-    return mlp(WIDTH, (16, 12, 8), CLASSES)  # 7 layers: L R L R L R L
-
-
-def _spec(
-    stages: int,
-    replicas: int,
-    *,
-    schedule: str = "1f1b",
-    micro: int = 3,
-    activation_dtype: str = "float32",
-    **overrides,
-) -> PipelineSpec:
-    cfg = TrainConfig(
-        **{
-            "epochs": 2,
-            "batch_size": 10,
-            "lr": 0.1,
-            "shuffle": True,
-            "progress": False,
-            "comm_timeout": 20.0,
-            "num_workers": stages * replicas,
-            "parallelism_pipeline": stages,
-            "parallelism_data": replicas,
-            **overrides,
-        }
-    )
-    job = JobSpec(
-        job_id="p",
-        attempt=0,
-        secret=b"s" * 32,
-        config=cfg,
-        model_fn=_model,
-        model_kwargs={},
-        feature_width=WIDTH,
-        num_outputs=CLASSES,
-        state_chunk_bytes=300,  # several chunks per stage
-    )
-    torch.manual_seed(cfg.seed)
-    part = partition(_model(), stages, WIDTH, balance="params")
-    return PipelineSpec(job, part, replicas, micro, schedule, activation_dtype)
-
-
-def _parts(sizes: list[int], seed: int = 1) -> list[PartitionData]:
-    rng = np.random.default_rng(seed)
-    return [
-        PartitionData(
-            rng.standard_normal((n, WIDTH)).astype(np.float32),
-            rng.integers(0, CLASSES, n).astype(np.float64),
-            np.zeros(n, bool),
-        )
-        for n in sizes
-    ]
-
-
-def _run(spec: PipelineSpec, parts: list[PartitionData]):
-    world = len(parts)
-
-    def rank_fn(rank, coll):
-        ctx = WorkerContext(
-            rank,
-            world,
-            "127.0.0.1",
-            functools.partial(coll.all_gather, rank),
-            coll.barrier,
-            spec.job,
-        )
-        return train_stage(ctx, parts[rank], spec)
-
-    records = [r for rs in run_ranks(world, rank_fn) for r in rs]
-    torch.manual_seed(spec.job.config.seed)
-    return assemble(_model(), records, spec, wall_s=1.0, stage_s=1.0)
-
-
-def _reference(spec: PipelineSpec, parts: list[PartitionData]) -> torch.nn.Module:
-    """One process, one model: step t trains on the concatenation over replicas d of
-    rows [t*B, (t+1)*B) of replica d's (shuffled) data, where replica d's data is the
-    concatenation of the partitions of ranks d*P .. d*P + P - 1."""
-    cfg = spec.job.config
-    P, D, B = spec.stages, spec.replicas, cfg.batch_size
-    torch.manual_seed(cfg.seed)
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    rows = []
-    for d in range(D):
-        xs = np.concatenate([parts[d * P + s].x for s in range(P)])
-        ys = np.concatenate([parts[d * P + s].y for s in range(P)])
-        rows.append((torch.from_numpy(xs), torch.from_numpy(ys).long()))
-    steps = max(-(-len(y) // B) for _, y in rows)
-    for epoch in range(cfg.epochs):
-        orders = [
-            np.random.default_rng([cfg.seed, d, epoch]).permutation(len(rows[d][1]))
-            if cfg.shuffle
-            else np.arange(len(rows[d][1]))
-            for d in range(D)
-        ]
-        for t in range(steps):
-            idx = [torch.from_numpy(o[t * B : (t + 1) * B]) for o in orders]
-            x = torch.cat([rows[d][0][i] for d, i in enumerate(idx)])
-            y = torch.cat([rows[d][1][i] for d, i in enumerate(idx)])
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-    return model
-
-
-def _assert_same(got: torch.nn.Module, want: torch.nn.Module, atol: float = 1e-5) -> None:
-    g, w = got.state_dict(), want.state_dict()
-    assert g.keys() == w.keys()
-    for k in w:
-        torch.testing.assert_close(g[k], w[k], rtol=0, atol=atol, msg=k)
 
 
 # ----------------------------------------------------------------------- schedules
@@ -176,12 +64,12 @@ def test_split_costs_balances_and_respects_the_cap():
 
 
 def test_partition_by_time_and_params_covers_the_model():
-    model = _model()
+    model = pipeline_model()
     for balance in ("time", "params"):
-        part = partition(model, 3, WIDTH, balance=balance)
+        part = partition(model, 3, PIPE_WIDTH, balance=balance)
         assert part.bounds[0] == 0 and part.bounds[-1] == len(model)
         assert all(a < b for a, b in zip(part.bounds, part.bounds[1:], strict=False))
-        assert part.shapes[0] == (WIDTH,) and part.shapes[-1] == (CLASSES,)
+        assert part.shapes[0] == (PIPE_WIDTH,) and part.shapes[-1] == (PIPE_CLASSES,)
         assert sum(part.param_bytes) == sum(p.numel() * 4 for p in model.parameters())
 
 
@@ -193,7 +81,7 @@ def test_layout_and_param_cap():
     cfg = TrainConfig(num_workers=2)
     object.__setattr__(cfg, "max_param_mb", 0.0001)
     with pytest.raises(ConfigError, match="max_param_mb"):
-        check_param_cap(_model(), cfg)
+        check_param_cap(pipeline_model(), cfg)
 
 
 # ----------------------------------------------------------------------- correctness
@@ -202,14 +90,14 @@ def test_layout_and_param_cap():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize(("stages", "replicas"), [(2, 1), (3, 1), (2, 2)])
 def test_pipeline_equals_single_process(stages, replicas, schedule):
-    spec = _spec(stages, replicas, schedule=schedule)
+    spec = pipeline_spec(stages, replicas, schedule=schedule)
     # uneven partitions; replica 1 has fewer rows (runs out of data a step early)
     sizes = [17, 9, 5, 11, 6, 8][: stages * replicas]
     if replicas == 2:
         sizes = [17, 9, 5, 6]
-    parts = _parts(sizes)
-    result = _run(spec, parts)
-    _assert_same(result.model, _reference(spec, parts))
+    parts = pipeline_parts(sizes)
+    result = pipeline_run(spec, parts)
+    assert_same_state(result.model, pipeline_reference(spec, parts))
     s = result.summary
     assert s["replicas_in_sync"]
     assert s["world_size"] == stages * replicas and s["pipeline_stages"] == stages
@@ -222,39 +110,41 @@ def test_pipeline_equals_single_process(stages, replicas, schedule):
 
 
 def test_1f1b_bounds_in_flight_activations_by_p():
-    parts = _parts([40, 40])
+    parts = pipeline_parts([40, 40])
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
-        spec = _spec(2, 1, schedule=schedule, micro=8, batch_size=40, epochs=1, shuffle=False)
-        s = _run(spec, parts).summary
+        spec = pipeline_spec(
+            2, 1, schedule=schedule, micro=8, batch_size=40, epochs=1, shuffle=False
+        )
+        s = pipeline_run(spec, parts).summary
         peaks[schedule] = s["peak_activation_bytes"]
         assert s["peak_in_flight_micro_batches"] == (2 if schedule == "1f1b" else 8)
     assert peaks["1f1b"] < peaks["gpipe"]
 
 
 def test_hybrid_with_compressed_group_allreduce():
-    spec = _spec(2, 2, compression="fp16")
-    parts = _parts([12, 12, 12, 12])
-    result = _run(spec, parts)
-    _assert_same(result.model, _reference(spec, parts), atol=1e-2)
+    spec = pipeline_spec(2, 2, compression="fp16")
+    parts = pipeline_parts([12, 12, 12, 12])
+    result = pipeline_run(spec, parts)
+    assert_same_state(result.model, pipeline_reference(spec, parts), atol=1e-2)
     assert result.summary["replicas_in_sync"]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_activations(dtype):
-    spec = _spec(2, 1, activation_dtype=dtype, shuffle=False)
-    parts = _parts([20, 20])
-    result = _run(spec, parts)
-    _assert_same(result.model, _reference(spec, parts), atol=5e-2)
-    full = _spec(2, 1, shuffle=False)
-    bytes32 = _run(full, parts).summary["stage_bytes_per_step"]
+    spec = pipeline_spec(2, 1, activation_dtype=dtype, shuffle=False)
+    parts = pipeline_parts([20, 20])
+    result = pipeline_run(spec, parts)
+    assert_same_state(result.model, pipeline_reference(spec, parts), atol=5e-2)
+    full = pipeline_spec(2, 1, shuffle=False)
+    bytes32 = pipeline_run(full, parts).summary["stage_bytes_per_step"]
     assert result.summary["stage_bytes_per_step"] == pytest.approx(bytes32 / 2)
 
 
 def test_validation_rows_give_the_accuracy_of_the_assembled_model():
-    spec = _spec(2, 1, validation_fraction=0.3, epochs=3)
-    parts = _parts([30, 30])
-    result = _run(spec, parts)
+    spec = pipeline_spec(2, 1, validation_fraction=0.3, epochs=3)
+    parts = pipeline_parts([30, 30])
+    result = pipeline_run(spec, parts)
     assert result.summary["metric_name"] == "accuracy"
     # recompute on the validation rows each rank held out
     xs, ys = [], []
@@ -272,11 +162,11 @@ def test_validation_rows_give_the_accuracy_of_the_assembled_model():
 
 
 def test_bad_labels_on_one_rank_fail_every_rank_before_training():
-    spec = _spec(2, 1)
-    parts = _parts([10, 10])
+    spec = pipeline_spec(2, 1)
+    parts = pipeline_parts([10, 10])
     parts[1].y[3] = 7  # not a class index
     with pytest.raises(DataError, match="rank 1"):
-        _run(spec, parts)
+        pipeline_run(spec, parts)
 
 
 def test_a_stage_that_dies_mid_step_stops_its_neighbours(monkeypatch):
@@ -293,6 +183,6 @@ def test_a_stage_that_dies_mid_step_stops_its_neighbours(monkeypatch):
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(stage_mod._StageRunner, "_step", dying_step)
-    spec = _spec(2, 1, comm_timeout=5.0)
+    spec = pipeline_spec(2, 1, comm_timeout=5.0)
     with pytest.raises((RuntimeError, PeerLostError)):
-        _run(spec, _parts([30, 30]))
+        pipeline_run(spec, pipeline_parts([30, 30]))

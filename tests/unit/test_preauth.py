@@ -146,6 +146,7 @@ def test_silent_strangers_do_not_delay_a_driver_service_client(
     # milliseconds unloaded; a stranger holding it would cost the 3 s pre-auth deadline
     assert echo_client(echo) < preauth.PREAUTH_DEADLINE_S - 0.5
     assert echo._gate.pending == 40
+
     # a silent stranger costs a selector entry, not a thread; the partial hellos do (the
     # client's own handshake thread may take a moment to end after its reply)
     def handshakes() -> int:

@@ -21,7 +21,7 @@ from sparktrain.worker.probe import (
     time_compute,
 )
 
-from .comm_harness import SECRET, raise_first, run_ranks
+from .fixtures import SECRET, raise_first, run_mesh_ranks
 
 
 def _same_but_timing(estimates):  # type: ignore[no-untyped-def]
@@ -32,7 +32,7 @@ def _same_but_timing(estimates):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("world", [2, 3])
 def test_probe_gives_sane_figures_that_every_rank_agrees_on(world):
     started = time.perf_counter()
-    results = run_ranks(
+    results = run_mesh_ranks(
         world, lambda rank, mesh: probe_links(mesh, compute_s=0.001 * (rank + 1)), timeout=10.0
     )
     raise_first(results)
@@ -47,14 +47,14 @@ def test_probe_gives_sane_figures_that_every_rank_agrees_on(world):
 
 
 def test_probe_of_one_worker_sends_nothing():
-    results = run_ranks(1, lambda rank, mesh: (probe_links(mesh), mesh.stats.wire_bytes_sent))
+    results = run_mesh_ranks(1, lambda rank, mesh: (probe_links(mesh), mesh.stats.wire_bytes_sent))
     raise_first(results)
     est, sent = results[0]
     assert (est.alpha_s, est.beta_s_per_byte, sent) == (0.0, 0.0, 0)
 
 
 def test_probe_refuses_bad_arguments():
-    results = run_ranks(2, lambda rank, mesh: probe_links(mesh, rank=1 - rank))
+    results = run_mesh_ranks(2, lambda rank, mesh: probe_links(mesh, rank=1 - rank))
     assert all(isinstance(r, ConfigError) for r in results)
 
 
@@ -116,7 +116,7 @@ def _resolve(world: int, **cfg):  # type: ignore[no-untyped-def]
         )
         return ctx.job.config, auto
 
-    results = run_ranks(world, body, timeout=10.0)
+    results = run_mesh_ranks(world, body, timeout=10.0)
     raise_first(results)
     return results
 

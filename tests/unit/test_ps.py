@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import socket
@@ -14,113 +13,19 @@ import pytest
 import torch
 
 from sparktrain.comm.wire import DRIVER_RANK, HEADER_BYTES, CommStats, connect
-from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError, HandshakeError, PeerLostError
-from sparktrain.models import mlp
 from sparktrain.ps import protocol as P
 from sparktrain.ps.client import ParameterServerSync, ShardClient, connect_shards
 from sparktrain.ps.layout import shard_ranges
-from sparktrain.ps.server import ParameterServer, start_parameter_server
-from sparktrain.result import assemble as _assemble
-from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import PartitionData
-from sparktrain.worker.loop import train_partition
+from sparktrain.ps.server import ParameterServer
 
-from .threads import run_ranks
-
-SECRET = b"s" * 32
-HOST = "127.0.0.1"
-
-
-def _cfg(**overrides) -> TrainConfig:
-    base = {
-        "epochs": 2,
-        "batch_size": 4,
-        "lr": 0.1,
-        "shuffle": True,
-        "progress": False,
-        "comm_timeout": 10.0,
-        "num_workers": 2,
-        "strategy": "ps",
-    }
-    return TrainConfig(**{**base, **overrides})
-
-
-def _model() -> torch.nn.Module:
-    return mlp(4, (8,), 3)
-
-
-def _spec(cfg: TrainConfig, ps_addresses: tuple[str, ...] = ()) -> JobSpec:
-    return JobSpec(
-        job_id="job",
-        attempt=0,
-        secret=SECRET,
-        config=cfg,
-        model_fn=functools.partial(mlp, 4, (8,), 3),
-        model_kwargs={},
-        feature_width=4,
-        num_outputs=3,
-        ps_addresses=ps_addresses,
-    )
-
-
-def _parts(sizes: list[int], seed: int = 0) -> list[PartitionData]:
-    rng = np.random.default_rng(seed)
-    return [
-        PartitionData(
-            rng.standard_normal((n, 4)).astype(np.float32),
-            rng.integers(0, 3, n).astype(np.float64),
-            np.zeros(n, bool),
-        )
-        for n in sizes
-    ]
-
-
-def _seeded_model(cfg: TrainConfig) -> torch.nn.Module:
-    torch.manual_seed(cfg.seed)
-    return _model()
-
-
-def _train(cfg: TrainConfig, parts: list[PartitionData]):
-    """Train in threads; for ps, with a server in this process. Returns (result, server)."""
-    server = None
-    addresses: tuple[str, ...] = ()
-    if cfg.strategy == "ps":
-        server = start_parameter_server(
-            _seeded_model(cfg), cfg, host=HOST, secret=SECRET, job_id="job", attempt=0
-        )
-        addresses = tuple(server.addresses)
-    spec = _spec(cfg, addresses)
-    world = len(parts)
-
-    def rank_fn(rank, coll):
-        ctx = WorkerContext(
-            rank, world, HOST, functools.partial(coll.all_gather, rank), coll.barrier, spec
-        )
-        return train_partition(ctx, parts[rank])
-
-    try:
-        outputs = run_ranks(world, rank_fn, timeout=60)
-    finally:
-        if server is not None:
-            server.stop()
-    records = [r for out in outputs for r in out]
-    result = _assemble(_seeded_model(cfg), records, cfg, wall_s=1.0, stage_s=1.0)
-    if server is not None:
-        server.finish(result)
-    return result, server, records
-
-
-def _server(cfg: TrainConfig, world: int = 1, attempt: int = 0) -> ParameterServer:
-    return start_parameter_server(
-        _seeded_model(cfg),
-        cfg,
-        host=HOST,
-        secret=SECRET,
-        job_id="job",
-        attempt=attempt,
-        world_size=world,
-    )
+from .fixtures import (
+    SECRET,
+    ps_cfg,
+    ps_server,
+    ps_train,
+    random_parts,
+)
 
 
 def _client(server: ParameterServer, rank: int = 0, attempt: int = 0, shard: int = 0):
@@ -171,7 +76,7 @@ def test_shards_are_balanced_by_bytes_and_cover_the_vector():
 @pytest.mark.timeout(10)
 def test_too_many_shards_for_the_model_is_a_config_error():
     with pytest.raises(ConfigError, match="parameter elements"):
-        _server(_cfg(ps_shards=10_000))
+        ps_server(ps_cfg(ps_shards=10_000))
 
 
 # ---------------------------------------------------------------------- training
@@ -188,8 +93,10 @@ def test_too_many_shards_for_the_model_is_a_config_error():
 )
 def test_sync_ps_equals_the_ring(sizes, optimizer, kwargs, shards):
     common = {"optimizer": optimizer, "optimizer_kwargs": kwargs, "lr": 0.05}
-    ring, _, _ = _train(_cfg(strategy="ring", **common), _parts(sizes))
-    ps, _, records = _train(_cfg(ps_shards=shards, ps_mode="sync", **common), _parts(sizes))
+    ring, _, _ = ps_train(ps_cfg(strategy="ring", **common), random_parts(sizes))
+    ps, _, records = ps_train(
+        ps_cfg(ps_shards=shards, ps_mode="sync", **common), random_parts(sizes)
+    )
     for got, want in zip(ps.model.parameters(), ring.model.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     s = ps.summary["ps"]
@@ -207,8 +114,8 @@ def test_sync_ps_equals_the_ring(sizes, optimizer, kwargs, shards):
 
 @pytest.mark.timeout(60)
 def test_async_trains_and_records_staleness():
-    parts = _parts([40, 40])
-    result, _, _ = _train(_cfg(ps_mode="async", epochs=3, lr=0.05), parts)
+    parts = random_parts([40, 40])
+    result, _, _ = ps_train(ps_cfg(ps_mode="async", epochs=3, lr=0.05), parts)
     s = result.summary["ps"]
     updates = sum(sh["updates"] for sh in s["per_shard"])
     assert sum(s["staleness_hist"].values()) == updates > 0
@@ -228,9 +135,9 @@ def test_ssp_never_exceeds_the_staleness_bound_with_a_slow_worker(monkeypatch, b
         original(self, count)
 
     monkeypatch.setattr(ParameterServerSync, "step", slowed)
-    result, _, _ = _train(
-        _cfg(ps_mode="ssp", staleness=bound, staleness_lr=True, epochs=2, batch_size=2),
-        _parts([30, 30]),
+    result, _, _ = ps_train(
+        ps_cfg(ps_mode="ssp", staleness=bound, staleness_lr=True, epochs=2, batch_size=2),
+        random_parts([30, 30]),
     )
     s = result.summary["ps"]
     assert s["staleness_bound"] == bound
@@ -244,8 +151,8 @@ def test_ssp_never_exceeds_the_staleness_bound_with_a_slow_worker(monkeypatch, b
 
 @pytest.mark.timeout(20)
 def test_a_duplicate_push_is_acknowledged_and_not_applied_twice():
-    cfg = _cfg(ps_mode="async", ps_shards=1, lr=0.5)
-    server = _server(cfg)
+    cfg = ps_cfg(ps_mode="async", ps_shards=1, lr=0.5)
+    server = ps_server(cfg)
     try:
         client, flat = _client(server)
         client.pull(-1, flat)
@@ -265,8 +172,8 @@ def test_a_duplicate_push_is_acknowledged_and_not_applied_twice():
 
 @pytest.mark.timeout(20)
 def test_a_push_from_an_earlier_stage_attempt_is_rejected():
-    cfg = _cfg(ps_mode="async", ps_shards=1)
-    server = _server(cfg, attempt=1)
+    cfg = ps_cfg(ps_mode="async", ps_shards=1)
+    server = ps_server(cfg, attempt=1)
     try:
         # the handshake binds the attempt: an attempt-0 worker cannot even connect...
         with pytest.raises(HandshakeError, match="older attempt"):
@@ -284,7 +191,7 @@ def test_a_push_from_an_earlier_stage_attempt_is_rejected():
 
 @pytest.mark.timeout(20)
 def test_a_wrong_secret_is_refused():
-    server = _server(_cfg(ps_shards=2))
+    server = ps_server(ps_cfg(ps_shards=2))
     try:
         with pytest.raises(HandshakeError):
             connect(
@@ -303,8 +210,8 @@ def test_a_wrong_secret_is_refused():
 
 @pytest.mark.timeout(20)
 def test_pulling_an_unchanged_shard_costs_a_header_only():
-    cfg = _cfg(ps_mode="async", ps_shards=2)
-    server = _server(cfg)
+    cfg = ps_cfg(ps_mode="async", ps_shards=2)
+    server = ps_server(cfg)
     try:
         client, flat = _client(server, shard=1)
         part = flat[client.lo : client.hi]
@@ -325,7 +232,7 @@ def test_pulling_an_unchanged_shard_costs_a_header_only():
 @pytest.mark.timing
 @pytest.mark.timeout(20)
 def test_stop_is_prompt_and_leaves_nothing_listening():
-    server = _server(_cfg(ps_mode="sync", ps_shards=3), world=2)
+    server = ps_server(ps_cfg(ps_mode="sync", ps_shards=3), world=2)
     client, flat = _client(server)
     client.pull(-1, flat[client.lo : client.hi])
     client.push(0, 1, np.ones(client.hi - client.lo, np.float32))
@@ -357,7 +264,7 @@ def test_stop_is_prompt_and_leaves_nothing_listening():
 @pytest.mark.timing
 @pytest.mark.timeout(20)
 def test_a_worker_that_disconnects_fails_the_others_naming_it():
-    server = _server(_cfg(ps_mode="sync", ps_shards=2, comm_timeout=30.0), world=2)
+    server = ps_server(ps_cfg(ps_mode="sync", ps_shards=2, comm_timeout=30.0), world=2)
     try:
         c0, flat = _client(server, rank=0)
         c1, _ = _client(server, rank=1)
@@ -376,7 +283,7 @@ def test_a_worker_that_disconnects_fails_the_others_naming_it():
 
 @pytest.mark.timeout(20)
 def test_a_silent_worker_is_named_after_comm_timeout():
-    server = _server(_cfg(ps_mode="sync", ps_shards=1, comm_timeout=1.0), world=2)
+    server = ps_server(ps_cfg(ps_mode="sync", ps_shards=1, comm_timeout=1.0), world=2)
     try:
         c0, flat = _client(server, rank=0)
         c0.pull(-1, flat)
@@ -390,8 +297,8 @@ def test_a_silent_worker_is_named_after_comm_timeout():
 
 @pytest.mark.timeout(20)
 def test_a_new_stage_attempt_continues_from_the_servers_parameters():
-    cfg = _cfg(ps_mode="sync", ps_shards=2)
-    server = _server(cfg, world=1)
+    cfg = ps_cfg(ps_mode="sync", ps_shards=2)
+    server = ps_server(cfg, world=1)
     try:
         c0, flat = _client(server)
         c0.pull(-1, flat[c0.lo : c0.hi])

@@ -29,10 +29,11 @@ from sparktrain.result import assemble as _assemble
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.loop import train_partition
 
-from .test_ps import HOST, SECRET, _cfg, _parts
-from .threads import run_ranks
+from .fixtures import HOST, SECRET, ps_cfg, ps_clients, random_parts, run_ranks
 
 CAP = 4096  # bytes per frame: every shard below is several times larger
+# a rank's clients of every shard, their frames capped at CAP
+_clients = functools.partial(ps_clients, max_frame_bytes=CAP)
 WIDE = functools.partial(mlp, 4, (128, 128), 3)  # 17,539 float32 parameters, 70 KB
 
 
@@ -78,29 +79,12 @@ def _train(cfg: TrainConfig, parts, server: ParameterServer, resume_step: int | 
     return result
 
 
-def _clients(server: ParameterServer, rank: int = 0, spec: str = "none", cap: int = CAP):
-    n = server.ranges[-1][1]
-    return connect_shards(
-        server.addresses,
-        rank=rank,
-        secret=SECRET,
-        job_id="job",
-        attempt=0,
-        timeout=5.0,
-        stats=CommStats(),
-        num_elements=n,
-        dtype=np.dtype(np.float32),
-        compression=P.make_compression(spec),
-        max_frame_bytes=cap,
-    )
-
-
 # ---------------------------------------------------------------------- chunks
 
 
 @pytest.mark.timeout(30)
 def test_a_push_and_a_pull_travel_in_chunks_of_the_servers_size():
-    cfg = _cfg(ps_mode="async", ps_shards=1, lr=0.5)
+    cfg = ps_cfg(ps_mode="async", ps_shards=1, lr=0.5)
     with _start(cfg, world=1, max_frame_bytes=CAP) as server:
         (client,) = _clients(server)
         shard = server.shards[0]
@@ -139,9 +123,9 @@ def _wide_flat(cfg: TrainConfig) -> np.ndarray:
 
 @pytest.mark.timeout(30)
 def test_a_chunk_above_the_receivers_cap_is_refused_clearly():
-    cfg = _cfg(ps_mode="async", ps_shards=1)
+    cfg = ps_cfg(ps_mode="async", ps_shards=1)
     with _start(cfg, world=1, max_frame_bytes=1 << 20, chunk_bytes=64 << 10) as server:
-        (client,) = _clients(server, cap=CAP)  # this worker's frames are capped at 4 KiB
+        (client,) = _clients(server)  # this worker's frames are capped at 4 KiB
         flat = np.zeros(client.hi - client.lo, np.float32)
         with pytest.raises(FrameError, match="above this side's frame cap of 4096 bytes"):
             client.pull(-1, flat)
@@ -154,8 +138,8 @@ def test_training_under_a_tiny_frame_cap_moves_every_payload_in_chunks(mode, spe
     """The server's connections refuse any frame above 4 KiB in either direction, and
     every shard (35 KB), compressed push (~9 KB) and delta+ pull is larger: the run only
     finishes if every payload went in chunks."""
-    cfg = _cfg(ps_mode=mode, ps_shards=2, compression=spec, staleness=1, epochs=2, lr=0.05)
-    parts = _parts([16, 12])
+    cfg = ps_cfg(ps_mode=mode, ps_shards=2, compression=spec, staleness=1, epochs=2, lr=0.05)
+    parts = random_parts([16, 12])
     with _start(cfg, max_frame_bytes=CAP) as server:
         assert min(hi - lo for lo, hi in server.ranges) * 4 > 8 * CAP
         result = _train(cfg, parts, server)
@@ -183,11 +167,11 @@ def test_training_under_a_tiny_frame_cap_moves_every_payload_in_chunks(mode, spe
 def test_a_model_larger_than_the_frame_cap_trains_through_one_shard():
     """One shard holding the whole model (70 KB) behind a 4 KiB cap: the PS carries a
     model that exceeds the frame cap, as it must for a 150M-parameter model behind 1 GiB."""
-    cfg = _cfg(ps_mode="sync", ps_shards=1, epochs=1)
+    cfg = ps_cfg(ps_mode="sync", ps_shards=1, epochs=1)
     with _start(cfg, max_frame_bytes=CAP) as server:
         n = server.ranges[-1][1]
         assert server.ranges == [(0, n)] and n * 4 > 17 * CAP  # 17,539 elements
-        result = _train(cfg, _parts([8, 8]), server)
+        result = _train(cfg, random_parts([8, 8]), server)
     assert result.summary["ps_version"] == result.summary["ps_applied_pushes"] == 2
     np.testing.assert_array_equal(
         torch.cat([p.detach().reshape(-1) for p in result.model.parameters()]).numpy(),
@@ -206,7 +190,7 @@ def _reset(conn) -> None:
 
 @pytest.mark.timeout(30)
 def test_a_rank_whose_connection_is_reset_reconnects_and_no_push_is_applied_twice():
-    cfg = _cfg(ps_mode="sync", ps_shards=1, lr=0.5)
+    cfg = ps_cfg(ps_mode="sync", ps_shards=1, lr=0.5)
     with _start(cfg, world=2, max_frame_bytes=CAP) as server:
         (c0,), (c1,) = _clients(server, 0), _clients(server, 1)
         flats = [np.zeros(c0.hi - c0.lo, np.float32) for _ in range(2)]
@@ -252,7 +236,7 @@ def test_a_pull_waiting_when_the_connection_resets_is_answered_on_the_new_one():
     """sync, delta+int8: rank 0 waits on its pull when its connection is reset; it dials
     again and pulls there. The handler of the old connection must leave the rank's mirror
     alone, or the compressed deltas would no longer match the worker's copy."""
-    cfg = _cfg(ps_mode="sync", ps_shards=1, lr=0.5, compression="delta+int8")
+    cfg = ps_cfg(ps_mode="sync", ps_shards=1, lr=0.5, compression="delta+int8")
     with _start(cfg, world=2, max_frame_bytes=CAP) as server:
         (c0,), (c1,) = _clients(server, 0, "delta+int8"), _clients(server, 1, "delta+int8")
         shard = server.shards[0]
@@ -288,7 +272,7 @@ def test_a_new_stage_attempt_continues_the_step_count_and_resent_steps_are_dupli
     """async: rank 0 got 5 steps in, rank 1 only 3 when the stage failed. The next attempt
     starts every rank at step 3 (the steps every rank pushed); rank 0's resent steps 3
     and 4 are acknowledged, not applied again."""
-    cfg = _cfg(ps_mode="async", ps_shards=1, lr=0.5)
+    cfg = ps_cfg(ps_mode="async", ps_shards=1, lr=0.5)
     with _start(cfg, world=2) as server:
         (c0,), (c1,) = _clients(server, 0), _clients(server, 1)
         grad = np.full(c0.hi - c0.lo, 0.125, np.float32)
@@ -324,11 +308,11 @@ def test_a_new_stage_attempt_continues_the_step_count_and_resent_steps_are_dupli
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_new_server_resumes_from_the_checkpoint_and_applies_no_step_twice(tmp_path, mode):
-    cfg = _cfg(
+    cfg = ps_cfg(
         ps_mode=mode, ps_shards=2, epochs=4, optimizer="adam", lr=0.01,
         checkpoint_dir=str(tmp_path), checkpoint_every=1.0, shuffle=False,
     )  # fmt: skip
-    parts = _parts([16, 16])
+    parts = random_parts([16, 16])
     with _start(cfg) as full_server:
         full = _train(cfg, parts, full_server)
     spe = full.summary["steps_per_epoch"]
@@ -374,7 +358,7 @@ def test_a_new_server_resumes_from_the_checkpoint_and_applies_no_step_twice(tmp_
 
 @pytest.mark.timeout(30)
 def test_a_checkpoint_of_another_layout_is_refused(tmp_path):
-    cfg = _cfg(ps_shards=2, checkpoint_dir=str(tmp_path))
+    cfg = ps_cfg(ps_shards=2, checkpoint_dir=str(tmp_path))
     store = persist.server_store(cfg)
     assert store is not None
     with _start(cfg) as server:

@@ -13,7 +13,8 @@ import pytest
 from sparktrain.comm import wire
 from sparktrain.errors import CommError, HandshakeError
 from sparktrain.launch.rendezvous import RendezvousServer, all_gather
-from tests.unit.threads import run_ranks
+
+from .fixtures import run_ranks
 
 HOST = "127.0.0.1"
 SECRET = secrets.token_bytes(32)

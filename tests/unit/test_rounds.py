@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import pickle
 from typing import Any
 
 import numpy as np
@@ -17,38 +16,17 @@ from sparktrain import TrainConfig
 from sparktrain.launch import rounds_worker as rw
 from sparktrain.launch.rounds import RoundRunner, _Loop
 from sparktrain.launch.rounds_worker import Block, RoundSpec
-from sparktrain.models import mlp
-from sparktrain.worker.data import PartitionData
 
-WIDTH, CLASSES = 6, 3
-
-
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return mlp(WIDTH, (5,), CLASSES)
-
-
-def _data(n: int, seed: int, val: bool = False) -> PartitionData:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, WIDTH)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.float64) + (x[:, 1] > 0.5)
-    return PartitionData(x, y, np.full(n, val))
-
-
-def _blocks(sizes: tuple[int, ...] = (37, 20)) -> list[Block]:
-    return [
-        Block(i, _data(n, seed=i), _data(10, seed=100 + i, val=True)) for i, n in enumerate(sizes)
-    ]
-
-
-def _spec(cfg: TrainConfig, model: torch.nn.Module, blocks: list[Block], job: str) -> RoundSpec:
-    rpe = max(1, -(-max(b.train.size for b in blocks) // (cfg.batch_size * cfg.local_steps)))
-    return RoundSpec(job, cfg, pickle.dumps(model), rpe, evaluate_on_validation=True)
-
-
-def _cfg(**kw: Any) -> TrainConfig:
-    base: dict[str, Any] = dict(strategy="tree_aggregate", batch_size=8, lr=0.1, progress=False)
-    return TrainConfig(**{**base, **kw})
+from .fixtures import (
+    ROUNDS_WIDTH,
+    FakeBlocks,
+    FakeContext,
+    NoVolume,
+    rounds_blocks,
+    rounds_cfg,
+    rounds_model,
+    rounds_spec,
+)
 
 
 def _batch_indices(cfg: TrainConfig, block: Block, epoch: int) -> list[np.ndarray]:
@@ -59,13 +37,13 @@ def _batch_indices(cfg: TrainConfig, block: Block, epoch: int) -> list[np.ndarra
 
 # ------------------------------------------------------------------ flat vectors
 def test_flatten_and_assign_round_trip() -> None:
-    model = _model()
+    model = rounds_model()
     params = list(model.parameters())
     vec = rw.flatten(params)
     assert vec.dtype == np.float32 and vec.size == sum(p.numel() for p in params)
     expected = np.concatenate([p.detach().numpy().ravel() for p in params])
     np.testing.assert_array_equal(vec, expected)
-    other = list(_model(seed=1).parameters())
+    other = list(rounds_model(seed=1).parameters())
     rw.assign(other, vec)
     for a, b in zip(params, other, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -74,7 +52,7 @@ def test_flatten_and_assign_round_trip() -> None:
 
 
 def test_grads_round_trip_and_missing_grads_are_zero() -> None:
-    params = list(_model().parameters())
+    params = list(rounds_model().parameters())
     params[0].grad = torch.ones_like(params[0])
     vec = rw.flatten_grads(params)
     n0 = params[0].numel()
@@ -118,10 +96,10 @@ def test_merge_sums_payloads_and_stats_in_any_tree_order() -> None:
 
 # ------------------------------------------------------------------ one partition's round
 def test_synchronous_round_is_the_gradient_of_the_global_mean_loss() -> None:
-    cfg = _cfg()
-    blocks = _blocks((37, 20))  # 20 rows: partition 1 runs out after 3 batches
-    model = _model()
-    spec = _spec(cfg, model, blocks, "sync")
+    cfg = rounds_cfg()
+    blocks = rounds_blocks((37, 20))  # 20 rows: partition 1 runs out after 3 batches
+    model = rounds_model()
+    spec = rounds_spec(cfg, model, blocks, "sync")
     weights = rw.flatten(list(model.parameters()))
     codec = spec.codec
     for round_index in (0, 3, 4 + 5):  # epoch 0 rounds 0 and 3 (p1 empty), epoch 1 round 4
@@ -149,10 +127,10 @@ def test_synchronous_round_is_the_gradient_of_the_global_mean_loss() -> None:
 
 
 def test_local_sgd_round_averages_deltas_weighted_by_samples() -> None:
-    cfg = _cfg(local_steps=3, optimizer_kwargs={"momentum": 0.9})
-    blocks = _blocks((37, 20))
-    model = _model()
-    spec = _spec(cfg, model, blocks, "local")
+    cfg = rounds_cfg(local_steps=3, optimizer_kwargs={"momentum": 0.9})
+    blocks = rounds_blocks((37, 20))
+    model = rounds_model()
+    spec = rounds_spec(cfg, model, blocks, "local")
     assert spec.rounds_per_epoch == 2  # ceil(37 / 24)
     weights = rw.flatten(list(model.parameters()))
     round_index = 1  # partition 0: batches 3..4 (8 + 5 rows); partition 1: none left
@@ -186,10 +164,10 @@ def test_local_sgd_round_averages_deltas_weighted_by_samples() -> None:
 def test_a_recomputed_round_is_identical() -> None:
     """What Spark's task retry relies on: same inputs, same contribution, whatever ran
     in this Python worker before (the model cache is only a cache)."""
-    cfg = _cfg(local_steps=2, optimizer="adam", optimizer_kwargs={})
-    blocks = _blocks()
-    model = _model()
-    spec = _spec(cfg, model, blocks, "retry")
+    cfg = rounds_cfg(local_steps=2, optimizer="adam", optimizer_kwargs={})
+    blocks = rounds_blocks()
+    model = rounds_model()
+    spec = rounds_spec(cfg, model, blocks, "retry")
     weights = rw.flatten(list(model.parameters()))
     first = rw.partition_round(spec, weights, blocks[0], 1, evaluate_first=True)
     rw.partition_round(spec, weights + 1, blocks[1], 0)  # disturb the cached model
@@ -202,65 +180,29 @@ def test_a_recomputed_round_is_identical() -> None:
 
 def test_task_hook_runs_first() -> None:
     seen: list[tuple[int, int]] = []
-    cfg = _cfg()
-    blocks = _blocks()
-    model = _model()
-    spec = _spec(cfg, model, blocks, "hook")
+    cfg = rounds_cfg()
+    blocks = rounds_blocks()
+    model = rounds_model()
+    spec = rounds_spec(cfg, model, blocks, "hook")
     spec = RoundSpec(**{**spec.__dict__, "task_hook": lambda p, r: seen.append((p, r))})
     rw.partition_round(spec, rw.flatten(list(model.parameters())), blocks[1], 2)
     assert seen == [(1, 2)]
 
 
 # ------------------------------------------------------------------ the driver loop
-class _Handle:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-        self.destroyed = False
-
-    def destroy(self, blocking: bool = False) -> None:
-        self.destroyed = True
-
-
-class _FakeContext:
-    def __init__(self) -> None:
-        self.handles: list[_Handle] = []
-
-    def broadcast(self, value: Any) -> _Handle:
-        self.handles.append(_Handle(value.copy()))
-        return self.handles[-1]
-
-
-class _FakeBlocks:
-    """treeAggregate over in-process blocks, through pickle like Spark's closures."""
-
-    def __init__(self, blocks: list[Block]) -> None:
-        self.blocks = blocks
-
-    def treeAggregate(self, zero: Any, seq: Any, comb: Any, depth: int = 2) -> Any:
-        from pyspark.cloudpickle import dumps
-
-        seq, comb = pickle.loads(dumps((seq, comb)))  # closures must travel like Spark's
-        return functools.reduce(comb, [seq(zero, b) for b in self.blocks])
-
-
-class _NoVolume:
-    def poll(self, final: bool = False) -> None:
-        pass
-
-
 @pytest.mark.parametrize("local_steps", [1, 4])
 @pytest.mark.parametrize("in_closure", [True, False])
 def test_driver_loop_learns_and_reports(local_steps: int, in_closure: bool) -> None:
-    cfg = _cfg(epochs=6, local_steps=local_steps, lr=0.2)
-    blocks = _blocks((90, 70))
-    model = _model()
-    spec = _spec(cfg, model, blocks, f"loop{local_steps}")
-    sc = _FakeContext()
+    cfg = rounds_cfg(epochs=6, local_steps=local_steps, lr=0.2)
+    blocks = rounds_blocks((90, 70))
+    model = rounds_model()
+    spec = rounds_spec(cfg, model, blocks, f"loop{local_steps}")
+    sc = FakeContext()
     # small weights ride in the task closure; closure_max_bytes=0 forces a broadcast
     limit = 1 << 20 if in_closure else 0
-    runner = RoundRunner(sc, _FakeBlocks(blocks), spec, closure_max_bytes=limit)  # type: ignore[arg-type]
+    runner = RoundRunner(sc, FakeBlocks(blocks), spec, closure_max_bytes=limit)  # type: ignore[arg-type]
     messages: list[dict[str, Any]] = []
-    loop = _Loop(model, cfg, runner, messages.append, _NoVolume(), 160, 2, True)  # type: ignore[arg-type]
+    loop = _Loop(model, cfg, runner, messages.append, NoVolume(), 160, 2, True)  # type: ignore[arg-type]
     loop.train()
     rpe = spec.rounds_per_epoch
     assert runner.rounds == cfg.epochs * rpe + 1
@@ -287,17 +229,19 @@ def test_delta_powersgd_is_refused_on_the_driver() -> None:
     from sparktrain.launch.rounds import run_rounds
 
     with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):
-        _cfg(compression="delta+powersgd:2+ef")
-    cfg = _cfg()
+        rounds_cfg(compression="delta+powersgd:2+ef")
+    cfg = rounds_cfg()
     cfg.compression = "delta+powersgd:2"  # bypasses validation on purpose
     with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):
-        run_rounds(PreparedData(None, None, WIDTH), _model(), cfg, num_outputs=3, started=0.0)
+        run_rounds(
+            PreparedData(None, None, ROUNDS_WIDTH), rounds_model(), cfg, num_outputs=3, started=0.0
+        )
     assert isinstance(rw.make_codec("delta+int8+ef"), rw.CompressedCodec)  # uploads: int8+ef
 
 
 # ------------------------------------------------------------------ compressed downloads
-class _ForgetfulBlocks(_FakeBlocks):
-    """As _FakeBlocks, but every ``forget``-th round runs in a "new Python worker": the
+class _ForgetfulBlocks(FakeBlocks):
+    """As FakeBlocks, but every ``forget``-th round runs in a "new Python worker": the
     worker-side state (model, mirror) is dropped first, so the task fetches the mirror."""
 
     def __init__(self, blocks: list[Block], forget: int) -> None:
@@ -320,26 +264,26 @@ def _delta_run(spec_text: str, forget: int) -> tuple[list[dict[str, Any]], _Loop
         download_compressor,
     )
 
-    cfg = _cfg(epochs=5, lr=0.2, compression=spec_text)
-    blocks = _blocks((90, 70))
-    model = _model()
+    cfg = rounds_cfg(epochs=5, lr=0.2, compression=spec_text)
+    blocks = rounds_blocks((90, 70))
+    model = rounds_model()
     secret = secrets.token_bytes(32)
     comp = download_compressor(spec_text)
     assert comp is not None
     server = WeightsServer("127.0.0.1", DownloadEncoder(comp, cfg.seed), secret=secret, job_id="dl")
     try:
-        spec = _spec(cfg, model, blocks, "dl")
+        spec = rounds_spec(cfg, model, blocks, "dl")
         spec = RoundSpec(
             **{**spec.__dict__, "job_id": "dl", "weights_address": server.address, "secret": secret}
         )
         rw._STATES.clear()
         runner = RoundRunner(
-            _FakeContext(),  # type: ignore[arg-type]
+            FakeContext(),  # type: ignore[arg-type]
             _ForgetfulBlocks(blocks, forget),  # type: ignore[arg-type]
             spec,
             downloads=server,
         )
-        loop = _Loop(model, cfg, runner, lambda m: None, _NoVolume(), 160, 2, True)  # type: ignore[arg-type]
+        loop = _Loop(model, cfg, runner, lambda m: None, NoVolume(), 160, 2, True)  # type: ignore[arg-type]
         loop.train()
         held = rw._STATES["dl"].mirror
         return loop.history, loop, (server, held, model)

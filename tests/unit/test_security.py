@@ -22,9 +22,8 @@ from sparktrain.worker import sync as sync_module
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.loop import train_partition
 
-from . import comm_harness as h
-from .test_loop import _parts, _spec
-from .threads import run_ranks
+from . import fixtures as h
+from .fixtures import loop_spec, random_parts, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,8 +143,8 @@ def test_no_listener_binds_a_wildcard_address_during_training(monkeypatch):
         return original(self, count)
 
     monkeypatch.setattr(sync_module.AllreduceSync, "step", spying_step)
-    spec = _spec(epochs=1, batch_size=2)
-    parts = _parts([6, 6])
+    spec = loop_spec(epochs=1, batch_size=2)
+    parts = random_parts([6, 6])
 
     def rank_fn(rank, coll):  # type: ignore[no-untyped-def]
         ctx = WorkerContext(

@@ -23,11 +23,10 @@ from sparktrain.launch.rounds_worker import Block, RoundSpec
 from sparktrain.modeling import build_loss, check_weighted_loss
 from sparktrain.models import mlp
 from sparktrain.result import assemble as _assemble
-from sparktrain.worker.context import JobSpec, WorkerContext
+from sparktrain.worker.context import JobSpec
 from sparktrain.worker.data import PartitionData
-from sparktrain.worker.loop import train_partition
 
-from .threads import run_ranks
+from .fixtures import pipeline_records, train_in_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,18 +157,7 @@ def test_full_batch_step_is_the_weighted_mean_gradient(strategy, sizes) -> None:
     spec = _spec(len(sizes), strategy)
     parts = _weighted_parts(sizes)
 
-    def rank_fn(rank, coll):
-        ctx = WorkerContext(
-            rank,
-            len(sizes),
-            "127.0.0.1",
-            functools.partial(coll.all_gather, rank),
-            coll.barrier,
-            spec,
-        )
-        return train_partition(ctx, parts[rank])
-
-    records = [r for out in run_ranks(len(sizes), rank_fn) for r in out]
+    records = [r for out in train_in_threads(spec, parts) for r in out]
     torch.manual_seed(0)
     initial = spec.model_fn()
     result = _assemble(copy.deepcopy(initial), records, spec.config, wall_s=1.0, stage_s=1.0)
@@ -236,7 +224,7 @@ def test_an_epoch_of_minibatch_rounds_adds_up_to_the_weighted_mean_gradient() ->
 def test_pipeline_full_batch_step_is_the_weighted_mean_gradient(stages, replicas, sizes) -> None:
     from sparktrain.parallel.partition import partition
     from sparktrain.parallel.pipeline import assemble
-    from sparktrain.parallel.stage import PipelineSpec, train_stage
+    from sparktrain.parallel.stage import PipelineSpec
 
     def model_fn() -> torch.nn.Sequential:
         return mlp(WIDTH, (8, 6), CLASSES)
@@ -266,18 +254,7 @@ def test_pipeline_full_batch_step_is_the_weighted_mean_gradient(stages, replicas
     spec = PipelineSpec(job, partition(model_fn(), stages, WIDTH, balance="params"), replicas, 3)
     parts = _weighted_parts(sizes, seed=5)
 
-    def rank_fn(rank, coll):
-        ctx = WorkerContext(
-            rank,
-            len(parts),
-            "127.0.0.1",
-            functools.partial(coll.all_gather, rank),
-            coll.barrier,
-            job,
-        )
-        return train_stage(ctx, parts[rank], spec)
-
-    records = [r for rs in run_ranks(len(parts), rank_fn) for r in rs]
+    records = pipeline_records(spec, parts)
     torch.manual_seed(cfg.seed)
     initial = model_fn()
     result = assemble(copy.deepcopy(initial), records, spec, wall_s=1.0, stage_s=1.0)

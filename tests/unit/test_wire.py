@@ -36,7 +36,7 @@ from sparktrain.errors import (
 )
 
 try:  # tests/ laid out as packages or as plain directories
-    from . import comm_harness as h
+    from . import fixtures as h
 except ImportError:
     import comm_harness as h  # type: ignore[no-redef]
 

@@ -24,7 +24,7 @@ from sparktrain.comm.security import TAG_BYTES, LockedTlsSocket, WireSecurity
 from sparktrain.errors import FrameError, HandshakeError, PeerLostError
 
 try:  # tests/ laid out as packages or as plain directories
-    from . import comm_harness as h
+    from . import fixtures as h
 except ImportError:
     import comm_harness as h  # type: ignore[no-redef]
 
@@ -105,8 +105,14 @@ def test_a_frame_altered_in_transit_is_rejected() -> None:
     def serve() -> None:
         try:
             conn = wire.accept(
-                server_listener, secret=h.SECRET, job_id=h.JOB, attempt=0, my_rank=1,
-                timeout=5.0, stats=CommStats(), security=MAC,
+                server_listener,
+                secret=h.SECRET,
+                job_id=h.JOB,
+                attempt=0,
+                my_rank=1,
+                timeout=5.0,
+                stats=CommStats(),
+                security=MAC,
             )
             out = np.empty(16, np.float32)
             conn.recv_into(out)
@@ -117,8 +123,15 @@ def test_a_frame_altered_in_transit_is_rejected() -> None:
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     client = wire.connect(
-        address_of(proxy), secret=h.SECRET, job_id=h.JOB, attempt=0, my_rank=0, peer_rank=1,
-        timeout=5.0, stats=CommStats(), security=MAC,
+        address_of(proxy),
+        secret=h.SECRET,
+        job_id=h.JOB,
+        attempt=0,
+        my_rank=0,
+        peer_rank=1,
+        timeout=5.0,
+        stats=CommStats(),
+        security=MAC,
     )
     try:
         client.send_array(np.arange(16, dtype=np.float32))
