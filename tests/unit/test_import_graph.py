@@ -1,5 +1,6 @@
 """The package's import graph keeps its layers: no cycles, no pyspark on the executors, no
-benchmarks in the core.
+benchmarks in the core; and test files share helpers through a fixtures module, never by
+importing each other.
 
 The check reads the source with :mod:`ast` and imports nothing, so it is fast and sees
 imports that a run would only reach on some paths. What counts as an import:
@@ -59,6 +60,7 @@ EXECUTOR_CODE = (
 # driver halves may import it inside functions.
 EXECUTOR_IMPORTED = ("sparktrain.strategies",)
 BENCH = "sparktrain.bench"
+BENCH_TOP_LEVEL = "benchmarks"  # where the suite may move, out of the package
 # the one core module allowed to import the benchmarks, and only inside a function
 BENCH_LOADER = "sparktrain.cli"
 
@@ -374,11 +376,26 @@ def bench_violations(graph: Graph) -> list[str]:
     """Core modules that import the benchmarks (cli.py may, inside a function)."""
     return [
         f"{i.source} imports {i.target} at {i.where()}"
-        for i in graph.internal
-        if _under(i.target, (BENCH,))
+        for i in graph.internal + graph.external
+        if _under(i.target, (BENCH, BENCH_TOP_LEVEL))
         and not _under(i.source, (BENCH,))
         and not (i.source == BENCH_LOADER and not i.module_level)
     ]
+
+
+def imports_between_test_files(root: Path) -> list[str]:
+    """Test modules that import another test module: shared helpers belong in a fixtures
+    module (``tests/unit/fixtures.py``, ``tests/integration/fixtures.py``)."""
+    out = []
+    for path in sorted((root / "tests").rglob("test_*.py")):
+        rel = str(path.relative_to(root))
+        collector = _Collector(".".join(path.relative_to(root).with_suffix("").parts), False)
+        collector.visit(ast.parse(path.read_text(), rel))
+        for base, names, line, _ in collector.found:
+            for target in [base, *(f"{base}.{n}" for n in names)]:
+                if target.startswith("tests.") and target.rpartition(".")[2].startswith("test_"):
+                    out.append(f"{rel}:{line} imports {target}")
+    return out
 
 
 @dataclass
@@ -422,6 +439,11 @@ def test_executor_code_never_imports_pyspark(real: Report) -> None:
 
 def test_core_never_imports_the_benchmarks(real: Report) -> None:
     assert not real.bench, "the core imports sparktrain.bench:\n  " + "\n  ".join(real.bench)
+
+
+def test_test_files_never_import_each_other() -> None:
+    found = imports_between_test_files(REPO)
+    assert not found, "move what they share into a fixtures module:\n  " + "\n  ".join(found)
 
 
 def test_the_check_sees_the_real_package(real: Report) -> None:
@@ -555,4 +577,18 @@ def test_bench_imports_from_the_core_are_caught(tmp_path: Path) -> None:
     )
     assert check(root).bench == [
         "sparktrain.costmodel imports sparktrain.bench.train at sparktrain/costmodel.py:1"
+    ]
+
+
+def test_a_test_file_importing_another_is_caught(tmp_path: Path) -> None:
+    root = write(
+        tmp_path,
+        {
+            "tests/unit/test_a.py": "from .fixtures import pair\nfrom .test_b import _helper\n",
+            "tests/unit/test_c.py": "def f():\n    from tests.unit import test_a\n",
+        },
+    )
+    assert imports_between_test_files(root) == [
+        "tests/unit/test_a.py:2 imports tests.unit.test_b",
+        "tests/unit/test_c.py:2 imports tests.unit.test_a",
     ]
