@@ -20,7 +20,7 @@ import functools
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -151,17 +151,19 @@ def run_mesh_ranks(
         finally:
             mesh.close()
 
-    threads = [
-        threading.Thread(target=body, args=(r,), daemon=True)
-        for r in (ranks if ranks is not None else range(world))
-    ]
+    in_threads(body, ranks if ranks is not None else range(world), join_timeout)
+    return results
+
+
+def in_threads(body: Callable[[int], None], ranks: Iterable[int], timeout: float) -> None:
+    """``body(rank)`` on one daemon thread per rank; fails if one outlives ``timeout``."""
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in ranks]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + join_timeout
+    deadline = time.monotonic() + timeout
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
         assert not t.is_alive(), "a rank thread hung"
-    return results
 
 
 def raise_first(results: list[Any]) -> None:

@@ -31,7 +31,7 @@ from sparktrain.worker.faults import FaultPlan
 from sparktrain.worker.loop import train_partition
 from sparktrain.worker.sync import OrderedWorker, by_spec
 
-from .fixtures import ThreadCollectives, random_parts
+from .fixtures import ThreadCollectives, in_threads, random_parts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,13 +95,7 @@ def _run_all(spec: JobSpec, parts: list[PartitionData], timeout: float = 60.0) -
         except BaseException as exc:
             results[rank] = exc
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-        assert not t.is_alive(), "a rank hung"
+    in_threads(body, range(world), timeout)
     return results
 
 
