@@ -19,38 +19,26 @@ Config keys read with defaults until TrainConfig declares them:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import secrets
 import time
-import uuid
-from collections.abc import Iterable, Iterator
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
 import torch
 from torch import nn
 
-from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError, SparkTrainError, WorkerError
-from sparktrain.launch import barrier
-from sparktrain.launch.prepare import PreparedData
-from sparktrain.launch.rendezvous import RendezvousServer
-from sparktrain.launch.resources import task_cpus
-from sparktrain.metrics import MetricsServer, ProgressDisplay
+from sparktrain.errors import ConfigError, WorkerError
+from sparktrain.launch.stage import FitJob, train_in_stage
 from sparktrain.parallel.partition import Partition, partition
 from sparktrain.parallel.schedule import SCHEDULES, ideal_bubble
-from sparktrain.parallel.stage import WIRE_DTYPES, PipelineSpec, train_stage
+from sparktrain.parallel.stage import WIRE_DTYPES, PipelineSpec, stage_entry
 from sparktrain.result import Record, TrainResult, load_state_records, stage_summary
 from sparktrain.worker.context import JobSpec
-from sparktrain.worker.data import from_arrow, from_rows
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
-
-    from sparktrain.trainer import Trainer
+    from sparktrain.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -137,130 +125,38 @@ def make_spec(job: JobSpec, part: Partition, replicas: int) -> PipelineSpec:
     )
 
 
-def run_pipeline(
-    trainer: Trainer,
-    sc: SparkContext,
-    prepared: PreparedData,
-    model: nn.Module,
-    *,
-    num_outputs: int,
-    started: float,
-) -> TrainResult:
-    """Train ``model``'s stages across ``num_workers`` barrier tasks; see the module doc."""
-    cfg = trainer.config
+def run_pipeline(job: FitJob, strategy: Strategy) -> TrainResult:
+    """Train ``job.model``'s stages across ``num_workers`` barrier tasks through the stage
+    runner (restarts, resume, job group and slot watchdog as for data parallel); see the
+    module doc."""
+    cfg = job.config
     stages, replicas = layout(cfg)
-    if cfg.strategy not in ("ring", "tree"):
-        raise ConfigError(
-            f"strategy={cfg.strategy!r} does not combine with parallelism.pipeline > 1: the "
-            "replicas of a stage average gradients with the ring; use strategy='ring'"
-        )
-    part = plan(model, cfg, prepared.feature_width)
-    job = JobSpec(
-        job_id=uuid.uuid4().hex[:12],
-        attempt=0,
-        secret=secrets.token_bytes(32),
-        config=cfg,
-        model_fn=trainer.model_fn,
-        model_kwargs=trainer.model_kwargs,
-        feature_width=prepared.feature_width,
-        num_outputs=num_outputs,
-        threads=cfg.threads_per_worker or task_cpus(sc),
-        security=WireSecurity.for_job(cfg.encryption, cfg.frame_integrity),
-    )
-    spec = make_spec(job, part, replicas)
-    log.info(
-        "job %s: %d pipeline stages (layers %s, balanced by %s) x %d replicas, %s, "
-        "%d micro-batches",
-        job.job_id,
-        stages,
-        list(part.bounds),
-        part.balance,
-        replicas,
-        spec.schedule,
-        spec.micro_batches,
-    )
+    part = plan(job.model, cfg, job.prepared.feature_width)
+    template = make_spec(job.job_spec(strategy), part, replicas)
     if cfg.checkpoint_dir:
         log.warning(
             "checkpoints are not written under pipeline parallelism yet; a failed stage "
-            "is not resubmitted (checkpoint_dir=%s ignored)",
+            "restarts from scratch (checkpoint_dir=%s ignored)",
             cfg.checkpoint_dir,
         )
-    host = sc.getConf().get("spark.driver.host", "127.0.0.1")
-    display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
-    server = MetricsServer(
-        host,
-        secret=job.secret,
-        job_id=job.job_id,
-        attempt=0,
-        on_message=display,
-        security=job.security,
+
+    def finish(records: list[Record], stage_s: float) -> TrainResult:
+        wall_s = time.perf_counter() - job.started
+        return assemble(job.model, records, template, wall_s=wall_s, stage_s=stage_s)
+
+    describe = (
+        f": {stages} pipeline stages (layers {list(part.bounds)}, balanced by {part.balance}) "
+        f"x {replicas} replicas, {template.schedule}, {template.micro_batches} micro-batches"
     )
-    meeting = RendezvousServer(
-        host,
-        secret=job.secret,
-        job_id=job.job_id,
-        attempt=0,
-        world_size=cfg.num_workers,
-        security=job.security,
+    return train_in_stage(
+        job,
+        strategy,
+        spec=template.job,
+        entry=functools.partial(stage_entry, template),
+        assemble_result=finish,
+        receive_state=False,
+        describe=describe,
     )
-    launched = time.perf_counter()
-    try:
-        spec = replace(
-            spec,
-            job=replace(job, metrics_address=server.address, rendezvous_address=meeting.address),
-        )
-        records = _launch(prepared, spec)
-    finally:
-        meeting.stop()
-        server.stop()
-        display.close()
-    now = time.perf_counter()
-    result = assemble(model, records, spec, wall_s=now - started, stage_s=now - launched)
-    result.summary.update(restarts=0, steps_redone=0)
-    return result
-
-
-# --------------------------------------------------------------------------- launching
-
-
-def _launch(prepared: PreparedData, spec: PipelineSpec) -> list[Record]:
-    try:
-        try:
-            return _run(prepared, spec)
-        except Exception as exc:
-            if not barrier.is_unsupported_chain(exc):
-                raise
-        return _run(prepared.shuffled(spec.job.config.num_workers), spec)
-    except SparkTrainError:
-        raise
-    except Exception as exc:  # Py4J / PythonException wrapping a task's error
-        raise WorkerError.from_spark(exc) from exc
-
-
-def _run(prepared: PreparedData, spec: PipelineSpec) -> list[Record]:
-    job = spec.job
-    if prepared.frame is not None:
-
-        def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-            ctx = barrier.worker_context(job)
-            data = from_arrow(batches, job.feature_width, ctx.rank)
-            records = train_stage(ctx, data, spec)
-            yield pa.RecordBatch.from_pylist(
-                [{"rank": r.rank, "kind": r.kind, "seq": r.seq, "data": r.data} for r in records],
-                schema=barrier.OUTPUT_SCHEMA,
-            )
-
-        table = prepared.frame.mapInArrow(task, barrier.OUTPUT_DDL, barrier=True).toArrow()
-        return [Record(**row) for row in table.to_pylist()]
-    assert prepared.rdd is not None
-
-    def rdd_task(rows: Iterable[tuple[object, ...]]) -> Iterator[tuple[int, str, int, bytes]]:
-        ctx = barrier.worker_context(job)
-        data = from_rows(rows, job.feature_width, ctx.rank)
-        for r in train_stage(ctx, data, spec):
-            yield (r.rank, r.kind, r.seq, r.data)
-
-    return [Record(*row) for row in prepared.rdd.barrier().mapPartitions(rdd_task).collect()]
 
 
 # --------------------------------------------------------------------------- assembling

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -124,6 +124,12 @@ def train_stage(ctx: WorkerContext, data: PartitionData, spec: PipelineSpec) -> 
         return _StageRunner(ctx, spec, mesh, infos, train, val).run()
     finally:
         mesh.close()
+
+
+def stage_entry(template: PipelineSpec, ctx: WorkerContext, data: PartitionData) -> list[Record]:
+    """The stage runner's per-task entry: :func:`train_stage` with this attempt's job
+    (``ctx.job``) in the pipeline ``template``."""
+    return train_stage(ctx, data, replace(template, job=ctx.job))
 
 
 class _StageRunner:
