@@ -15,8 +15,8 @@ That thread then serves the client with :meth:`DriverService.handle`.
 :meth:`DriverService.stop` ends the accept loop at once.
 
 A service that lives across stage attempts (a parameter-server shard) passes its
-attempt as a callable, read when each handshake starts; a connection whose attempt is
-no longer current once its handshake is done is closed instead of being handled.
+attempt as a callable, read when each handshake starts; :meth:`DriverService.admit`
+closes a connection whose attempt is no longer current once its handshake is done.
 """
 
 from __future__ import annotations
@@ -135,17 +135,26 @@ class DriverService:
 
     def _ready(self, accepted: tuple[int, wire.Connection]) -> None:
         attempt, conn = accepted
-        if attempt != self.attempt:  # a new attempt began during the handshake
-            log.warning(
-                "%s: refused rank %d of stage attempt %d (now %d)",
-                self.name,
-                conn.peer_rank,
-                attempt,
-                self.attempt,
-            )
+        if self.admit(conn, attempt):
+            self.handle(conn)
+        else:
             conn.close()
-            return
-        self.handle(conn)
+
+    def admit(self, conn: wire.Connection, attempt: int) -> bool:
+        """Whether to serve ``conn``, whose client proved stage ``attempt`` (False: it is
+        closed). Default: if that attempt is still the current one (a new attempt may
+        have begun during the handshake). A subclass that keeps its clients'
+        connections may take ``conn`` here."""
+        if attempt == self.attempt:
+            return True
+        log.warning(
+            "%s: refused rank %d of stage attempt %d (now %d)",
+            self.name,
+            conn.peer_rank,
+            attempt,
+            self.attempt,
+        )
+        return False
 
     def handle(self, conn: wire.Connection) -> None:
         """Serve one authenticated client (on its handshake's thread, one per client)."""

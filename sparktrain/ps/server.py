@@ -156,26 +156,13 @@ class Shard(DriverService):
     def tick(self) -> None:
         self._expire_broken()
 
-    def handle(self, conn: Connection) -> None:
-        """Serve one rank's connection, on its handshake's thread, until it says goodbye,
-        breaks, or a new stage attempt or the server's stop ends it."""
-        attempt = self.attempt
-        if not self._admit(conn, attempt):
-            return
-        conn.set_timeout(self.server.timeout)  # a worker silent for this long is lost
-        me = threading.current_thread()
-        me.name = f"sparktrain-ps-{self.index}-rank-{conn.peer_rank}"
-        with self.cond:
-            self._threads.append(me)
-        self._serve(conn, attempt)
-
-    def _admit(self, conn: Connection, attempt: int) -> bool:
+    def admit(self, conn: Connection, attempt: int) -> bool:
         """Take ``conn`` as its rank's connection; a rank that dials again replaces its
         old connection (closed here) and keeps its state. False if refused."""
         srv = self.server
         rank = conn.peer_rank
         old = None
-        with self.cond:
+        with self.cond:  # begin_attempt() resets the connections under it too
             refuse = srv.stopping or attempt != srv.attempt or rank not in self.ranks
             if not refuse:
                 old = self._conns.get(rank)
@@ -187,7 +174,6 @@ class Shard(DriverService):
                 self.cond.notify_all()
         if refuse:
             log.warning("ps shard %d: refused rank %d (unknown or stale)", self.index, rank)
-            conn.close()
             return False
         if old is not None:
             log.warning(
@@ -195,6 +181,16 @@ class Shard(DriverService):
             )
             old.close()  # its handler sees the error and leaves quietly (no longer current)
         return True
+
+    def handle(self, conn: Connection) -> None:
+        """Serve one rank's admitted connection, on its handshake's thread, until it
+        says goodbye, breaks, or a new stage attempt or the server's stop ends it."""
+        conn.set_timeout(self.server.timeout)  # a worker silent for this long is lost
+        me = threading.current_thread()
+        me.name = f"sparktrain-ps-{self.index}-rank-{conn.peer_rank}"
+        with self.cond:
+            self._threads.append(me)
+        self._serve(conn)
 
     def _broken(self, conn: Connection, why: str) -> None:
         """``conn`` broke: if it is still its rank's connection, start the rank's grace
@@ -227,8 +223,9 @@ class Shard(DriverService):
 
     # ------------------------------------------------------------------ serving
 
-    def _serve(self, conn: Connection, attempt: int) -> None:
+    def _serve(self, conn: Connection) -> None:
         srv = self.server
+        attempt = srv.attempt  # admit() checked it was the handshake's
         grad = np.empty_like(self.values)  # receive buffer of this rank's pushes
         try:
             while not srv.stopping and srv.attempt == attempt:
