@@ -114,14 +114,14 @@ def wait_closed(socks: list[socket.socket], within: float) -> list[bool]:
     return done
 
 
-def echo_client(srv: DriverService, timeout: float = 8.0) -> float:
+def echo_client(srv: DriverService, timeout: float = 8.0, *, attempt: int = 0) -> float:
     """Connect as rank 0, round-trip one message; returns the seconds it took."""
     started = time.monotonic()
     conn = wire.connect(
         srv.address,
         secret=SECRET,
         job_id=JOB,
-        attempt=0,
+        attempt=attempt,
         my_rank=0,
         peer_rank=wire.DRIVER_RANK,
         timeout=timeout,
@@ -276,30 +276,14 @@ class Moving(Echo):
         self.ticks += 1
 
 
-def dial(srv: DriverService, attempt: int) -> None:
-    conn = wire.connect(
-        srv.address,
-        secret=SECRET,
-        job_id=JOB,
-        attempt=attempt,
-        my_rank=0,
-        peer_rank=wire.DRIVER_RANK,
-        timeout=5.0,
-        stats=wire.CommStats(),
-    )
-    with contextlib.closing(conn):
-        conn.send_bytes(b"hello", wire.KIND_CONTROL)
-        assert conn.recv_bytes(wire.KIND_CONTROL)[1] == b"hello"
-
-
 def test_a_service_across_attempts_proves_the_current_attempt_and_ticks() -> None:
     srv = Moving()
     try:
-        dial(srv, 0)
+        echo_client(srv)
         srv.current = 1  # read by every handshake that starts from now on
         with pytest.raises(HandshakeError):
-            dial(srv, 0)
-        dial(srv, 1)
+            echo_client(srv, attempt=0)
+        echo_client(srv, attempt=1)
         assert srv.ticks > 0  # the accept loop's housekeeping runs on every turn
     finally:
         srv.stop()
