@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from sparktrain.errors import ConfigError
-from sparktrain.ps import protocol as P
+from sparktrain.ps import protocol
 
 
 @dataclass
@@ -57,7 +57,7 @@ Readiness = tuple[bool, int, str]
 """``(ready, laggard, why)``: may a pull be answered; if not, the rank it waits for
 (or :data:`~sparktrain.ps.protocol.NO_RANK`) and why, for the lost-rank message."""
 
-_READY: Readiness = (True, P.NO_RANK, "")
+_READY: Readiness = (True, protocol.NO_RANK, "")
 
 
 class Ledger:
@@ -80,10 +80,10 @@ class Ledger:
         """``(OK | DUPLICATE | PROTOCOL, reason)`` for a push of ``step`` by ``rank``."""
         last = self.ranks[rank].last_step
         if step <= last:
-            return P.DUPLICATE, ""
+            return protocol.DUPLICATE, ""
         if step != last + 1:
-            return P.PROTOCOL, f"rank {rank} pushed step {step} after step {last}"
-        return P.OK, ""
+            return protocol.PROTOCOL, f"rank {rank} pushed step {step} after step {last}"
+        return protocol.OK, ""
 
     def record_push(self, rank: int, step: int) -> None:
         """Take the push :meth:`check_push` found OK."""
@@ -151,8 +151,8 @@ class SyncLedger(Ledger):
 
     def check_push(self, rank: int, step: int) -> tuple[int, str]:
         status, reason = super().check_push(rank, step)
-        if status == P.OK and step != self.version:
-            return P.PROTOCOL, (
+        if status == protocol.OK and step != self.version:
+            return protocol.PROTOCOL, (
                 f"rank {rank} pushed step {step} while {self.where} is at step {self.version}"
             )
         return status, reason
@@ -177,7 +177,7 @@ class SyncLedger(Ledger):
         if step < 0 or self.version > step:
             return _READY
         missing = sorted(set(self.live()) - self.pushed)
-        laggard = missing[0] if missing else P.NO_RANK
+        laggard = missing[0] if missing else protocol.NO_RANK
         return False, laggard, f"it did not push step {step}"
 
     def completed_step(self) -> int:

@@ -63,7 +63,7 @@ from sparktrain.comm.wire import (
 from sparktrain.config import TrainConfig, single_spec
 from sparktrain.errors import CommError, ConfigError, FrameError
 from sparktrain.modeling import build_optimizer
-from sparktrain.ps import protocol as P
+from sparktrain.ps import protocol
 from sparktrain.ps.consistency import AsyncLedger, SyncLedger, lr_scale, make_ledger
 from sparktrain.ps.layout import (
     NUMPY_DTYPES,
@@ -95,7 +95,7 @@ class _RankState:
     mirror: np.ndarray | None = None  # exact copy of the rank's parameters for this shard
     mirror_version: int = -1
     send_buf: np.ndarray | None = None  # delta being sent (only its handler touches it)
-    pull_codec: P.CompressorCodec | None = None  # delta+ specs: this rank's pull compressor
+    pull_codec: protocol.CompressorCodec | None = None  # delta+ specs: this rank's pull compressor
     wait_s: float = 0.0
     broken_at: float | None = None  # when its connection broke (None: connected or gone)
     broken_why: str = ""
@@ -229,12 +229,12 @@ class Shard(DriverService):
         grad = np.empty_like(self.values)  # receive buffer of this rank's pushes
         try:
             while not srv.stopping and srv.attempt == attempt:
-                kind, header = conn.recv_bytes(None, max_bytes=P.MAX_HEADER_BYTES)
-                if kind == P.KIND_PUSH and len(header) == P.PUSH.size:
+                kind, header = conn.recv_bytes(None, max_bytes=protocol.MAX_HEADER_BYTES)
+                if kind == protocol.KIND_PUSH and len(header) == protocol.PUSH.size:
                     self._push(conn, header, grad)
-                elif kind == P.KIND_PULL and len(header) == P.PULL.size:
+                elif kind == protocol.KIND_PULL and len(header) == protocol.PULL.size:
                     self._pull(conn, header)
-                elif kind == P.KIND_BYE and len(header) == P.BYE.size:
+                elif kind == protocol.KIND_BYE and len(header) == protocol.BYE.size:
                     self._bye(conn, header)
                     return
                 else:
@@ -252,28 +252,30 @@ class Shard(DriverService):
         """Status and reason for a request's (attempt, rank) fields."""
         srv = self.server
         if attempt < srv.attempt:
-            return P.STALE_ATTEMPT, (
+            return protocol.STALE_ATTEMPT, (
                 f"rank {rank} sent a request of stage attempt {attempt}, the server is at "
                 f"attempt {srv.attempt}: requests of earlier attempts are rejected"
             )
         if attempt != srv.attempt or rank != conn.peer_rank:
-            return P.PROTOCOL, (
+            return protocol.PROTOCOL, (
                 f"a request claims attempt {attempt} and rank {rank} on the connection "
                 f"of rank {conn.peer_rank} (attempt {srv.attempt})"
             )
-        return P.OK, ""
+        return protocol.OK, ""
 
     def _push(self, conn: Connection, header: bytes, grad: np.ndarray) -> None:
         srv = self.server
-        tag, attempt, rank, step, count, version, has_payload, nbytes, chunk = P.PUSH.unpack(header)
+        tag, attempt, rank, step, count, version, has_payload, nbytes, chunk = protocol.PUSH.unpack(
+            header
+        )
         decode_error = ""
         wire = 0
         if has_payload:  # always read it: the stream must stay in step
             if self.push_codec.compressed:
-                if not 0 < nbytes <= P.max_message_bytes(self.elements):
+                if not 0 < nbytes <= protocol.max_message_bytes(self.elements):
                     raise FrameError(f"a compressed push of {nbytes} bytes for {self.elements}")
                 blob = np.empty(nbytes, np.uint8)
-                frames = P.recv_chunked(conn, blob, P.KIND_CPAYLOAD, chunk)
+                frames = protocol.recv_chunked(conn, blob, protocol.KIND_CPAYLOAD, chunk)
                 wire = frames * HEADER_BYTES + nbytes
                 try:
                     self.push_codec.decode_into(blob, grad)
@@ -282,28 +284,31 @@ class Shard(DriverService):
             else:
                 if nbytes != grad.nbytes:
                     raise FrameError(f"a push of {nbytes} bytes for a {grad.nbytes}-byte shard")
-                frames = P.recv_chunked(conn, grad, KIND_DATA, chunk)
+                frames = protocol.recv_chunked(conn, grad, KIND_DATA, chunk)
                 wire = frames * HEADER_BYTES + grad.nbytes
         status, reason = self._check(attempt, rank, conn)
-        if status == P.OK and decode_error:
-            status, reason = P.PROTOCOL, decode_error
-        if status == P.OK and tag != srv.job_tag:
-            status, reason = P.WRONG_JOB, "the push names another job"
-        if status == P.OK and (count < 0 or (count > 0) != bool(has_payload)):
-            status, reason = P.PROTOCOL, f"a push with count {count} and payload {has_payload}"
-        lost = P.NO_RANK
+        if status == protocol.OK and decode_error:
+            status, reason = protocol.PROTOCOL, decode_error
+        if status == protocol.OK and tag != srv.job_tag:
+            status, reason = protocol.WRONG_JOB, "the push names another job"
+        if status == protocol.OK and (count < 0 or (count > 0) != bool(has_payload)):
+            status, reason = (
+                protocol.PROTOCOL,
+                f"a push with count {count} and payload {has_payload}",
+            )
+        lost = protocol.NO_RANK
         with self.cond:
             if has_payload:
                 self.counters.push_raw_bytes += grad.nbytes
                 self.counters.push_payload_bytes += wire
             failure = srv.failure
-            if status == P.OK and failure is not None:
-                status, lost, reason = P.LOST, failure[0], failure[1]
-            if status == P.OK:
+            if status == protocol.OK and failure is not None:
+                status, lost, reason = protocol.LOST, failure[0], failure[1]
+            if status == protocol.OK:
                 status, reason = self.ledger.check_push(rank, step)
-                if status == P.DUPLICATE:
+                if status == protocol.DUPLICATE:
                     self.counters.duplicates += 1
-            if status == P.OK:
+            if status == protocol.OK:
                 self.ledger.record_push(rank, step)
                 self.counters.pushes += 1
                 if isinstance(self.ledger, SyncLedger):
@@ -315,12 +320,12 @@ class Shard(DriverService):
                     if count > 0:
                         self._apply_async(grad, version, rank)
                     self.cond.notify_all()  # ssp: this rank's clock moved
-            if status not in (P.OK, P.DUPLICATE):
+            if status not in (protocol.OK, protocol.DUPLICATE):
                 self.counters.rejected += 1
             reply_version = self.version
-        conn.send_bytes(P.ACK.pack(status, lost, reply_version), P.KIND_ACK)
-        if status not in (P.OK, P.DUPLICATE):
-            conn.send_bytes(reason.encode()[: P.MAX_TEXT_BYTES], P.KIND_TEXT)
+        conn.send_bytes(protocol.ACK.pack(status, lost, reply_version), protocol.KIND_ACK)
+        if status not in (protocol.OK, protocol.DUPLICATE):
+            conn.send_bytes(reason.encode()[: protocol.MAX_TEXT_BYTES], protocol.KIND_TEXT)
 
     def _maybe_apply_sync(self) -> None:
         """Apply the current step once every live rank pushed for it (holding ``cond``)."""
@@ -360,26 +365,26 @@ class Shard(DriverService):
 
     def _pull(self, conn: Connection, header: bytes) -> None:
         srv = self.server
-        attempt, rank, step, have = P.PULL.unpack(header)
+        attempt, rank, step, have = protocol.PULL.unpack(header)
         status, reason = self._check(attempt, rank, conn)
-        lost = P.NO_RANK
-        encoding, version = P.UNCHANGED, -1
+        lost = protocol.NO_RANK
+        encoding, version = protocol.UNCHANGED, -1
         payload: np.ndarray | None = None
         timed_out: tuple[int, str] | None = None
         with self.cond:
             state = self.ranks[conn.peer_rank]
-            if status == P.OK:
+            if status == protocol.OK:
                 started = time.monotonic()
                 deadline = started + srv.timeout
                 while True:
                     if srv.failure is not None:
-                        status, (lost, reason) = P.LOST, srv.failure
+                        status, (lost, reason) = protocol.LOST, srv.failure
                         break
                     if srv.stopping:
-                        status, reason = P.STOPPED, "the parameter server is shutting down"
+                        status, reason = protocol.STOPPED, "the parameter server is shutting down"
                         break
                     if srv.attempt != attempt:
-                        status, reason = P.STALE_ATTEMPT, "a newer stage attempt has started"
+                        status, reason = protocol.STALE_ATTEMPT, "a newer stage attempt has started"
                         break
                     if self._conns.get(conn.peer_rank) is not conn:
                         # the rank dialed again (and pulls there): this handler must not
@@ -394,15 +399,15 @@ class Shard(DriverService):
                         break
                     self.cond.wait(min(remaining, WAIT_SLICE_S))
                 state.wait_s += time.monotonic() - started
-            if status == P.OK and timed_out is None:
+            if status == protocol.OK and timed_out is None:
                 self.counters.pulls += 1
                 gap = self.ledger.ssp_gap(step)
                 self.counters.max_ssp_gap = max(self.counters.max_ssp_gap, gap)
                 encoding, version, payload = self._delta(state, have)
         if timed_out is not None:
             srv.lose(*timed_out)  # outside our lock: lose() wakes every shard
-            status, lost, reason = P.LOST, *timed_out
-        if encoding == P.CDELTA:  # compress outside the lock; only this handler uses them
+            status, lost, reason = protocol.LOST, *timed_out
+        if encoding == protocol.CDELTA:  # compress outside the lock; only this handler uses them
             assert payload is not None and state.pull_codec is not None
             assert state.mirror is not None
             payload = state.pull_codec.encode(payload)
@@ -410,20 +415,20 @@ class Shard(DriverService):
         nbytes = 0 if payload is None else payload.nbytes
         chunk = srv.chunk_bytes
         conn.send_bytes(
-            P.REPLY.pack(status, lost, version, encoding, self.elements, nbytes, chunk),
-            P.KIND_REPLY,
+            protocol.REPLY.pack(status, lost, version, encoding, self.elements, nbytes, chunk),
+            protocol.KIND_REPLY,
         )
         if payload is not None:
-            if encoding == P.CDELTA:
-                frames = P.send_chunked(conn, payload, P.KIND_CPAYLOAD, chunk)
+            if encoding == protocol.CDELTA:
+                frames = protocol.send_chunked(conn, payload, protocol.KIND_CPAYLOAD, chunk)
                 self.stats.add_sent(0, self.values.nbytes)  # the plain delta's bytes
             else:
-                frames = P.send_chunked(conn, payload, KIND_DATA, chunk)
+                frames = protocol.send_chunked(conn, payload, KIND_DATA, chunk)
             with self.cond:
                 self.counters.pull_raw_bytes += self.values.nbytes
                 self.counters.pull_payload_bytes += frames * HEADER_BYTES + payload.nbytes
-        if status != P.OK:
-            conn.send_bytes(reason.encode()[: P.MAX_TEXT_BYTES], P.KIND_TEXT)
+        if status != protocol.OK:
+            conn.send_bytes(reason.encode()[: protocol.MAX_TEXT_BYTES], protocol.KIND_TEXT)
 
     def _delta(self, state: _RankState, have: int) -> tuple[int, int, np.ndarray | None]:
         """What a pull sends (holding ``cond``); keeps the rank's mirror exact."""
@@ -434,9 +439,9 @@ class Shard(DriverService):
             # for a 150M-parameter model) and the worker's copy is exact.
             if have == self.version:
                 self.counters.unchanged_pulls += 1
-                return P.UNCHANGED, self.version, None
+                return protocol.UNCHANGED, self.version, None
             self.counters.full_pulls += 1
-            return P.FULL, self.version, self.values
+            return protocol.FULL, self.version, self.values
         if state.mirror is None or have != state.mirror_version:
             # first pull (or the worker lost track): the values themselves
             state.mirror = self.values.copy()
@@ -445,23 +450,23 @@ class Shard(DriverService):
             np.copyto(state.send_buf, state.mirror)
             state.pull_codec = self.server.compression.pull_codec(self.index, self.server.cfg.seed)
             self.counters.full_pulls += 1
-            return P.FULL, self.version, state.send_buf
+            return protocol.FULL, self.version, state.send_buf
         if have == self.version:
             self.counters.unchanged_pulls += 1
-            return P.UNCHANGED, self.version, None
+            return protocol.UNCHANGED, self.version, None
         assert state.send_buf is not None
         np.subtract(self.values, state.mirror, out=state.send_buf)
         state.mirror_version = self.version
         if state.pull_codec is not None:  # compressed and added to the mirror by _pull
-            return P.CDELTA, self.version, state.send_buf
+            return protocol.CDELTA, self.version, state.send_buf
         state.mirror += state.send_buf  # the same float ops the worker does
-        return P.DELTA, self.version, state.send_buf
+        return protocol.DELTA, self.version, state.send_buf
 
     def _bye(self, conn: Connection, header: bytes) -> None:
-        attempt, claimed, clean = P.BYE.unpack(header)
+        attempt, claimed, clean = protocol.BYE.unpack(header)
         rank = conn.peer_rank
         status, reason = self._check(attempt, claimed, conn)
-        if status != P.OK:
+        if status != protocol.OK:
             log.warning("ps shard %d: ignored a goodbye: %s", self.index, reason)
             return
         if not clean:
@@ -585,10 +590,10 @@ class ParameterServer:
         max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
         chunk_bytes: int | None = None,
     ) -> None:
-        self.compression = P.make_compression(single_spec(cfg.compression, cfg.strategy))
+        self.compression = protocol.make_compression(single_spec(cfg.compression, cfg.strategy))
         self.max_frame_bytes = max_frame_bytes
         # 8: a whole number of float64 (and float32, and uint8) elements per chunk
-        self.chunk_bytes = P.chunk_size(max_frame_bytes, chunk_bytes, 8)
+        self.chunk_bytes = protocol.chunk_size(max_frame_bytes, chunk_bytes, 8)
         self.cfg = cfg
         self.mode = cfg.ps_mode
         self.timeout = cfg.comm_timeout
@@ -597,7 +602,7 @@ class ParameterServer:
         self.secret = bytes(secret)
         self.security = security
         self.job_id = job_id
-        self.job_tag = P.job_tag(job_id)
+        self.job_tag = protocol.job_tag(job_id)
         self.attempt = attempt
         self.stopping = False
         self._failure: tuple[int, str] | None = None
