@@ -16,7 +16,7 @@ from sparktrain.compress.feedback import MOMENTUM, RESIDUAL, SCALE
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.launch import rounds_worker as rw
-from sparktrain.ps import protocol as P
+from sparktrain.ps import protocol
 from sparktrain.ps.client import connect_shards, shard_shapes
 
 from .test_ps import SECRET, _cfg, _parts, _server, _train
@@ -36,7 +36,7 @@ def _clients(server, spec: str, world_rank: int = 0):
         stats=CommStats(),
         num_elements=n,
         dtype=np.dtype(np.float32),
-        compression=P.make_compression(spec),
+        compression=protocol.make_compression(spec),
     ), n
 
 
@@ -73,13 +73,13 @@ def test_delta_pulls_keep_the_mirror_and_the_copy_bit_identical(spec):
         clients, n = _clients(server, spec)
         flat = np.zeros(n, np.float32)
         for c in clients:
-            assert c.pull(-1, flat[c.lo : c.hi]) == P.FULL
+            assert c.pull(-1, flat[c.lo : c.hi]) == protocol.FULL
         rng = np.random.default_rng(0)
         for step in range(6):
             grad = rng.standard_normal(n).astype(np.float32)
             for c, shard in zip(clients, server.shards, strict=True):
                 c.push(step, 4, grad[c.lo : c.hi])
-                assert c.pull(step, flat[c.lo : c.hi]) == P.CDELTA
+                assert c.pull(step, flat[c.lo : c.hi]) == protocol.CDELTA
                 mirror = shard.ranks[0].mirror
                 assert mirror is not None
                 np.testing.assert_array_equal(flat[c.lo : c.hi], mirror)  # bitwise

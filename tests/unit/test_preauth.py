@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -40,11 +40,13 @@ class Echo(DriverService):
 
     name = "echo"
 
-    def __init__(self) -> None:
-        super().__init__(HOST, secret=SECRET, job_id=JOB, attempt=0)
+    def __init__(self, attempt: int | Callable[[], int] = 0) -> None:
+        super().__init__(HOST, secret=SECRET, job_id=JOB, attempt=attempt)
+        self.handlers: list[threading.Thread] = []  # the threads that served a client
         self.start()
 
     def handle(self, conn: wire.Connection) -> None:
+        self.handlers.append(threading.current_thread())
         with contextlib.closing(conn):
             _, payload = conn.recv_bytes(wire.KIND_CONTROL)
             conn.send_bytes(payload, wire.KIND_CONTROL)
@@ -112,14 +114,14 @@ def wait_closed(socks: list[socket.socket], within: float) -> list[bool]:
     return done
 
 
-def echo_client(srv: DriverService, timeout: float = 8.0) -> float:
+def echo_client(srv: DriverService, timeout: float = 8.0, *, attempt: int = 0) -> float:
     """Connect as rank 0, round-trip one message; returns the seconds it took."""
     started = time.monotonic()
     conn = wire.connect(
         srv.address,
         secret=SECRET,
         job_id=JOB,
-        attempt=0,
+        attempt=attempt,
         my_rank=0,
         peer_rank=wire.DRIVER_RANK,
         timeout=timeout,
@@ -144,6 +146,8 @@ def test_silent_strangers_do_not_delay_a_driver_service_client(
     time.sleep(0.2)  # every stranger accepted before the client dials
     assert echo_client(echo) < 1.5  # milliseconds unloaded; generous for a busy host
     assert echo._gate.pending == 40
+    for t in echo.handlers:  # the client's own handshake thread may still be closing
+        t.join(5)
     # a silent stranger costs a selector entry, not a thread; the partial hellos do
     handshakes = [t for t in threading.enumerate() if t.name == "sparktrain-echo-preauth"]
     assert len(handshakes) == 20
@@ -256,6 +260,33 @@ def test_the_gate_rejects_bad_limits() -> None:
         preauth.PreauthGate(
             s, name="x", handshake=lambda *a: None, on_ready=lambda r: None, max_pending=0
         )
+
+
+class Moving(Echo):
+    """An echo service that lives across stage attempts (as a parameter-server shard)."""
+
+    name = "moving"
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.ticks = 0
+        super().__init__(attempt=lambda: self.current)
+
+    def tick(self) -> None:
+        self.ticks += 1
+
+
+def test_a_service_across_attempts_proves_the_current_attempt_and_ticks() -> None:
+    srv = Moving()
+    try:
+        echo_client(srv)
+        srv.current = 1  # read by every handshake that starts from now on
+        with pytest.raises(HandshakeError):
+            echo_client(srv, attempt=0)
+        echo_client(srv, attempt=1)
+        assert srv.ticks > 0  # the accept loop's housekeeping runs on every turn
+    finally:
+        srv.stop()
 
 
 # ------------------------------------------------------------ the client retries a drop
