@@ -416,7 +416,7 @@ def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -
             f"{strategy} exchanges fresh gradients, so drop 'delta+' (e.g. use 'int8+ef')"
         )
     if strategy == "tree_aggregate":
-        from sparktrain.launch.weights_server import download_compressor
+        from sparktrain.worker.round_codec import download_compressor
 
         download_compressor(spec)  # refuses delta+powersgd
     if strategy == "ps":

@@ -69,7 +69,7 @@ def starts_own_sockets(cfg: TrainConfig) -> bool:
         return True
     if cfg.compression == "auto":
         return False  # refused with tree_aggregate elsewhere (Trainer._check_auto)
-    from sparktrain.launch.weights_server import download_compressor
+    from sparktrain.worker.round_codec import download_compressor
 
     return download_compressor(cfg.compression) is not None  # what run_rounds checks
 
