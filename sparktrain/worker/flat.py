@@ -23,15 +23,7 @@ def num_elements(params: Sequence[torch.Tensor]) -> int:
 
 def flatten(params: Sequence[torch.Tensor], out: np.ndarray | None = None) -> np.ndarray:
     """Parameters (in order) as one contiguous float32 vector."""
-    if out is None:
-        out = np.empty(num_elements(params), dtype=np.float32)
-    flat = torch.from_numpy(out)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        flat[offset : offset + n].copy_(p.detach().reshape(-1))
-        offset += n
-    return out
+    return _gather(params, out, grads=False)
 
 
 def assign(params: Sequence[torch.Tensor], vec: np.ndarray) -> None:
@@ -51,16 +43,24 @@ def assign(params: Sequence[torch.Tensor], vec: np.ndarray) -> None:
 
 def flatten_grads(params: Sequence[torch.Tensor], out: np.ndarray | None = None) -> np.ndarray:
     """Gradients as one float32 vector (zeros where a parameter has no gradient)."""
+    return _gather(params, out, grads=True)
+
+
+def _gather(params: Sequence[torch.Tensor], out: np.ndarray | None, grads: bool) -> np.ndarray:
+    """The parameters (or their gradients) copied into ``out``, a new float32 vector if None."""
     if out is None:
         out = np.empty(num_elements(params), dtype=np.float32)
     flat = torch.from_numpy(out)
     offset = 0
     for p in params:
         n = p.numel()
-        if p.grad is None:
-            flat[offset : offset + n].zero_()
+        view = flat[offset : offset + n]
+        if not grads:
+            view.copy_(p.detach().reshape(-1))
+        elif p.grad is None:
+            view.zero_()
         else:
-            flat[offset : offset + n].copy_(p.grad.reshape(-1))
+            view.copy_(p.grad.reshape(-1))
         offset += n
     return out
 
