@@ -39,7 +39,7 @@ class TreeAggregate(Strategy):
 
     @staticmethod
     def _download_compressor(cfg: TrainConfig) -> object:
-        from sparktrain.launch.weights_server import download_compressor
+        from sparktrain.worker.round_codec import download_compressor
 
         return download_compressor(cfg.compression)
 

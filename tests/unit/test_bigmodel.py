@@ -304,7 +304,8 @@ def test_only_rank0_may_return_the_state():
 
 def test_the_weights_mirror_is_fetched_in_pieces():
     from sparktrain.compress.base import build
-    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, fetch_mirror
+    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
+    from sparktrain.worker.weights_mirror import fetch_mirror
 
     comp = build("int8")
     assert comp is not None

@@ -15,9 +15,11 @@ from sparktrain.compress.base import BucketState, build
 from sparktrain.compress.feedback import MOMENTUM, RESIDUAL, SCALE
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
-from sparktrain.launch import rounds_worker as rw
 from sparktrain.ps import protocol
 from sparktrain.ps.client import connect_shards, shard_shapes
+from sparktrain.worker.flat import flatten
+from sparktrain.worker.round_codec import RAW_BYTES, WIRE_BYTES, CompressedCodec, make_codec
+from sparktrain.worker.rounds import _STATES, partition_round
 
 from .test_ps import SECRET, _cfg, _parts, _server, _train
 
@@ -173,8 +175,8 @@ def test_momentum_correction_masks_what_was_sent():
 # ---------------------------------------------------------------------- tree_aggregate
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "randomk:0.3", "int8+ef", "topk:0.2", "sign"])
 def test_tree_aggregate_codec_merges_like_decode_then_sum(spec):
-    codec = rw.make_codec(spec)
-    assert isinstance(codec, rw.CompressedCodec)
+    codec = make_codec(spec)
+    assert isinstance(codec, CompressedCodec)
     rng = np.random.default_rng(0)
     vecs = [rng.standard_normal(300).astype(np.float32) for _ in range(3)]
     blobs = [codec.encode(v, BucketState(step=5)) for v in vecs]  # same seed and step
@@ -189,7 +191,7 @@ def test_tree_aggregate_codec_merges_like_decode_then_sum(spec):
         assert merged.dtype == np.float32
     assert all(codec.nbytes(b) < vecs[0].nbytes for b in blobs)
     # delta+ is the weight downloads' business: the uploads take the gradient part
-    assert rw.make_codec("delta+int8").name == "int8"
+    assert make_codec("delta+int8").name == "int8"
 
 
 def test_tree_aggregate_error_feedback_state_survives_a_retry():
@@ -200,18 +202,19 @@ def test_tree_aggregate_error_feedback_state_survives_a_retry():
     blocks = _blocks()
     model = _model()
     spec = _spec(cfg, model, blocks, "ef-retry")
-    weights = rw.flatten(list(model.parameters()))
-    rw.partition_round(spec, weights, blocks[0], 0)
-    first = rw.partition_round(spec, weights, blocks[0], 1)
-    again = rw.partition_round(spec, weights, blocks[0], 1)  # Spark retried the task
+    weights = flatten(list(model.parameters()))
+    partition_round(spec, weights, blocks[0], 0)
+    first = partition_round(spec, weights, blocks[0], 1)
+    again = partition_round(spec, weights, blocks[0], 1)  # Spark retried the task
     np.testing.assert_array_equal(first[0], again[0])
-    assert first[1][rw.WIRE_BYTES] < first[1][rw.RAW_BYTES]
-    rw._STATES.clear()
+    assert first[1][WIRE_BYTES] < first[1][RAW_BYTES]
+    _STATES.clear()
 
 
 @pytest.mark.parametrize("spec", ["fp16", "int8+ef", "topk:0.3+ef", "powersgd:1+ef"])
 def test_tree_aggregate_driver_loop_learns_compressed(spec):
-    from sparktrain.launch.rounds import RoundRunner, _Loop
+    from sparktrain.launch.round_runner import RoundRunner
+    from sparktrain.launch.rounds import _Loop
 
     from .test_rounds import _blocks, _FakeBlocks, _FakeContext, _model, _NoVolume, _spec
     from .test_rounds import _cfg as _rounds_cfg

@@ -546,28 +546,30 @@ def test_tree_aggregate_tasks_pay_the_link_outside_their_compute_time() -> None:
 
     import torch
 
-    from sparktrain.launch import rounds_worker as rw
     from sparktrain.models import mlp
     from sparktrain.worker.data import PartitionData
+    from sparktrain.worker.flat import flatten
+    from sparktrain.worker.round_codec import COMPUTE_S
+    from sparktrain.worker.rounds import Block, RoundSpec, partition_round
 
     torch.manual_seed(0)
     model = mlp(6, (5,), 3)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 6)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.float64)
-    block = rw.Block(
+    block = Block(
         0, PartitionData(x, y, np.zeros(16, bool)), PartitionData(x, y, np.ones(16, bool))
     )
-    weights = rw.flatten(list(model.parameters()))
+    weights = flatten(list(model.parameters()))
     timings = {}
     for rtt_ms in (0.0, 200.0):
         cfg = TrainConfig(
             strategy="tree_aggregate", batch_size=8, progress=False, link_rtt_ms=rtt_ms
         )
-        spec = rw.RoundSpec(f"link-{rtt_ms}", cfg, pickle.dumps(model), 2, True)
+        spec = RoundSpec(f"link-{rtt_ms}", cfg, pickle.dumps(model), 2, True)
         t0 = time.monotonic()
-        payload, stats = rw.partition_round(spec, weights, block, 0)
-        timings[rtt_ms] = (time.monotonic() - t0, float(stats[rw.COMPUTE_S]))
+        payload, stats = partition_round(spec, weights, block, 0)
+        timings[rtt_ms] = (time.monotonic() - t0, float(stats[COMPUTE_S]))
         assert payload is not None
     (plain, _), (shaped, compute) = timings[0.0], timings[200.0]
     print(f"partition round: {plain:.3f} s unshaped, {shaped:.3f} s shaped (compute {compute:.3f})")
