@@ -30,9 +30,9 @@ from sparktrain.errors import FrameError, WorkerError
 from sparktrain.launch.state_server import StateReceiver
 from sparktrain.models import embedding_regressor, mlp
 from sparktrain.result import assemble as _assemble
-from sparktrain.worker.loop import _start_from_rank0, train_partition
+from sparktrain.worker.loop import train_partition
 from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
-from sparktrain.worker.state import send_state, tensor_layout
+from sparktrain.worker.state import send_state, start_from_rank0, tensor_layout
 
 from .comm_harness import JOB, SECRET, open_listeners, pair, raise_first
 from .test_loop import _parts, _reference, _spec
@@ -156,7 +156,7 @@ def test_replicas_start_from_rank0_bitwise_in_every_dtype_under_a_tiny_cap():
     def body(rank: int, mesh: Mesh) -> list[bytes]:
         model = _Mixed(rank)
         ptrs = [p.data_ptr() for p in model.parameters()]
-        _start_from_rank0(model, mesh, 1 << 20)
+        start_from_rank0(model, mesh, 1 << 20)
         assert [p.data_ptr() for p in model.parameters()] == ptrs  # in place, no copy
         return _raw(model)
 
@@ -257,7 +257,7 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
     receiver = StateReceiver("127.0.0.1", driver, secret=secret, job_id="j", attempt=2)
     kw = {"secret": secret, "job_id": "j", "attempt": 2, "timeout": 5.0}
     try:
-        assert send_state(receiver.address, sent, chunk_bytes=1000, **kw) > 12000
+        assert send_state(receiver.address, sent.state_dict(), chunk_bytes=1000, **kw) > 12000
         assert receiver.done.is_set()
         for name, t in driver.state_dict().items():
             want = sent.state_dict()[name]
@@ -267,14 +267,14 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
             ), name
         # a second state for the same attempt is refused
         with pytest.raises(WorkerError, match="already received"):
-            send_state(receiver.address, sent, chunk_bytes=1000, **kw)
+            send_state(receiver.address, sent.state_dict(), chunk_bytes=1000, **kw)
     finally:
         receiver.stop()
     before = [t.clone() for t in driver.state_dict().values()]
     receiver = StateReceiver("127.0.0.1", driver, secret=secret, job_id="j", attempt=2)
     try:
         with pytest.raises(WorkerError, match="model_fn must build the same model"):
-            send_state(receiver.address, mlp(4, (8,), 3), chunk_bytes=1000, **kw)
+            send_state(receiver.address, mlp(4, (8,), 3).state_dict(), chunk_bytes=1000, **kw)
         assert not receiver.done.is_set()
     finally:
         receiver.stop()
