@@ -302,6 +302,78 @@ def test_only_rank0_may_return_the_state():
         receiver.stop()
 
 
+def _send_part(address, model, keys, rank, secret):
+    """``rank`` streams the named ``keys`` of ``model`` (its part of the state)."""
+    part = {k: v for k, v in model.state_dict().items() if k in keys}
+    kw = {"secret": secret, "job_id": "j", "attempt": 0, "timeout": 5.0}
+    return send_state(address, part, rank=rank, chunk_bytes=1000, **kw)
+
+
+def test_several_senders_each_stream_their_own_keys_at_once():
+    """Pipeline stages: ranks 0 and 3 each send their part; ``done`` once both are in."""
+    secret = secrets.token_bytes(32)
+    sent, driver = _Mixed(0), _Mixed(1)
+    senders = {0: ["weight", "mask"], 3: ["bf16", "steps", "t"]}
+    receiver = StateReceiver(
+        "127.0.0.1", driver, secret=secret, job_id="j", attempt=0, senders=senders
+    )
+    try:
+        _send_part(receiver.address, sent, senders[3], 3, secret)
+        assert not receiver.done.is_set() and receiver.pending == [0]
+        with pytest.raises(WorkerError, match="from rank 3 was already received"):
+            _send_part(receiver.address, sent, senders[3], 3, secret)
+        got = []
+        thread = threading.Thread(
+            target=lambda: got.append(_send_part(receiver.address, sent, senders[0], 0, secret))
+        )
+        thread.start()
+        thread.join(10)
+        assert receiver.done.is_set() and receiver.pending == []
+        assert receiver.received_bytes == got[0] + sum(
+            sent.state_dict()[k].numel() * sent.state_dict()[k].element_size() for k in senders[3]
+        )
+    finally:
+        receiver.stop()
+    assert _raw(driver) == _raw(sent)
+
+
+def test_a_wrong_rank_or_part_is_refused_before_a_byte_is_written():
+    secret = secrets.token_bytes(32)
+    sent, driver = _Mixed(0), _Mixed(1)
+    before = _raw(driver)
+    senders = {0: ["weight", "mask"], 1: ["bf16", "steps", "t"]}
+    receiver = StateReceiver(
+        "127.0.0.1", driver, secret=secret, job_id="j", attempt=0, senders=senders
+    )
+    try:
+        with pytest.raises(WorkerError, match="only rank 0, 1 return it"):
+            _send_part(receiver.address, sent, senders[1], 2, secret)  # rank 2 sends none
+        with pytest.raises(WorkerError, match="model_fn must build the same model"):
+            _send_part(receiver.address, sent, ["weight"], 0, secret)  # "mask" missing
+        with pytest.raises(WorkerError, match="model_fn must build the same model"):
+            _send_part(receiver.address, sent, senders[1], 0, secret)  # rank 1's keys
+        assert not receiver.done.is_set() and receiver.pending == [0, 1]
+    finally:
+        receiver.stop()
+    assert _raw(driver) == before
+
+
+@pytest.mark.parametrize(
+    ("senders", "match"),
+    [
+        ({0: ["weight", "nope"], 1: ["bf16", "steps", "t", "mask"]}, "no tensor 'nope'"),
+        ({0: ["weight", "mask"], 1: ["mask", "bf16", "steps", "t"]}, "two state senders"),
+        ({0: ["weight", "mask"], 1: ["bf16", "steps"]}, "no state sender"),
+    ],
+)
+def test_senders_must_split_the_model_exactly(senders, match):
+    from sparktrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        StateReceiver("127.0.0.1", _Mixed(1), secret=b"s" * 32, job_id="j", attempt=0,
+                      senders=senders)  # fmt: skip
+
+
 def test_the_weights_mirror_is_fetched_in_pieces():
     from sparktrain.compress.base import build
     from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, fetch_mirror
