@@ -145,6 +145,28 @@ def micro_batches(idx: np.ndarray, micro: int) -> list[np.ndarray]:
 
 
 @dataclass
+class _Trained:
+    """What a stage trains, checkpoints and returns."""
+
+    module: nn.Sequential
+    owned: list[int]  # the whole model's indices of the module's layers
+    optimizer: torch.optim.Optimizer | None  # None: the stage has no parameters
+    sync: GroupGradientSync | None  # None: one replica, or no parameters
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The stage's state under the whole model's key names."""
+        return stage_state(zip(self.owned, self.module, strict=True))
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load what :meth:`state` returned (strict: every key of every layer)."""
+        for index, layer in zip(self.owned, self.module, strict=True):
+            prefix = f"{index}."
+            layer.load_state_dict(
+                {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+            )
+
+
+@dataclass
 class _Counters:
     busy_s: float = 0.0
     wait_s: float = 0.0
@@ -302,26 +324,19 @@ class _StageRunner:
             "bounds": list(self.spec.partition.bounds),
         }
 
-    def _save(
-        self,
-        step: int,
-        module: nn.Sequential,
-        owned: list[int],
-        optimizer: torch.optim.Optimizer | None,
-        sync: GroupGradientSync | None,
-        history: list[dict[str, Any]],
-    ) -> None:
+    def _save(self, step: int, trained: _Trained, history: list[dict[str, Any]]) -> None:
         """This rank's shard; then, on the last stage's replica 0 (it has the history),
         the main file (module docstring)."""
         assert self.store is not None
         shard: dict[str, Any] = {}
+        optimizer = trained.optimizer
         if self.replica == 0:
             shard |= {
-                "model": stage_state(zip(owned, module, strict=True)),
+                "model": trained.state(),
                 "optimizer": optimizer.state_dict() if optimizer is not None else {},
                 "rng": torch.get_rng_state(),
             }
-        mine = sync.rank_state() if sync is not None else None
+        mine = trained.sync.rank_state() if trained.sync is not None else None
         if mine is not None:
             shard |= mine
         self.store.save_shard(step, self.ctx.rank, self.ctx.world_size, shard)
@@ -337,14 +352,7 @@ class _StageRunner:
                 )
             )
 
-    def _restore(
-        self,
-        step: int,
-        module: nn.Sequential,
-        owned: list[int],
-        optimizer: torch.optim.Optimizer | None,
-        sync: GroupGradientSync | None,
-    ) -> list[dict[str, Any]]:
+    def _restore(self, step: int, trained: _Trained) -> list[dict[str, Any]]:
         """Load this stage's part of the checkpoint of ``step``; returns its history."""
         assert self.store is not None
         ckpt = self.store.load(step)
@@ -368,19 +376,13 @@ class _StageRunner:
         world = int(ckpt.extra[RANK_SHARDS])
         # a stage's replica 0 is world rank `stage` whatever the number of replicas
         part = self.store.load_shard(step, self.stage, world)
-        with torch.no_grad():
-            for pos, index in enumerate(owned):
-                prefix = f"{index}."
-                module[pos].load_state_dict(
-                    {k.removeprefix(prefix): v for k, v in part["model"].items()
-                     if k.startswith(prefix)}
-                )  # fmt: skip
-        if optimizer is not None and part["optimizer"]:
-            optimizer.load_state_dict(part["optimizer"])
+        trained.load_state(part["model"])
+        if trained.optimizer is not None and part["optimizer"]:
+            trained.optimizer.load_state_dict(part["optimizer"])
         torch.set_rng_state(part["rng"])
-        if sync is not None and sync.rank_state() is not None:
+        if trained.sync is not None and trained.sync.rank_state() is not None:
             if world == self.ctx.world_size:
-                sync.load_rank_state(self.store.load_shard(step, self.ctx.rank, world))
+                trained.sync.load_rank_state(self.store.load_shard(step, self.ctx.rank, world))
             else:
                 log.warning(
                     "rank %d: the checkpoint of step %d holds compressor state for %d "
@@ -550,10 +552,7 @@ class _StageRunner:
 
     def _epochs(
         self,
-        module: nn.Sequential,
-        owned: list[int],
-        optimizer: torch.optim.Optimizer | None,
-        sync: GroupGradientSync | None,
+        trained: _Trained,
         sums_reduce: RingAllreduce | None,
         loss_fn: Any,
         tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -565,6 +564,7 @@ class _StageRunner:
         """Train from ``global_step`` (0, or a resumed checkpoint's) to the last epoch."""
         spec, cfg, c = self.spec, self.cfg, self.counters
         x_all, y_all, xe, ye = tensors
+        module, optimizer, sync = trained.module, trained.optimizer, trained.sync
         param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
         fault = spec.job.fault
         first_epoch = global_step // self.steps_per_epoch if self.steps_per_epoch else 0
@@ -599,7 +599,7 @@ class _StageRunner:
                 # a checkpoint at an epoch's end waits for the epoch's figures (below)
                 due = self.store is not None and global_step % self.every == 0
                 if due and step + 1 < self.steps_per_epoch:
-                    self._save(global_step, module, owned, optimizer, sync, history)
+                    self._save(global_step, trained, history)
                 if reporter is not None and reporter.step_due():
                     reporter.send(
                         {
@@ -629,7 +629,7 @@ class _StageRunner:
             }
             history.append(record)
             if self.store is not None and global_step % self.every == 0:
-                self._save(global_step, module, owned, optimizer, sync, history)
+                self._save(global_step, trained, history)
             if reporter is not None:
                 reporter.send(record)
 
@@ -660,6 +660,7 @@ class _StageRunner:
                 single_spec(cfg.compression, "pipeline"),
                 seed=cfg.seed,
             )
+        trained = _Trained(module, owned, optimizer, sync)
         sums_reduce = None
         if self.last and self.D > 1:
             sums_reduce = group_allreduce(self.mesh, self.replica_group)
@@ -678,17 +679,14 @@ class _StageRunner:
                 "from its checkpoints"
             )
         if resume is not None:
-            history = list(self._restore(resume, module, owned, optimizer, sync))
+            history = list(self._restore(resume, trained))
             global_step = resume
         reporter = self._reporter()
         module.train()
         train_started = time.perf_counter()
         try:
             self._epochs(
-                module,
-                owned,
-                optimizer,
-                sync,
+                trained,
                 sums_reduce,
                 loss_fn,
                 (x_all, y_all, xe, ye),
@@ -729,6 +727,5 @@ class _StageRunner:
                 "history": history if self.last else [],
                 "metric_name": metric,
             }
-            part = stage_state(zip(owned, module, strict=True))
-            records += return_state(spec.job, self.ctx.rank, part, meta)
+            records += return_state(spec.job, self.ctx.rank, trained.state(), meta)
         return records
