@@ -394,19 +394,34 @@ def test_a_pipeline_resumed_from_its_checkpoint_equals_an_unbroken_run(tmp_path,
     assert resumed.summary["replicas_in_sync"]
 
 
-def test_a_checkpoint_of_another_split_is_refused(tmp_path):
+def test_a_checkpoint_of_another_split_is_refused_and_its_own_split_resumes(tmp_path):
     parts = _parts([9, 8])
     _run(_spec(2, 1, checkpoint_dir=str(tmp_path), epochs=1), parts)
-    step = CheckpointStore(str(tmp_path)).latest_step()
-    assert step is not None
     spec = _spec(2, 1, checkpoint_dir=str(tmp_path), epochs=2)
+    ckpt = CheckpointStore(str(tmp_path)).load()
+    assert ckpt is not None
+    saved = ckpt.extra["pipeline"]["bounds"]
+    other = (0, 2, 7) if saved != [0, 2, 7] else (0, 3, 7)
+    job = dataclasses.replace(spec.job, resume_step=ckpt.step)
     moved = dataclasses.replace(
-        spec,
-        partition=dataclasses.replace(spec.partition, bounds=(0, 2, 7)),
-        job=dataclasses.replace(spec.job, resume_step=step),
+        spec, job=job, partition=partition(_model(), 2, WIDTH, bounds=other)
     )
     with pytest.raises(CheckpointError, match="same split"):
         _run_records(moved, parts)
+    again = dataclasses.replace(
+        spec, job=job, partition=partition(_model(), 2, WIDTH, bounds=saved)
+    )
+    assert len(_run(again, parts).history) == 2
+
+
+def test_partition_with_given_bounds():
+    part = partition(_model(), 3, WIDTH, bounds=(0, 1, 5, 7))
+    assert part.bounds == (0, 1, 5, 7) and part.shapes == ((WIDTH,), (16,), (8,), (CLASSES,))
+    for bad in [(0, 3, 3, 7), (0, 2, 7), (1, 3, 5, 7), (0, 3, 5, 8)]:
+        with pytest.raises(ConfigError, match="non-empty stages"):
+            partition(_model(), 3, WIDTH, bounds=bad)
+    with pytest.raises(ConfigError, match="max_param_mb"):
+        partition(_model(), 3, WIDTH, bounds=(0, 1, 5, 7), max_param_bytes=100)
 
 
 def test_stages_stream_their_parts_into_the_drivers_model():
