@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from sparktrain import errors
-from sparktrain.checkpoint import RANK_SHARDS, Checkpoint, CheckpointStore
+from sparktrain.checkpoint import PIPELINE_LAYOUT, RANK_SHARDS, Checkpoint, CheckpointStore
 from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
 from sparktrain.comm.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
 from sparktrain.comm.wire import KIND_DATA
@@ -86,9 +86,6 @@ KIND_ROWS = KIND_USER_MIN + 1
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NUMPY_WIRE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}
-PIPELINE_LAYOUT = "pipeline"
-"""Key in a pipeline checkpoint's :attr:`~sparktrain.checkpoint.Checkpoint.extra`: the
-layout it was written with (stages, replicas, layer bounds)."""
 log = logging.getLogger(__name__)
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from sparktrain import errors
-from sparktrain.checkpoint import RANK_SHARDS, Checkpoint, CheckpointStore
+from sparktrain.checkpoint import PIPELINE_LAYOUT, RANK_SHARDS, Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
 from sparktrain.comm.chunked import chunk_bytes_for
 from sparktrain.comm.link import link_from_config
@@ -321,6 +321,12 @@ def _save(
 def _restore(
     store: CheckpointStore, ctx: WorkerContext, ckpt: Checkpoint, model: nn.Module, sync: StepSync
 ) -> None:
+    if PIPELINE_LAYOUT in ckpt.extra:
+        raise CheckpointError(
+            f"the checkpoint of step {ckpt.step} in {store.uri} was written by a pipeline "
+            f"run ({ckpt.extra[PIPELINE_LAYOUT]['stages']} stages): resume it with the same "
+            "parallelism.pipeline"
+        )
     model.load_state_dict(ckpt.model_state)
     optimizer = sync.optimizer
     if optimizer is not None and ckpt.optimizer_state:

@@ -25,6 +25,7 @@ from sparktrain.parallel.stage import PipelineSpec, micro_batches, state_senders
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.faults import FaultPlan, InjectedFaultError
+from sparktrain.worker.loop import train_partition
 
 from .threads import run_ranks
 
@@ -412,6 +413,23 @@ def test_a_checkpoint_of_another_split_is_refused_and_its_own_split_resumes(tmp_
         spec, job=job, partition=partition(_model(), 2, WIDTH, bounds=saved)
     )
     assert len(_run(again, parts).history) == 2
+
+
+def test_data_parallel_refuses_to_resume_a_pipeline_checkpoint(tmp_path):
+    parts = _parts([9, 8])
+    spec = _spec(2, 1, checkpoint_dir=str(tmp_path), epochs=1)
+    _run(spec, parts)
+    step = CheckpointStore(str(tmp_path)).latest_step()
+    job = dataclasses.replace(spec.job, resume_step=step)
+
+    def rank_fn(rank, coll):
+        ctx = WorkerContext(
+            rank, 2, "127.0.0.1", functools.partial(coll.all_gather, rank), coll.barrier, job
+        )
+        return train_partition(ctx, parts[rank])
+
+    with pytest.raises(CheckpointError, match="written by a pipeline run"):
+        run_ranks(2, rank_fn)
 
 
 def test_partition_with_given_bounds():
