@@ -29,15 +29,10 @@ buffers, bitwise, right after building its stage (a chunked broadcast over the s
 group, :func:`~sparktrain.worker.state.start_from_rank0`), as data parallel does.
 
 Checkpoints (``checkpoint_dir``; every ``checkpoint_every`` epochs, rounded to whole
-steps as in data parallel). Every rank writes a shard of the
-:class:`~sparktrain.checkpoint.CheckpointStore` (``n = P x D`` shards): a stage's
-replica 0 (world rank ``s``) its stage's model part, under the whole model's key names,
-with its optimizer and RNG state; every rank its compressor state, if any. The last
-stage's replica 0 holds the epoch history and writes the main file (step, history, the
-layout in ``extra["pipeline"]``); the checkpoint counts once all ``n`` shards and the
-main file are there. A run with ``resume_step`` restores every stage from its replica
-0's shard and goes on at that step: same batches, same optimizer state, so it ends with
-the weights of an uninterrupted run.
+steps as in data parallel): every rank writes a shard, the last stage's replica 0 the
+main file (:mod:`sparktrain.parallel.checkpoints`). A run with ``resume_step``
+restores every stage and goes on at that step: same batches, same optimizer state, so
+it ends with the weights of an uninterrupted run.
 
 State return. Each stage's replica 0 returns its part of the trained state under the
 whole model's key names: streamed to the driver's state receiver when the job has one
@@ -47,9 +42,7 @@ whole model's key names: streamed to the driver's state receiver when the job ha
 from __future__ import annotations
 
 import json
-import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,13 +51,14 @@ import torch
 from torch import nn
 
 from sparktrain import errors
-from sparktrain.checkpoint import PIPELINE_LAYOUT, RANK_SHARDS, Checkpoint, CheckpointStore
+from sparktrain.checkpoint import CheckpointStore
 from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
 from sparktrain.comm.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
 from sparktrain.comm.wire import KIND_DATA
 from sparktrain.config import single_spec
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_optimizer, label_dtype, resolve_model_fn
+from sparktrain.parallel.checkpoints import StageCheckpoints, StagePart, stage_state
 from sparktrain.parallel.group import GroupGradientSync, GroupMesh, group_allreduce
 from sparktrain.parallel.partition import Partition, as_sequential
 from sparktrain.parallel.schedule import make_schedule
@@ -86,7 +80,6 @@ KIND_ROWS = KIND_USER_MIN + 1
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NUMPY_WIRE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,16 +108,6 @@ class PipelineSpec:
         return replica * self.stages + stage
 
 
-def stage_state(layers: Iterable[tuple[int, nn.Module]]) -> dict[str, torch.Tensor]:
-    """The state of ``(layer index, layer)`` pairs under the whole model's key names
-    (``<layer index>.<key>``): what one stage checkpoints and returns."""
-    return {
-        f"{index}.{name}": tensor
-        for index, layer in layers
-        for name, tensor in layer.state_dict().items()
-    }
-
-
 def state_senders(spec: PipelineSpec, model: nn.Module) -> dict[int, list[str]]:
     """For the driver's :class:`~sparktrain.launch.state_server.StateReceiver`: which
     world rank streams which keys of ``model`` (the driver's whole model). Each stage's
@@ -139,28 +122,6 @@ def state_senders(spec: PipelineSpec, model: nn.Module) -> dict[int, list[str]]:
 def micro_batches(idx: np.ndarray, micro: int) -> list[np.ndarray]:
     """A step's row indices split into at most ``micro`` non-empty micro-batches."""
     return [m for m in np.array_split(idx, micro) if len(m)]
-
-
-@dataclass
-class _Trained:
-    """What a stage trains, checkpoints and returns."""
-
-    module: nn.Sequential
-    owned: list[int]  # the whole model's indices of the module's layers
-    optimizer: torch.optim.Optimizer | None  # None: the stage has no parameters
-    sync: GroupGradientSync | None  # None: one replica, or no parameters
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The stage's state under the whole model's key names."""
-        return stage_state(zip(self.owned, self.module, strict=True))
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load what :meth:`state` returned (strict: every key of every layer)."""
-        for index, layer in zip(self.owned, self.module, strict=True):
-            prefix = f"{index}."
-            layer.load_state_dict(
-                {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-            )
 
 
 @dataclass
@@ -238,8 +199,16 @@ class _StageRunner:
         # activations and rows travel in pieces under the frame cap, whatever their size
         self.chunk_bytes = chunk_bytes_for(mesh.max_frame_bytes)
         self.replica_group = [spec.rank_of(self.stage, d) for d in range(self.D)]
-        self.store = (
-            CheckpointStore(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
+        self.checkpoints = (
+            StageCheckpoints(
+                CheckpointStore(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints),
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                stage=self.stage,
+                replica=self.replica,
+                last=self.last,
+                layout={"stages": self.P, "replicas": self.D, "bounds": [*spec.partition.bounds]},
+            )
             if self.cfg.checkpoint_dir
             else None
         )
@@ -312,85 +281,6 @@ class _StageRunner:
         module = nn.Sequential(*[full[i] for i in owned])
         del full  # the other stages' layers are dropped here
         return owned, module
-
-    # ----------------------------------------------------------------- checkpoints
-    def _layout(self) -> dict[str, Any]:
-        return {
-            "stages": self.P,
-            "replicas": self.D,
-            "bounds": list(self.spec.partition.bounds),
-        }
-
-    def _save(self, step: int, trained: _Trained, history: list[dict[str, Any]]) -> None:
-        """This rank's shard; then, on the last stage's replica 0 (it has the history),
-        the main file (module docstring)."""
-        assert self.store is not None
-        shard: dict[str, Any] = {}
-        optimizer = trained.optimizer
-        if self.replica == 0:
-            shard |= {
-                "model": trained.state(),
-                "optimizer": optimizer.state_dict() if optimizer is not None else {},
-                "rng": torch.get_rng_state(),
-            }
-        mine = trained.sync.rank_state() if trained.sync is not None else None
-        if mine is not None:
-            shard |= mine
-        self.store.save_shard(step, self.ctx.rank, self.ctx.world_size, shard)
-        if self.last and self.replica == 0:
-            self.store.save(
-                Checkpoint(
-                    step=step,
-                    model_state={},  # in the stages' shards
-                    optimizer_state={},
-                    rng_state=torch.get_rng_state(),
-                    history=history,
-                    extra={RANK_SHARDS: self.ctx.world_size, PIPELINE_LAYOUT: self._layout()},
-                )
-            )
-
-    def _restore(self, step: int, trained: _Trained) -> list[dict[str, Any]]:
-        """Load this stage's part of the checkpoint of ``step``; returns its history."""
-        assert self.store is not None
-        ckpt = self.store.load(step)
-        if ckpt is None:
-            raise errors.CheckpointError(
-                f"checkpoint of step {step} vanished from {self.store.uri}"
-            )
-        saved = ckpt.extra.get(PIPELINE_LAYOUT)
-        if not isinstance(saved, dict):
-            raise errors.CheckpointError(
-                f"the checkpoint of step {step} in {self.store.uri} was not written by a "
-                "pipeline run: resume it with the parallelism it was trained with"
-            )
-        mine = self._layout()
-        if (saved["stages"], saved["bounds"]) != (mine["stages"], mine["bounds"]):
-            raise errors.CheckpointError(
-                f"the checkpoint of step {step} splits the model into stages at layers "
-                f"{saved['bounds']}, this run at {mine['bounds']}: resume with the same "
-                "parallelism.pipeline and the same split"
-            )
-        world = int(ckpt.extra[RANK_SHARDS])
-        # a stage's replica 0 is world rank `stage` whatever the number of replicas
-        part = self.store.load_shard(step, self.stage, world)
-        trained.load_state(part["model"])
-        if trained.optimizer is not None and part["optimizer"]:
-            trained.optimizer.load_state_dict(part["optimizer"])
-        torch.set_rng_state(part["rng"])
-        if trained.sync is not None and trained.sync.rank_state() is not None:
-            if world == self.ctx.world_size:
-                trained.sync.load_rank_state(self.store.load_shard(step, self.ctx.rank, world))
-            else:
-                log.warning(
-                    "rank %d: the checkpoint of step %d holds compressor state for %d "
-                    "ranks, this run has %d: error-feedback residuals and similar state "
-                    "start from zero",
-                    self.ctx.rank,
-                    step,
-                    world,
-                    self.ctx.world_size,
-                )
-        return ckpt.history
 
     # ----------------------------------------------------------------- wire
     def _send(self, peer: int, tensor: torch.Tensor) -> None:
@@ -549,7 +439,7 @@ class _StageRunner:
 
     def _epochs(
         self,
-        trained: _Trained,
+        trained: StagePart,
         sums_reduce: RingAllreduce | None,
         loss_fn: Any,
         tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -594,9 +484,9 @@ class _StageRunner:
                 c.step_s.append(time.perf_counter() - step_started)
                 global_step += 1
                 # a checkpoint at an epoch's end waits for the epoch's figures (below)
-                due = self.store is not None and global_step % self.every == 0
-                if due and step + 1 < self.steps_per_epoch:
-                    self._save(global_step, trained, history)
+                ckpts = self.checkpoints
+                if ckpts and global_step % self.every == 0 and step + 1 < self.steps_per_epoch:
+                    ckpts.save(global_step, trained, history)
                 if reporter is not None and reporter.step_due():
                     reporter.send(
                         {
@@ -625,8 +515,8 @@ class _StageRunner:
                 "seconds": time.perf_counter() - epoch_started,
             }
             history.append(record)
-            if self.store is not None and global_step % self.every == 0:
-                self._save(global_step, trained, history)
+            if self.checkpoints is not None and global_step % self.every == 0:
+                self.checkpoints.save(global_step, trained, history)
             if reporter is not None:
                 reporter.send(record)
 
@@ -657,7 +547,7 @@ class _StageRunner:
                 single_spec(cfg.compression, "pipeline"),
                 seed=cfg.seed,
             )
-        trained = _Trained(module, owned, optimizer, sync)
+        trained = StagePart(module, owned, optimizer, sync)
         sums_reduce = None
         if self.last and self.D > 1:
             sums_reduce = group_allreduce(self.mesh, self.replica_group)
@@ -670,13 +560,13 @@ class _StageRunner:
         history: list[dict[str, Any]] = []
         global_step = 0
         resume = spec.job.resume_step
-        if resume is not None and self.store is None:
-            raise errors.CheckpointError(
-                f"resume_step={resume} without a checkpoint_dir: a pipeline resumes only "
-                "from its checkpoints"
-            )
         if resume is not None:
-            history = list(self._restore(resume, trained))
+            if self.checkpoints is None:
+                raise errors.CheckpointError(
+                    f"resume_step={resume} without a checkpoint_dir: a pipeline resumes "
+                    "only from its checkpoints"
+                )
+            history = list(self.checkpoints.restore(resume, trained))
             global_step = resume
         reporter = self._reporter()
         module.train()
