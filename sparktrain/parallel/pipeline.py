@@ -163,7 +163,8 @@ def run_pipeline(job: FitJob, strategy: Strategy) -> TrainResult:
 
 
 def load_stage_states(model: nn.Module, records: list[Record], stages: int) -> dict[str, Any]:
-    """Load every stage's returned state into ``model``; returns the last stage's meta."""
+    """Load every stage's returned state into ``model`` (unless the stages streamed it
+    there through the state receiver); returns the last stage's meta."""
     metas = {r.rank: json.loads(r.data) for r in records if r.kind == "meta"}
     if sorted(m["stage"] for m in metas.values()) != list(range(stages)):
         raise WorkerError(
@@ -173,11 +174,19 @@ def load_stage_states(model: nn.Module, records: list[Record], stages: int) -> d
         )
     state: dict[str, torch.Tensor] = {}
     last_meta: dict[str, Any] = {}
+    streamed = {bool(m.get("streamed")) for m in metas.values()}
+    if len(streamed) != 1:
+        raise WorkerError(
+            "some pipeline stages streamed their state, others returned it as task "
+            "results; this is a bug, please report it"
+        )
     for rank, meta in metas.items():
-        state.update(load_state_records(records, rank, meta))
+        if not meta.get("streamed"):  # else the state receiver already wrote it into model
+            state.update(load_state_records(records, rank, meta))
         if meta["stage"] == stages - 1:
             last_meta = meta
-    model.load_state_dict(state)  # strict: every key of the whole model, from some stage
+    if streamed == {False}:
+        model.load_state_dict(state)  # strict: every key of the whole model, from some stage
     return last_meta
 
 

@@ -30,9 +30,9 @@ from sparktrain.errors import FrameError, WorkerError
 from sparktrain.launch.state_server import StateReceiver
 from sparktrain.models import embedding_regressor, mlp
 from sparktrain.result import assemble as _assemble
-from sparktrain.worker.loop import _start_from_rank0, train_partition
+from sparktrain.worker.loop import train_partition
 from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
-from sparktrain.worker.state import send_state, tensor_layout
+from sparktrain.worker.state import send_state, start_from_rank0, tensor_layout
 
 from .comm_harness import JOB, SECRET, open_listeners, pair, raise_first
 from .test_loop import _parts, _reference, _spec
@@ -156,7 +156,7 @@ def test_replicas_start_from_rank0_bitwise_in_every_dtype_under_a_tiny_cap():
     def body(rank: int, mesh: Mesh) -> list[bytes]:
         model = _Mixed(rank)
         ptrs = [p.data_ptr() for p in model.parameters()]
-        _start_from_rank0(model, mesh, 1 << 20)
+        start_from_rank0(model, mesh, 1 << 20)
         assert [p.data_ptr() for p in model.parameters()] == ptrs  # in place, no copy
         return _raw(model)
 
@@ -257,7 +257,7 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
     receiver = StateReceiver("127.0.0.1", driver, secret=secret, job_id="j", attempt=2)
     kw = {"secret": secret, "job_id": "j", "attempt": 2, "timeout": 5.0}
     try:
-        assert send_state(receiver.address, sent, chunk_bytes=1000, **kw) > 12000
+        assert send_state(receiver.address, sent.state_dict(), chunk_bytes=1000, **kw) > 12000
         assert receiver.done.is_set()
         for name, t in driver.state_dict().items():
             want = sent.state_dict()[name]
@@ -267,14 +267,14 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
             ), name
         # a second state for the same attempt is refused
         with pytest.raises(WorkerError, match="already received"):
-            send_state(receiver.address, sent, chunk_bytes=1000, **kw)
+            send_state(receiver.address, sent.state_dict(), chunk_bytes=1000, **kw)
     finally:
         receiver.stop()
     before = [t.clone() for t in driver.state_dict().values()]
     receiver = StateReceiver("127.0.0.1", driver, secret=secret, job_id="j", attempt=2)
     try:
         with pytest.raises(WorkerError, match="model_fn must build the same model"):
-            send_state(receiver.address, mlp(4, (8,), 3), chunk_bytes=1000, **kw)
+            send_state(receiver.address, mlp(4, (8,), 3).state_dict(), chunk_bytes=1000, **kw)
         assert not receiver.done.is_set()
     finally:
         receiver.stop()
@@ -300,6 +300,78 @@ def test_only_rank0_may_return_the_state():
         assert not receiver.done.is_set()
     finally:
         receiver.stop()
+
+
+def _send_part(address, model, keys, rank, secret):
+    """``rank`` streams the named ``keys`` of ``model`` (its part of the state)."""
+    part = {k: v for k, v in model.state_dict().items() if k in keys}
+    kw = {"secret": secret, "job_id": "j", "attempt": 0, "timeout": 5.0}
+    return send_state(address, part, rank=rank, chunk_bytes=1000, **kw)
+
+
+def test_several_senders_each_stream_their_own_keys_at_once():
+    """Pipeline stages: ranks 0 and 3 each send their part; ``done`` once both are in."""
+    secret = secrets.token_bytes(32)
+    sent, driver = _Mixed(0), _Mixed(1)
+    senders = {0: ["weight", "mask"], 3: ["bf16", "steps", "t"]}
+    receiver = StateReceiver(
+        "127.0.0.1", driver, secret=secret, job_id="j", attempt=0, senders=senders
+    )
+    try:
+        _send_part(receiver.address, sent, senders[3], 3, secret)
+        assert not receiver.done.is_set() and receiver.pending == [0]
+        with pytest.raises(WorkerError, match="from rank 3 was already received"):
+            _send_part(receiver.address, sent, senders[3], 3, secret)
+        got = []
+        thread = threading.Thread(
+            target=lambda: got.append(_send_part(receiver.address, sent, senders[0], 0, secret))
+        )
+        thread.start()
+        thread.join(10)
+        assert receiver.done.is_set() and receiver.pending == []
+        assert receiver.received_bytes == got[0] + sum(
+            sent.state_dict()[k].numel() * sent.state_dict()[k].element_size() for k in senders[3]
+        )
+    finally:
+        receiver.stop()
+    assert _raw(driver) == _raw(sent)
+
+
+def test_a_wrong_rank_or_part_is_refused_before_a_byte_is_written():
+    secret = secrets.token_bytes(32)
+    sent, driver = _Mixed(0), _Mixed(1)
+    before = _raw(driver)
+    senders = {0: ["weight", "mask"], 1: ["bf16", "steps", "t"]}
+    receiver = StateReceiver(
+        "127.0.0.1", driver, secret=secret, job_id="j", attempt=0, senders=senders
+    )
+    try:
+        with pytest.raises(WorkerError, match="only rank 0, 1 return it"):
+            _send_part(receiver.address, sent, senders[1], 2, secret)  # rank 2 sends none
+        with pytest.raises(WorkerError, match="model_fn must build the same model"):
+            _send_part(receiver.address, sent, ["weight"], 0, secret)  # "mask" missing
+        with pytest.raises(WorkerError, match="model_fn must build the same model"):
+            _send_part(receiver.address, sent, senders[1], 0, secret)  # rank 1's keys
+        assert not receiver.done.is_set() and receiver.pending == [0, 1]
+    finally:
+        receiver.stop()
+    assert _raw(driver) == before
+
+
+@pytest.mark.parametrize(
+    ("senders", "match"),
+    [
+        ({0: ["weight", "nope"], 1: ["bf16", "steps", "t", "mask"]}, "no tensor 'nope'"),
+        ({0: ["weight", "mask"], 1: ["mask", "bf16", "steps", "t"]}, "two state senders"),
+        ({0: ["weight", "mask"], 1: ["bf16", "steps"]}, "no state sender"),
+    ],
+)
+def test_senders_must_split_the_model_exactly(senders, match):
+    from sparktrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        StateReceiver("127.0.0.1", _Mixed(1), secret=b"s" * 32, job_id="j", attempt=0,
+                      senders=senders)  # fmt: skip
 
 
 def test_the_weights_mirror_is_fetched_in_pieces():

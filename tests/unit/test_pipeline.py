@@ -3,21 +3,29 @@ equal single-process training of the same model on the same batches."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from sparktrain.checkpoint import RANK_SHARDS, CheckpointStore
 from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError, DataError, PeerLostError
+from sparktrain.errors import CheckpointError, ConfigError, DataError, PeerLostError
+from sparktrain.launch.state_server import StateReceiver
 from sparktrain.models import mlp
 from sparktrain.parallel.partition import partition, split_costs
 from sparktrain.parallel.pipeline import assemble, check_param_cap, layout
 from sparktrain.parallel.schedule import gpipe, max_in_flight, one_f_one_b
-from sparktrain.parallel.stage import PipelineSpec, micro_batches, train_stage
+from sparktrain.parallel.stage import PipelineSpec, micro_batches, state_senders, train_stage
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
+from sparktrain.worker.faults import FaultPlan, InjectedFaultError
+from sparktrain.worker.loop import train_partition
 
 from .threads import run_ranks
 
@@ -83,20 +91,7 @@ def _parts(sizes: list[int], seed: int = 1) -> list[PartitionData]:
 
 
 def _run(spec: PipelineSpec, parts: list[PartitionData]):
-    world = len(parts)
-
-    def rank_fn(rank, coll):
-        ctx = WorkerContext(
-            rank,
-            world,
-            "127.0.0.1",
-            functools.partial(coll.all_gather, rank),
-            coll.barrier,
-            spec.job,
-        )
-        return train_stage(ctx, parts[rank], spec)
-
-    records = [r for rs in run_ranks(world, rank_fn) for r in rs]
+    records = _run_records(spec, parts)
     torch.manual_seed(spec.job.config.seed)
     return assemble(_model(), records, spec, wall_s=1.0, stage_s=1.0)
 
@@ -296,3 +291,182 @@ def test_a_stage_that_dies_mid_step_stops_its_neighbours(monkeypatch):
     spec = _spec(2, 1, comm_timeout=5.0)
     with pytest.raises((RuntimeError, PeerLostError)):
         _run(spec, _parts([30, 30]))
+
+
+# ----------------------------------------------------------------------- start, resume, state
+
+
+def _stats(records) -> list[dict]:
+    return [json.loads(r.data) for r in records if r.kind == "stats"]
+
+
+def _run_records(spec: PipelineSpec, parts: list[PartitionData]):
+    world = len(parts)
+
+    def rank_fn(rank, coll):
+        ctx = WorkerContext(
+            rank, world, "127.0.0.1", functools.partial(coll.all_gather, rank), coll.barrier,
+            spec.job,
+        )  # fmt: skip
+        return train_stage(ctx, parts[rank], spec)
+
+    return [r for rs in run_ranks(world, rank_fn) for r in rs]
+
+
+def _raw_state(model: torch.nn.Module) -> list[bytes]:
+    return [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            for t in model.state_dict().values()]  # fmt: skip
+
+
+def _slow_model() -> torch.nn.Sequential:
+    """``_model``'s layers, built with a pause after the first: another thread draws from
+    torch's global RNG meanwhile, and the later layers' initial weights differ."""
+    first = _model()[0]
+    time.sleep(0.02)
+    return torch.nn.Sequential(first, *_model()[1:])
+
+
+def test_replicas_of_a_stage_start_from_replica0_while_another_thread_draws_random_numbers():
+    """Seeding before the build is not enough when another thread of the process draws
+    from torch's global RNG meanwhile: each stage's replicas take replica 0's weights."""
+    spec = _spec(2, 3, epochs=1)
+    spec = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model_fn=_slow_model))
+    stop = threading.Event()
+
+    def noise() -> None:
+        while not stop.is_set():
+            torch.rand(8)
+
+    thread = threading.Thread(target=noise, daemon=True)
+    thread.start()
+    try:
+        records = _run_records(spec, _parts([8] * 6))
+    finally:
+        stop.set()
+        thread.join()
+    stats = _stats(records)
+    for stage in range(2):
+        mine = [s for s in stats if s["stage"] == stage]
+        assert len(mine) == 3
+        assert len({s["start_digest"] for s in mine}) == 1, stage
+        assert len({s["param_digest"] for s in mine}) == 1, stage
+
+
+@pytest.mark.parametrize("compression", ["none", "int8+ef"])
+def test_a_pipeline_resumed_from_its_checkpoint_equals_an_unbroken_run(tmp_path, compression):
+    """Killed at step 7 of 12 (stage 1 of replica 1 fails), resumed from the newest
+    checkpoint (every half epoch = every 2 steps): bitwise the weights of an unbroken run.
+    The schedule is deterministic (same micro-batches, same order of every sum), so is
+    the group allreduce; compressor residuals travel in every rank's shard."""
+    common = {
+        "epochs": 3,
+        "batch_size": 5,
+        "checkpoint_every": 0.5,
+        "optimizer_kwargs": {"momentum": 0.9},
+        "compression": compression,
+    }
+    parts = _parts([9, 8, 11, 7])
+    unbroken = _run(_spec(2, 2, checkpoint_dir=str(tmp_path / "a"), **common), parts)
+
+    spec = _spec(2, 2, checkpoint_dir=str(tmp_path / "b"), **common)
+    plan = FaultPlan(rank=3, step=7, marker=str(tmp_path / "fault"))
+    faulty = dataclasses.replace(spec, job=dataclasses.replace(spec.job, fault=plan))
+    with pytest.raises((InjectedFaultError, PeerLostError)):
+        _run(faulty, parts)
+    store = CheckpointStore(str(tmp_path / "b"))
+    resume = store.newest_intact()
+    assert resume == 6  # steps 2, 4, 6 were checkpointed before the fault
+    ckpt = store.load(resume)
+    assert ckpt is not None and ckpt.extra[RANK_SHARDS] == 4
+    assert ckpt.extra["pipeline"] == {
+        "stages": 2,
+        "replicas": 2,
+        "bounds": [*spec.partition.bounds],
+    }
+    again = dataclasses.replace(
+        faulty, job=dataclasses.replace(faulty.job, attempt=1, resume_step=resume)
+    )
+    resumed = _run(again, parts)
+    assert _raw_state(resumed.model) == _raw_state(unbroken.model)
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2]
+    for epoch in (0, 2):  # epoch 0 from the checkpoint, epoch 2 run whole after the resume
+        for key in ("loss", "metric"):
+            assert resumed.history[epoch][key] == unbroken.history[epoch][key], (epoch, key)
+    assert resumed.summary["replicas_in_sync"]
+
+
+def test_a_checkpoint_of_another_split_is_refused_and_its_own_split_resumes(tmp_path):
+    parts = _parts([9, 8])
+    _run(_spec(2, 1, checkpoint_dir=str(tmp_path), epochs=1), parts)
+    spec = _spec(2, 1, checkpoint_dir=str(tmp_path), epochs=2)
+    ckpt = CheckpointStore(str(tmp_path)).load()
+    assert ckpt is not None
+    saved = ckpt.extra["pipeline"]["bounds"]
+    other = (0, 2, 7) if saved != [0, 2, 7] else (0, 3, 7)
+    job = dataclasses.replace(spec.job, resume_step=ckpt.step)
+    moved = dataclasses.replace(
+        spec, job=job, partition=partition(_model(), 2, WIDTH, bounds=other)
+    )
+    with pytest.raises(CheckpointError, match="same split"):
+        _run_records(moved, parts)
+    again = dataclasses.replace(
+        spec, job=job, partition=partition(_model(), 2, WIDTH, bounds=saved)
+    )
+    assert len(_run(again, parts).history) == 2
+
+
+def test_data_parallel_refuses_to_resume_a_pipeline_checkpoint(tmp_path):
+    parts = _parts([9, 8])
+    spec = _spec(2, 1, checkpoint_dir=str(tmp_path), epochs=1)
+    _run(spec, parts)
+    step = CheckpointStore(str(tmp_path)).latest_step()
+    job = dataclasses.replace(spec.job, resume_step=step)
+
+    def rank_fn(rank, coll):
+        ctx = WorkerContext(
+            rank, 2, "127.0.0.1", functools.partial(coll.all_gather, rank), coll.barrier, job
+        )
+        return train_partition(ctx, parts[rank])
+
+    with pytest.raises(CheckpointError, match="written by a pipeline run"):
+        run_ranks(2, rank_fn)
+
+
+def test_partition_with_given_bounds():
+    part = partition(_model(), 3, WIDTH, bounds=(0, 1, 5, 7))
+    assert part.bounds == (0, 1, 5, 7) and part.shapes == ((WIDTH,), (16,), (8,), (CLASSES,))
+    for bad in [(0, 3, 3, 7), (0, 2, 7), (1, 3, 5, 7), (0, 3, 5, 8)]:
+        with pytest.raises(ConfigError, match="non-empty stages"):
+            partition(_model(), 3, WIDTH, bounds=bad)
+    with pytest.raises(ConfigError, match="max_param_mb"):
+        partition(_model(), 3, WIDTH, bounds=(0, 1, 5, 7), max_param_bytes=100)
+
+
+def test_stages_stream_their_parts_into_the_drivers_model():
+    """Each stage's replica 0 streams its keys to the one receiver (several senders at
+    once); nothing big is a task result, and the model equals the records' one."""
+    spec = _spec(3, 2)
+    parts = _parts([7, 9, 5, 8, 6, 10])
+    want = _run(spec, parts).model
+    torch.manual_seed(99)
+    driver = _model()  # other weights than the trained ones
+    senders = state_senders(spec, driver)
+    assert sorted(senders) == [0, 1, 2]  # world rank of each stage's replica 0
+    assert sorted(k for keys in senders.values() for k in keys) == sorted(driver.state_dict())
+    receiver = StateReceiver(
+        "127.0.0.1", driver, secret=spec.job.secret, job_id="p", attempt=0, senders=senders
+    )
+    try:
+        job = dataclasses.replace(spec.job, state_address=receiver.address)
+        streamed = dataclasses.replace(spec, job=job)
+        records = _run_records(streamed, parts)
+        assert receiver.done.is_set() and receiver.pending == []
+    finally:
+        receiver.stop()
+    assert not [r for r in records if r.kind == "state"]
+    metas = [json.loads(r.data) for r in records if r.kind == "meta"]
+    assert sorted(m["stage"] for m in metas) == [0, 1, 2] and all(m["streamed"] for m in metas)
+    result = assemble(driver, records, streamed, wall_s=1.0, stage_s=1.0)
+    assert result.model is driver
+    assert _raw_state(driver) == _raw_state(want)
+    assert len(result.history) == spec.job.config.epochs
