@@ -164,7 +164,6 @@ def train_in_stage(
     assemble_result: Callable[[list[Record], float], TrainResult],
     spec: JobSpec | None = None,
     senders: Mapping[int, Collection[str]] | None = None,
-    receive_state: bool = True,
     describe: str = "",
 ) -> TrainResult:
     """Open the checkpoint store, start the strategy's driver half, run the stage
@@ -188,7 +187,7 @@ def train_in_stage(
                 driver,
                 display,
                 entry=entry,
-                model=job.model if receive_state else None,
+                model=job.model,
                 senders=senders,
             )
         finally:

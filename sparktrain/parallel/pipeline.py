@@ -5,16 +5,18 @@
 1. resolve the layout: P stages x D replicas = ``num_workers`` tasks;
 2. split the driver's seeded model into P stages (:mod:`partition`: measured forward +
    backward time, else parameter count; every stage under ``max_param_mb``);
-3. run one barrier stage whose tasks run :func:`~sparktrain.parallel.stage.train_stage`
-   (the partition travels in a picklable :class:`PipelineSpec`, so every task agrees);
-4. load each stage's state (returned by its replica-0 task, in chunks, under the whole
-   model's key names) into the driver's model, and build the summary: the data-parallel
-   keys plus the pipeline's own (bubble fraction, bytes between stages per step, ...).
+3. run one barrier stage through the stage runner (:mod:`sparktrain.launch.stage`:
+   restarts, resume from the stages' checkpoints, job group, slot watchdog) whose tasks
+   run :func:`~sparktrain.parallel.stage.train_stage` (the partition travels in a
+   picklable :class:`PipelineSpec`, so every task agrees; a resumed run keeps its
+   checkpoint's split);
+4. each stage's replica 0 streams its part of the state, under the whole model's key
+   names, into the driver's model; the summary has the data-parallel keys plus the
+   pipeline's own (bubble fraction, bytes between stages per step, ...).
 
-Config keys read with defaults until TrainConfig declares them:
-``parallelism.micro_batches`` (4), ``parallelism.schedule`` ("1f1b" | "gpipe"),
-``parallelism.activation_dtype`` ("float32" | "float16" | "bfloat16"),
-``parallelism.balance`` ("time" | "params") and ``max_param_mb`` (0 = no cap).
+The knobs: ``parallelism.micro_batches``, ``parallelism.schedule`` ("1f1b" | "gpipe"),
+``parallelism.activation_dtype``, ``parallelism.balance`` ("time" | "params") and
+``max_param_mb`` (0 = no cap); see docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -23,17 +25,19 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from sparktrain.checkpoint import PIPELINE_LAYOUT, CheckpointStore
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, WorkerError
 from sparktrain.launch.stage import FitJob, train_in_stage
 from sparktrain.parallel.partition import Partition, partition
 from sparktrain.parallel.schedule import SCHEDULES, ideal_bubble
-from sparktrain.parallel.stage import WIRE_DTYPES, PipelineSpec, stage_entry
+from sparktrain.parallel.stage import WIRE_DTYPES, PipelineSpec, stage_entry, state_senders
 from sparktrain.result import Record, TrainResult, load_state_records, stage_summary
 from sparktrain.worker.context import JobSpec
 
@@ -44,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 def pipeline_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The pipeline knobs, with their defaults while TrainConfig lacks the keys."""
+    """The pipeline knobs, checked (a config built around validation still fails here)."""
     opts: dict[str, Any] = {
         "micro_batches": int(getattr(cfg, "parallelism_micro_batches", 4)),
         "schedule": str(getattr(cfg, "parallelism_schedule", "1f1b")).lower(),
@@ -99,9 +103,14 @@ def check_param_cap(model: nn.Module, cfg: TrainConfig) -> None:
 
 
 def plan(
-    model: nn.Module, cfg: TrainConfig, feature_width: int, stages: int | None = None
+    model: nn.Module,
+    cfg: TrainConfig,
+    feature_width: int,
+    stages: int | None = None,
+    bounds: Sequence[int] | None = None,
 ) -> Partition:
-    """Split the driver's model into the configured number of stages."""
+    """Split the driver's model into the configured number of stages (at ``bounds``
+    when given, e.g. a resumed checkpoint's split)."""
     opts = pipeline_options(cfg)
     cap = opts["max_param_mb"]
     return partition(
@@ -110,7 +119,21 @@ def plan(
         feature_width,
         balance=opts["balance"],
         max_param_bytes=int(cap * (1 << 20)) if cap > 0 else None,
+        bounds=bounds,
     )
+
+
+def resumed_bounds(cfg: TrainConfig) -> list[int] | None:
+    """The layer split of the checkpoint a resumed run continues from: a time-balanced
+    split is measured anew each run and may differ, and every stage must restore the
+    layers it saved."""
+    if not (cfg.resume and cfg.checkpoint_dir):
+        return None
+    store = CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
+    step = store.newest_intact()
+    ckpt = store.load(step) if step is not None else None
+    layout = ckpt.extra.get(PIPELINE_LAYOUT) if ckpt is not None else None
+    return list(layout["bounds"]) if layout else None
 
 
 def make_spec(job: JobSpec, part: Partition, replicas: int) -> PipelineSpec:
@@ -131,14 +154,8 @@ def run_pipeline(job: FitJob, strategy: Strategy) -> TrainResult:
     module doc."""
     cfg = job.config
     stages, replicas = layout(cfg)
-    part = plan(job.model, cfg, job.prepared.feature_width)
+    part = plan(job.model, cfg, job.prepared.feature_width, bounds=resumed_bounds(cfg))
     template = make_spec(job.job_spec(strategy), part, replicas)
-    if cfg.checkpoint_dir:
-        log.warning(
-            "checkpoints are not written under pipeline parallelism yet; a failed stage "
-            "restarts from scratch (checkpoint_dir=%s ignored)",
-            cfg.checkpoint_dir,
-        )
 
     def finish(records: list[Record], stage_s: float) -> TrainResult:
         wall_s = time.perf_counter() - job.started
@@ -154,7 +171,7 @@ def run_pipeline(job: FitJob, strategy: Strategy) -> TrainResult:
         spec=template.job,
         entry=functools.partial(stage_entry, template),
         assemble_result=finish,
-        receive_state=False,
+        senders=state_senders(template, job.model),
         describe=describe,
     )
 
