@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sparktrain.comm.wire import HEADER_BYTES, KIND_DATA, Mesh
+from sparktrain.comm.frames import HEADER_BYTES, KIND_DATA
+from sparktrain.comm.mesh import Mesh
 from sparktrain.errors import CommError, ConfigError
 
 AddFn = Callable[[np.ndarray, np.ndarray, np.ndarray], object]

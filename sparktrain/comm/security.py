@@ -287,7 +287,7 @@ class LockedTlsSocket:
     concurrent calls on one SSL object (they corrupt the stream: "EOF occurred in
     violation of protocol"), so every call here runs under one lock on a non-blocking
     socket, and the waits for the network (selectors, bounded by the timeout) happen
-    outside the lock. Offers what :class:`~sparktrain.comm.wire.Connection` uses.
+    outside the lock. Offers what :class:`~sparktrain.comm.connection.Connection` uses.
     """
 
     def __init__(self, sock: ssl.SSLSocket, timeout: float) -> None:

@@ -21,9 +21,12 @@ import socket
 import threading
 from collections.abc import Callable
 
-from sparktrain.comm import wire
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.handshake import DRIVER_RANK, first_bytes, serve_accepted
+from sparktrain.comm.listen import address_of, open_listener
 from sparktrain.comm.preauth import PreauthGate, notify_observer
 from sparktrain.comm.security import WireSecurity
+from sparktrain.comm.stats import CommStats
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +50,8 @@ class DriverService:
         attempt: int,
         security: WireSecurity | None = None,
     ) -> None:
-        self._listener = wire.open_listener(host)
-        self.address = wire.address_of(self._listener)
+        self._listener = open_listener(host)
+        self.address = address_of(self._listener)
         self._secret, self._job_id, self._attempt = secret, job_id, attempt
         self._security = security  # frame MACs / TLS, as the job's tasks use them
         self._stopping = threading.Event()
@@ -57,7 +60,7 @@ class DriverService:
             name=self.name,
             handshake=self._handshake,
             on_ready=self.handle,
-            first_bytes=wire.first_bytes(security),
+            first_bytes=first_bytes(security),
         )
         self._thread = threading.Thread(
             target=self._gate.serve,
@@ -77,21 +80,21 @@ class DriverService:
 
     def _handshake(
         self, sock: socket.socket, deadline: float, authenticated: Callable[[], bool]
-    ) -> wire.Connection:
-        return wire.serve_accepted(
+    ) -> Connection:
+        return serve_accepted(
             sock,
             secret=self._secret,
             job_id=self._job_id,
             attempt=self._attempt,
-            my_rank=wire.DRIVER_RANK,
+            my_rank=DRIVER_RANK,
             deadline=deadline,
-            stats=wire.CommStats(),
+            stats=CommStats(),
             accept_rank=lambda _rank: authenticated(),
             timeout=HANDSHAKE_TIMEOUT_S,
             security=self._security,
         )
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         """Serve one authenticated client (on its handshake's thread, one per client)."""
         raise NotImplementedError
 

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sparktrain.comm.frames import HEADER_BYTES
 from sparktrain.comm.ring import (
     KIND_PAYLOAD,
     RingAllreduce,
@@ -66,7 +67,6 @@ from sparktrain.comm.ring import (
     ring_segments,
 )
 from sparktrain.comm.tree import TreeAllreduce, tree_raw_bytes_sent
-from sparktrain.comm.wire import HEADER_BYTES
 from sparktrain.compress.base import (
     BucketState,
     Compressor,

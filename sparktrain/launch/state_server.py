@@ -22,8 +22,9 @@ import threading
 import torch
 from torch import nn
 
-from sparktrain.comm import wire
 from sparktrain.comm.chunked import recv_chunked_into
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_CONTROL
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 from sparktrain.errors import CommError
@@ -57,7 +58,7 @@ class StateReceiver(DriverService):
         self.error: str | None = None
         self.start()
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         with conn, self._lock:
             try:
                 self._receive(conn)
@@ -65,8 +66,8 @@ class StateReceiver(DriverService):
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("state receiver: rank 0's state did not arrive whole: %s", exc)
 
-    def _receive(self, conn: wire.Connection) -> None:
-        _, raw = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=LAYOUT_MAX_BYTES)
+    def _receive(self, conn: Connection) -> None:
+        _, raw = conn.recv_bytes(KIND_CONTROL, max_bytes=LAYOUT_MAX_BYTES)
         head = json.loads(raw)
         layout, step = head["layout"], int(head["chunk_bytes"])
         problem = self._mismatch(layout)
@@ -77,10 +78,10 @@ class StateReceiver(DriverService):
         if problem is None and self.done.is_set():
             problem = "this attempt's state was already received"
         if problem is not None:
-            conn.send_bytes(json.dumps({"error": problem}).encode(), wire.KIND_CONTROL)
+            conn.send_bytes(json.dumps({"error": problem}).encode(), KIND_CONTROL)
             self.error = problem
             return
-        conn.send_bytes(b"{}", wire.KIND_CONTROL)
+        conn.send_bytes(b"{}", KIND_CONTROL)
         got = 0
         with torch.no_grad():
             for tensor in self._targets.values():
@@ -94,7 +95,7 @@ class StateReceiver(DriverService):
         self.received_bytes = got
         self.error = None
         self.done.set()
-        conn.send_bytes(b"{}", wire.KIND_CONTROL)
+        conn.send_bytes(b"{}", KIND_CONTROL)
 
     def _mismatch(self, layout: list[dict[str, object]]) -> str | None:
         """Why ``layout`` does not fit the driver's model, or None."""

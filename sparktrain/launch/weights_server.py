@@ -34,15 +34,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparktrain.comm import wire
 from sparktrain.comm.chunked import (
     DEFAULT_CHUNK_BYTES,
     chunk_bytes_for,
     recv_chunked_into,
     send_chunked,
 )
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_CONTROL
+from sparktrain.comm.handshake import DRIVER_RANK, connect
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
+from sparktrain.comm.stats import CommStats
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
@@ -145,10 +148,10 @@ class WeightsServer(DriverService):
         self.fetches = 0
         self.start()
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         with conn:
             try:
-                _, request = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=1024)
+                _, request = conn.recv_bytes(KIND_CONTROL, max_bytes=1024)
                 seq = int(json.loads(request)["seq"])
                 with self._lock:
                     enc = self._encoder
@@ -160,11 +163,11 @@ class WeightsServer(DriverService):
                         values = self._snapshot[1]
                 if values is None:
                     reply = {"error": f"mirror {seq} is gone (the driver is at {enc.seq})"}
-                    conn.send_bytes(json.dumps(reply).encode(), wire.KIND_CONTROL)
+                    conn.send_bytes(json.dumps(reply).encode(), KIND_CONTROL)
                     return
                 # in pieces: a mirror over the frame cap (268M+ parameters) still goes out
                 step = chunk_bytes_for(conn.max_frame_bytes, self.chunk_bytes)
-                conn.send_bytes(json.dumps({"chunk_bytes": step}).encode(), wire.KIND_CONTROL)
+                conn.send_bytes(json.dumps({"chunk_bytes": step}).encode(), KIND_CONTROL)
                 send_chunked(conn, values, step)
                 self.fetches += 1
             except (CommError, OSError, ValueError, KeyError) as exc:
@@ -182,19 +185,19 @@ def fetch_mirror(
     timeout: float, security: WireSecurity | None = None,
 ) -> np.ndarray:  # fmt: skip
     """A task's side: the driver's ``mirror[seq]`` as a fresh float32 array."""
-    with wire.connect(
+    with connect(
         address,
         secret=secret,
         job_id=job_id,
         attempt=0,
         my_rank=partition,
-        peer_rank=wire.DRIVER_RANK,
+        peer_rank=DRIVER_RANK,
         timeout=timeout,
-        stats=wire.CommStats(),
+        stats=CommStats(),
         security=security,
     ) as conn:
-        conn.send_bytes(json.dumps({"seq": seq}).encode(), wire.KIND_CONTROL)
-        _, status = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=4096)
+        conn.send_bytes(json.dumps({"seq": seq}).encode(), KIND_CONTROL)
+        _, status = conn.recv_bytes(KIND_CONTROL, max_bytes=4096)
         reply = json.loads(status)
         if "error" in reply:
             raise CommError(f"partition {partition}: the driver's weights server: {reply['error']}")

@@ -40,7 +40,7 @@ from torch import nn
 from sparktrain import errors
 from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
 from sparktrain.comm.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
-from sparktrain.comm.wire import KIND_DATA
+from sparktrain.comm.frames import KIND_DATA
 from sparktrain.config import single_spec
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_optimizer, label_dtype, resolve_model_fn

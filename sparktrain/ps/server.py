@@ -65,21 +65,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import HEADER_BYTES, KIND_DATA, MAX_FRAME_BYTES_DEFAULT
+from sparktrain.comm.handshake import DRIVER_RANK, first_bytes, serve_accepted
 from sparktrain.comm.link import link_from_config
+from sparktrain.comm.listen import address_of, open_listener
 from sparktrain.comm.preauth import PreauthGate, notify_observer
 from sparktrain.comm.security import WireSecurity
-from sparktrain.comm.wire import (
-    DRIVER_RANK,
-    HEADER_BYTES,
-    KIND_DATA,
-    MAX_FRAME_BYTES_DEFAULT,
-    CommStats,
-    Connection,
-    address_of,
-    first_bytes,
-    open_listener,
-    serve_accepted,
-)
+from sparktrain.comm.stats import CommStats
 from sparktrain.config import TrainConfig, single_spec
 from sparktrain.errors import CommError, ConfigError, FrameError
 from sparktrain.modeling import build_optimizer

@@ -31,9 +31,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from sparktrain.comm import wire
 from sparktrain.comm.chunked import chunk_bytes_for, send_chunked
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_CONTROL
+from sparktrain.comm.handshake import DRIVER_RANK, connect
 from sparktrain.comm.security import WireSecurity
+from sparktrain.comm.stats import CommStats
 from sparktrain.errors import WorkerError
 
 LAYOUT_MAX_BYTES = 64 << 20
@@ -80,20 +83,20 @@ def send_state(
     returns the payload bytes sent. Raises :class:`WorkerError` if the driver refused
     the layout, :class:`~sparktrain.errors.CommError` if the connection failed."""
     state = model.state_dict()
-    with wire.connect(
+    with connect(
         address,
         secret=secret,
         job_id=job_id,
         attempt=attempt,
         my_rank=0,
-        peer_rank=wire.DRIVER_RANK,
+        peer_rank=DRIVER_RANK,
         timeout=timeout,
-        stats=wire.CommStats(),
+        stats=CommStats(),
         security=security,
     ) as conn:
         step = chunk_bytes_for(conn.max_frame_bytes, chunk_bytes)
         head = {"layout": tensor_layout(state), "chunk_bytes": step}
-        conn.send_bytes(json.dumps(head).encode(), wire.KIND_CONTROL)
+        conn.send_bytes(json.dumps(head).encode(), KIND_CONTROL)
         _check_reply(conn)
         sent = 0
         for tensor in state.values():
@@ -104,8 +107,8 @@ def send_state(
     return sent
 
 
-def _check_reply(conn: wire.Connection) -> None:
-    _, raw = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=1 << 16)
+def _check_reply(conn: Connection) -> None:
+    _, raw = conn.recv_bytes(KIND_CONTROL, max_bytes=1 << 16)
     reply = json.loads(raw)
     if "error" in reply:
         raise WorkerError(f"the driver refused rank 0's trained state: {reply['error']}")
