@@ -1,8 +1,8 @@
 """Link emulation: make loopback behave like a 5G, 4G, WAN or LAN link, without root.
 
 The ``link`` option of :class:`~sparktrain.config.TrainConfig` shapes sparktrain's own
-transport (:mod:`sparktrain.comm.wire`) instead of the kernel's, so it needs neither root
-nor ``tc``. Each direction of each connection gets a :class:`LinkShaper`; the model is
+transport (:mod:`sparktrain.comm.connection`) instead of the kernel's, so it needs neither
+root nor ``tc``. Each direction of each connection gets a :class:`LinkShaper`; the model is
 the one ``tc netem`` + a rate limit would apply to a TCP stream:
 
 * **Bandwidth** -- a token bucket, written as a virtual clock (GCRA): a frame of ``n``

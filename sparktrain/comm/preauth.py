@@ -22,7 +22,7 @@ next to nothing: a dozen silent connections must not stall a stage.
   the ``authenticated`` callback before sending the verdict), so a proven client is
   never dropped; it is handed to ``on_ready`` on its handshake thread.
 
-The gate knows nothing about the handshake itself (:mod:`sparktrain.comm.wire` does):
+The gate knows nothing about the handshake itself (:mod:`sparktrain.comm.handshake` does):
 owners pass a ``handshake(sock, deadline, authenticated)`` function.
 
 Executor-side code: this module never imports pyspark.

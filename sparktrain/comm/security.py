@@ -1,6 +1,6 @@
 """Wire security: per-frame MACs and TLS with an ephemeral, pinned per-job certificate.
 
-The handshake (:mod:`sparktrain.comm.wire`) proves that both ends know the job secret,
+The handshake (:mod:`sparktrain.comm.handshake`) proves that both ends know the job secret,
 but without more the frames that follow carry no integrity: sequence numbers are
 predictable, so an on-path attacker could inject or alter frames. Two defences, chosen
 per job by ``TrainConfig.encryption`` and ``TrainConfig.frame_integrity``:
