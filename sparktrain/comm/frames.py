@@ -25,6 +25,9 @@ KIND_CONTROL = 2
 """Small control messages (JSON text, never pickle)."""
 KIND_METRICS = 3
 """Progress/metrics records sent to the driver."""
+KIND_PAYLOAD = 4
+"""Frames of compressed collectives: not counted as raw bytes (the compressed exchange
+adds the uncompressed equivalent itself)."""
 KIND_ABORT = 15
 """Sent by a rank that is tearing its mesh down after a failure; names the lost rank."""
 KIND_USER_MIN = 16

@@ -58,9 +58,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparktrain.comm.frames import HEADER_BYTES
+from sparktrain.comm.frames import HEADER_BYTES, KIND_PAYLOAD
 from sparktrain.comm.ring import (
-    KIND_PAYLOAD,
     RingAllreduce,
     ring_allgather,
     ring_raw_bytes_sent,
