@@ -52,14 +52,11 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from sparktrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    from sparktrain.config import TrainConfig
 
 MBIT = 1e6 / 8
 """Bytes per second in one Mbit/s."""
@@ -241,7 +238,25 @@ def link_profile(
     return None if profile.unshaped else profile
 
 
-def link_from_config(cfg: TrainConfig) -> LinkProfile | None:
+class LinkSettings(Protocol):
+    """The options a job's link is read from. A :class:`~sparktrain.config.TrainConfig`
+    has them; comm/ sits below the config, so it names only what it reads."""
+
+    @property
+    def link_profile(self) -> str: ...
+    @property
+    def link_bandwidth_mbit(self) -> float: ...
+    @property
+    def link_rtt_ms(self) -> float: ...
+    @property
+    def link_jitter_ms(self) -> float: ...
+    @property
+    def link_loss(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+
+
+def link_from_config(cfg: LinkSettings) -> LinkProfile | None:
     """The link a training job's connections emulate, or ``None`` (unshaped)."""
     return link_profile(
         cfg.link_profile,
@@ -367,7 +382,7 @@ def emulate_transfer(
     return seconds
 
 
-def emulate_task_transfer(cfg: TrainConfig, nbytes: int, *keys: int) -> float:
+def emulate_task_transfer(cfg: LinkSettings, nbytes: int, *keys: int) -> float:
     """:func:`emulate_transfer` on the job's link (``cfg``), jitter and loss seeded by
     ``cfg.seed`` and ``keys`` (e.g. partition, round, direction); for tasks whose bytes
     travel on Spark's sockets (``tree_aggregate``). Returns the seconds slept."""
