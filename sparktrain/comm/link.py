@@ -242,18 +242,12 @@ class LinkSettings(Protocol):
     """The options a job's link is read from. A :class:`~sparktrain.config.TrainConfig`
     has them; comm/ sits below the config, so it names only what it reads."""
 
-    @property
-    def link_profile(self) -> str: ...
-    @property
-    def link_bandwidth_mbit(self) -> float: ...
-    @property
-    def link_rtt_ms(self) -> float: ...
-    @property
-    def link_jitter_ms(self) -> float: ...
-    @property
-    def link_loss(self) -> float: ...
-    @property
-    def seed(self) -> int: ...
+    link_profile: str
+    link_bandwidth_mbit: float
+    link_rtt_ms: float
+    link_jitter_ms: float
+    link_loss: float
+    seed: int
 
 
 def link_from_config(cfg: LinkSettings) -> LinkProfile | None:
