@@ -27,10 +27,14 @@ import socket
 import threading
 from collections.abc import Callable
 
-from sparktrain.comm import wire
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import MAX_FRAME_BYTES_DEFAULT
+from sparktrain.comm.handshake import DRIVER_RANK, first_bytes, serve_accepted
 from sparktrain.comm.link import LinkProfile
+from sparktrain.comm.listen import address_of, open_listener
 from sparktrain.comm.preauth import PreauthGate, notify_observer
 from sparktrain.comm.security import WireSecurity
+from sparktrain.comm.stats import CommStats
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ class DriverService:
     ``attempt`` is the stage attempt clients must prove: an int, or a callable returning
     the current one. ``name`` (default: the class's) names the threads and logs.
     ``stats`` is shared by every connection (default: a fresh
-    :class:`~sparktrain.comm.wire.CommStats` per connection); ``link`` and
+    :class:`~sparktrain.comm.stats.CommStats` per connection); ``link`` and
     ``max_frame_bytes`` shape and cap every connection's frames as the tasks' own.
     """
 
@@ -61,14 +65,14 @@ class DriverService:
         attempt: int | Callable[[], int],
         security: WireSecurity | None = None,
         name: str | None = None,
-        stats: wire.CommStats | None = None,
+        stats: CommStats | None = None,
         link: LinkProfile | None = None,
-        max_frame_bytes: int = wire.MAX_FRAME_BYTES_DEFAULT,
+        max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
     ) -> None:
         if name is not None:
             self.name = name
-        self._listener = wire.open_listener(host)
-        self.address = wire.address_of(self._listener)
+        self._listener = open_listener(host)
+        self.address = address_of(self._listener)
         self._secret, self._job_id = secret, job_id
         self._attempt = attempt if callable(attempt) else _constant(attempt)
         self._security = security  # frame MACs / TLS, as the job's tasks use them
@@ -79,7 +83,7 @@ class DriverService:
             name=self.name,
             handshake=self._handshake,
             on_ready=self._ready,
-            first_bytes=wire.first_bytes(security),
+            first_bytes=first_bytes(security),
         )
         self._thread = threading.Thread(
             target=self._gate.serve,
@@ -116,16 +120,16 @@ class DriverService:
 
     def _handshake(
         self, sock: socket.socket, deadline: float, authenticated: Callable[[], bool]
-    ) -> tuple[int, wire.Connection]:
+    ) -> tuple[int, Connection]:
         attempt = self.attempt  # read when the handshake starts: a new attempt counts at once
-        return attempt, wire.serve_accepted(
+        return attempt, serve_accepted(
             sock,
             secret=self._secret,
             job_id=self._job_id,
             attempt=attempt,
-            my_rank=wire.DRIVER_RANK,
+            my_rank=DRIVER_RANK,
             deadline=deadline,
-            stats=self._stats if self._stats is not None else wire.CommStats(),
+            stats=self._stats if self._stats is not None else CommStats(),
             accept_rank=lambda _rank: authenticated(),
             timeout=HANDSHAKE_TIMEOUT_S,
             max_frame_bytes=self._max_frame_bytes,
@@ -133,14 +137,14 @@ class DriverService:
             security=self._security,
         )
 
-    def _ready(self, accepted: tuple[int, wire.Connection]) -> None:
+    def _ready(self, accepted: tuple[int, Connection]) -> None:
         attempt, conn = accepted
         if self.admit(conn, attempt):
             self.handle(conn)
         else:
             conn.close()
 
-    def admit(self, conn: wire.Connection, attempt: int) -> bool:
+    def admit(self, conn: Connection, attempt: int) -> bool:
         """Whether to serve ``conn``, whose client proved stage ``attempt`` (False: it is
         closed). Default: if that attempt is still the current one (a new attempt may
         have begun during the handshake). A subclass that keeps its clients'
@@ -156,7 +160,7 @@ class DriverService:
         )
         return False
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         """Serve one authenticated client (on its handshake's thread, one per client)."""
         raise NotImplementedError
 

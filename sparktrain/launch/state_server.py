@@ -30,8 +30,9 @@ from collections.abc import Collection, Mapping
 import torch
 from torch import nn
 
-from sparktrain.comm import wire
 from sparktrain.comm.chunked import recv_chunked_into
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_CONTROL
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 from sparktrain.errors import CommError, ConfigError
@@ -74,7 +75,7 @@ class StateReceiver(DriverService):
         self.error: str | None = None
         self.start()
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         rank = conn.peer_rank
         # a rank that sends no state is refused on a lock of its own: it delays nobody
         with conn, self._locks.get(rank) or threading.Lock():
@@ -84,8 +85,8 @@ class StateReceiver(DriverService):
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("state receiver: rank %d's state did not arrive whole: %s", rank, exc)
 
-    def _receive(self, conn: wire.Connection) -> None:
-        _, raw = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=LAYOUT_MAX_BYTES)
+    def _receive(self, conn: Connection) -> None:
+        _, raw = conn.recv_bytes(KIND_CONTROL, max_bytes=LAYOUT_MAX_BYTES)
         head = json.loads(raw)
         layout, step = head["layout"], int(head["chunk_bytes"])
         rank = conn.peer_rank  # authenticated in the handshake
@@ -105,11 +106,11 @@ class StateReceiver(DriverService):
                 else f"this attempt's state from rank {rank} was already received"
             )
         if problem is not None:
-            conn.send_bytes(json.dumps({"error": problem}).encode(), wire.KIND_CONTROL)
+            conn.send_bytes(json.dumps({"error": problem}).encode(), KIND_CONTROL)
             self.error = problem
             return
         assert part is not None
-        conn.send_bytes(b"{}", wire.KIND_CONTROL)
+        conn.send_bytes(b"{}", KIND_CONTROL)
         got = 0
         with torch.no_grad():
             for tensor in part.values():
@@ -126,7 +127,7 @@ class StateReceiver(DriverService):
             if len(self._arrived) == len(self._parts):
                 self.error = None
                 self.done.set()
-        conn.send_bytes(b"{}", wire.KIND_CONTROL)
+        conn.send_bytes(b"{}", KIND_CONTROL)
 
     @property
     def pending(self) -> list[int]:

@@ -35,8 +35,9 @@ import threading
 import numpy as np
 import torch
 
-from sparktrain.comm import wire
 from sparktrain.comm.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for, send_chunked
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_CONTROL
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 from sparktrain.compress.base import BucketState, Compressor, encode_message
@@ -97,10 +98,10 @@ class WeightsServer(DriverService):
         self.fetches = 0
         self.start()
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         with conn:
             try:
-                _, request = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=1024)
+                _, request = conn.recv_bytes(KIND_CONTROL, max_bytes=1024)
                 seq = int(json.loads(request)["seq"])
                 with self._lock:
                     enc = self._encoder
@@ -112,11 +113,11 @@ class WeightsServer(DriverService):
                         values = self._snapshot[1]
                 if values is None:
                     reply = {"error": f"mirror {seq} is gone (the driver is at {enc.seq})"}
-                    conn.send_bytes(json.dumps(reply).encode(), wire.KIND_CONTROL)
+                    conn.send_bytes(json.dumps(reply).encode(), KIND_CONTROL)
                     return
                 # in pieces: a mirror over the frame cap (268M+ parameters) still goes out
                 step = chunk_bytes_for(conn.max_frame_bytes, self.chunk_bytes)
-                conn.send_bytes(json.dumps({"chunk_bytes": step}).encode(), wire.KIND_CONTROL)
+                conn.send_bytes(json.dumps({"chunk_bytes": step}).encode(), KIND_CONTROL)
                 send_chunked(conn, values, step)
                 self.fetches += 1
             except (CommError, OSError, ValueError, KeyError) as exc:

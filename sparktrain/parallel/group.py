@@ -1,6 +1,6 @@
 """Collectives over a sub-group of a mesh's ranks (e.g. the D replicas of one stage).
 
-:class:`GroupMesh` is a thin view of a :class:`~sparktrain.comm.wire.Mesh`: group rank
+:class:`GroupMesh` is a thin view of a :class:`~sparktrain.comm.mesh.Mesh`: group rank
 ``g`` is world rank ``members[g]``. It offers exactly what the ring and tree allreduces
 and the compressed collectives use (``rank``, ``world_size``, ``stats``,
 ``max_frame_bytes``, ``connection``, ``connect_all``, ``sender``, ``abort``), so
@@ -18,7 +18,9 @@ from torch import nn
 
 from sparktrain.comm import Mesh, RingAllreduce
 from sparktrain.comm.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for
-from sparktrain.comm.wire import AsyncSender, CommStats, Connection
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.mesh import AsyncSender
+from sparktrain.comm.stats import CommStats
 from sparktrain.compress.base import build as build_compressor
 from sparktrain.compress.collective import CompressedAllreduce
 from sparktrain.errors import CommError, ConfigError

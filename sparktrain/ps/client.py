@@ -6,7 +6,7 @@ back into the flat parameter vector, then copies that into the model. The first 
 in the constructor, fetches the server's values, so every rank starts from the
 server's parameters whatever its own initialisation.
 
-Connections count their bytes into the mesh's :class:`~sparktrain.comm.wire.CommStats`,
+Connections count their bytes into the mesh's :class:`~sparktrain.comm.stats.CommStats`,
 so the run summary's byte totals include the PS traffic.
 
 With ``config.compression`` (see :mod:`sparktrain.ps.protocol`) each shard client keeps
@@ -58,17 +58,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_DATA, MAX_FRAME_BYTES_DEFAULT
+from sparktrain.comm.handshake import DRIVER_RANK, connect
 from sparktrain.comm.link import LinkProfile, link_from_config
+from sparktrain.comm.mesh import Mesh
 from sparktrain.comm.security import WireSecurity
-from sparktrain.comm.wire import (
-    DRIVER_RANK,
-    KIND_DATA,
-    MAX_FRAME_BYTES_DEFAULT,
-    CommStats,
-    Connection,
-    Mesh,
-    connect,
-)
+from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError, ConfigError, FrameError, PeerLostError
 from sparktrain.ps import protocol
 from sparktrain.ps.layout import (

@@ -50,16 +50,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import HEADER_BYTES, KIND_DATA, MAX_FRAME_BYTES_DEFAULT
 from sparktrain.comm.link import link_from_config
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
-from sparktrain.comm.wire import (
-    HEADER_BYTES,
-    KIND_DATA,
-    MAX_FRAME_BYTES_DEFAULT,
-    CommStats,
-    Connection,
-)
+from sparktrain.comm.stats import CommStats
 from sparktrain.config import TrainConfig, single_spec
 from sparktrain.errors import CommError, ConfigError, FrameError
 from sparktrain.modeling import build_optimizer

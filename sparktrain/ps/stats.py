@@ -59,7 +59,7 @@ def shard_figures(
     wait_s: dict[int, float],
 ) -> dict[str, Any]:
     """One shard's figures for the summary; ``comm`` is its connections'
-    :meth:`~sparktrain.comm.wire.CommStats.as_dict`, ``wait_s`` its waiting per rank."""
+    :meth:`~sparktrain.comm.stats.CommStats.as_dict`, ``wait_s`` its waiting per rank."""
     return {
         "index": index,
         "address": address,

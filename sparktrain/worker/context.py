@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sparktrain.comm.frames import MAX_FRAME_BYTES_DEFAULT
 from sparktrain.comm.security import WireSecurity
-from sparktrain.comm.wire import MAX_FRAME_BYTES_DEFAULT
 from sparktrain.config import TrainConfig
 from sparktrain.strategies import registry
 from sparktrain.worker.faults import FaultPlan

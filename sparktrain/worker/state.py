@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sparktrain.comm import Mesh, wire
+from sparktrain.comm import DRIVER_RANK, KIND_CONTROL, CommStats, Connection, Mesh, connect
 from sparktrain.comm.chunked import broadcast_, chunk_bytes_for, send_chunked
 from sparktrain.comm.security import WireSecurity
 from sparktrain.errors import WorkerError
@@ -126,20 +126,20 @@ def send_state(
     receiver (module docstring); returns the payload bytes sent. Raises
     :class:`WorkerError` if the driver refused the layout or the rank,
     :class:`~sparktrain.errors.CommError` if the connection failed."""
-    with wire.connect(
+    with connect(
         address,
         secret=secret,
         job_id=job_id,
         attempt=attempt,
         my_rank=rank,
-        peer_rank=wire.DRIVER_RANK,
+        peer_rank=DRIVER_RANK,
         timeout=timeout,
-        stats=wire.CommStats(),
+        stats=CommStats(),
         security=security,
     ) as conn:
         step = chunk_bytes_for(conn.max_frame_bytes, chunk_bytes)
         head = {"layout": tensor_layout(state), "chunk_bytes": step}
-        conn.send_bytes(json.dumps(head).encode(), wire.KIND_CONTROL)
+        conn.send_bytes(json.dumps(head).encode(), KIND_CONTROL)
         _check_reply(conn, rank)
         sent = 0
         for tensor in state.values():
@@ -175,8 +175,8 @@ def return_state(
     return [Record(rank, "meta", 0, json.dumps(streamed).encode())]
 
 
-def _check_reply(conn: wire.Connection, rank: int) -> None:
-    _, raw = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=1 << 16)
+def _check_reply(conn: Connection, rank: int) -> None:
+    _, raw = conn.recv_bytes(KIND_CONTROL, max_bytes=1 << 16)
     reply = json.loads(raw)
     if "error" in reply:
         raise WorkerError(f"the driver refused rank {rank}'s trained state: {reply['error']}")

@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparktrain.comm import wire
 from sparktrain.comm.chunked import recv_chunked_into
+from sparktrain.comm.frames import KIND_CONTROL
+from sparktrain.comm.handshake import DRIVER_RANK, connect
 from sparktrain.comm.security import WireSecurity
+from sparktrain.comm.stats import CommStats
 from sparktrain.compress.base import Compressor, decode_message
 from sparktrain.errors import CommError
 
@@ -51,19 +53,19 @@ def fetch_mirror(
     timeout: float, security: WireSecurity | None = None,
 ) -> np.ndarray:  # fmt: skip
     """A task's side: the driver's ``mirror[seq]`` as a fresh float32 array."""
-    with wire.connect(
+    with connect(
         address,
         secret=secret,
         job_id=job_id,
         attempt=0,
         my_rank=partition,
-        peer_rank=wire.DRIVER_RANK,
+        peer_rank=DRIVER_RANK,
         timeout=timeout,
-        stats=wire.CommStats(),
+        stats=CommStats(),
         security=security,
     ) as conn:
-        conn.send_bytes(json.dumps({"seq": seq}).encode(), wire.KIND_CONTROL)
-        _, status = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=4096)
+        conn.send_bytes(json.dumps({"seq": seq}).encode(), KIND_CONTROL)
+        _, status = conn.recv_bytes(KIND_CONTROL, max_bytes=4096)
         reply = json.loads(status)
         if "error" in reply:
             raise CommError(f"partition {partition}: the driver's weights server: {reply['error']}")

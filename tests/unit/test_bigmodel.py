@@ -283,19 +283,21 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
 
 
 def test_only_rank0_may_return_the_state():
-    from sparktrain.comm import wire
+    from sparktrain.comm.frames import KIND_CONTROL
+    from sparktrain.comm.handshake import DRIVER_RANK, connect
+    from sparktrain.comm.stats import CommStats
 
     secret = secrets.token_bytes(32)
     driver = _Mixed(1)
     receiver = StateReceiver("127.0.0.1", driver, secret=secret, job_id="j", attempt=0)
     try:
-        with wire.connect(
+        with connect(
             receiver.address, secret=secret, job_id="j", attempt=0, my_rank=1,
-            peer_rank=wire.DRIVER_RANK, timeout=5.0, stats=wire.CommStats(),
+            peer_rank=DRIVER_RANK, timeout=5.0, stats=CommStats(),
         ) as conn:  # fmt: skip
             head = {"layout": tensor_layout(_Mixed(0).state_dict()), "chunk_bytes": 1000}
-            conn.send_bytes(json.dumps(head).encode(), wire.KIND_CONTROL)
-            _, raw = conn.recv_bytes(wire.KIND_CONTROL)
+            conn.send_bytes(json.dumps(head).encode(), KIND_CONTROL)
+            _, raw = conn.recv_bytes(KIND_CONTROL)
         assert "only rank 0" in json.loads(raw)["error"]
         assert not receiver.done.is_set()
     finally:

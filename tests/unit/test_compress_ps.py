@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparktrain.comm.wire import CommStats
+from sparktrain.comm.stats import CommStats
 from sparktrain.compress.base import BucketState, build
 from sparktrain.compress.feedback import MOMENTUM, RESIDUAL, SCALE
 from sparktrain.config import TrainConfig

@@ -19,7 +19,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparktrain.comm import CommStats, Connection, Mesh, RingAllreduce, open_listener, wire
+from sparktrain.comm import (
+    KIND_CONTROL,
+    CommStats,
+    Connection,
+    Mesh,
+    RingAllreduce,
+    address_of,
+    open_listener,
+)
+from sparktrain.comm.frames import HEADER_BYTES
 from sparktrain.comm.link import (
     DEFAULT_BURST_BYTES,
     MBIT,
@@ -42,7 +51,7 @@ except ImportError:
 
 pytestmark = pytest.mark.timeout(60)
 
-HEADER = wire.HEADER_BYTES
+HEADER = HEADER_BYTES
 
 
 def _pair(
@@ -344,8 +353,8 @@ def test_eight_dim_arrays_and_bytes_cross_a_shaped_link() -> None:
         out = np.empty(arr.size, dtype=np.int32)
         server.recv_into(out)
         np.testing.assert_array_equal(out, arr.reshape(-1))
-        server.send_bytes(b"hello", wire.KIND_CONTROL)
-        assert client.recv_bytes(wire.KIND_CONTROL) == (wire.KIND_CONTROL, b"hello")
+        server.send_bytes(b"hello", KIND_CONTROL)
+        assert client.recv_bytes(KIND_CONTROL) == (KIND_CONTROL, b"hello")
     finally:
         client.close()
         server.close()
@@ -403,7 +412,7 @@ def test_ring_allreduce_over_an_emulated_link() -> None:
     world, n = 3, 1 << 20
     link = link_profile("none", bandwidth_mbit=80, rtt_ms=10)
     listeners = [open_listener(h.HOST) for _ in range(world)]
-    addresses = [wire.address_of(lst) for lst in listeners]
+    addresses = [address_of(lst) for lst in listeners]
     inputs = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(world)]
     results: list[Any] = [None] * world
     elapsed: list[float] = [0.0] * world

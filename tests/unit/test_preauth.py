@@ -21,7 +21,20 @@ from typing import Any
 
 import pytest
 
-from sparktrain.comm import preauth, wire
+from sparktrain.comm import (
+    DRIVER_RANK,
+    KIND_CONTROL,
+    CommStats,
+    Connection,
+    Mesh,
+    accept,
+    address_of,
+    connect,
+    open_listener,
+    parse_address,
+    preauth,
+)
+from sparktrain.comm.handshake import HELLO_PREFIX
 from sparktrain.comm.service import DriverService
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, HandshakeError
@@ -45,11 +58,11 @@ class Echo(DriverService):
         self.handlers: list[threading.Thread] = []  # the threads that served a client
         self.start()
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         self.handlers.append(threading.current_thread())
         with contextlib.closing(conn):
-            _, payload = conn.recv_bytes(wire.KIND_CONTROL)
-            conn.send_bytes(payload, wire.KIND_CONTROL)
+            _, payload = conn.recv_bytes(KIND_CONTROL)
+            conn.send_bytes(payload, KIND_CONTROL)
 
 
 @pytest.fixture
@@ -73,7 +86,7 @@ def strangers() -> Iterator[list[socket.socket]]:
 
 def open_stranger(address: str, source: str, junk: bytes = b"") -> socket.socket:
     """A TCP connection to ``address`` from ``source`` that sends ``junk`` (or nothing)."""
-    host, port = wire.parse_address(address)
+    host, port = parse_address(address)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.settimeout(2.0)
     sock.bind((source, 0))
@@ -117,19 +130,19 @@ def wait_closed(socks: list[socket.socket], within: float) -> list[bool]:
 def echo_client(srv: DriverService, timeout: float = 8.0, *, attempt: int = 0) -> float:
     """Connect as rank 0, round-trip one message; returns the seconds it took."""
     started = time.monotonic()
-    conn = wire.connect(
+    conn = connect(
         srv.address,
         secret=SECRET,
         job_id=JOB,
         attempt=attempt,
         my_rank=0,
-        peer_rank=wire.DRIVER_RANK,
+        peer_rank=DRIVER_RANK,
         timeout=timeout,
-        stats=wire.CommStats(),
+        stats=CommStats(),
     )
     with contextlib.closing(conn):
-        conn.send_bytes(b"hello", wire.KIND_CONTROL)
-        assert conn.recv_bytes(wire.KIND_CONTROL)[1] == b"hello"
+        conn.send_bytes(b"hello", KIND_CONTROL)
+        assert conn.recv_bytes(KIND_CONTROL)[1] == b"hello"
     return time.monotonic() - started
 
 
@@ -142,7 +155,7 @@ def test_silent_strangers_do_not_delay_a_driver_service_client(
     # today's main handshakes in the accept loop, 10 s each: the client waits for all
     flood(echo.address, strangers, 20)
     for s in flood(echo.address, strangers, 20, first=3):
-        s.sendall(wire.HELLO_PREFIX + b"\x01\x00")  # a partial hello: waits for the rest
+        s.sendall(HELLO_PREFIX + b"\x01\x00")  # a partial hello: waits for the rest
     time.sleep(0.2)  # every stranger accepted before the client dials
     assert echo_client(echo) < 1.5  # milliseconds unloaded; generous for a busy host
     assert echo._gate.pending == 40
@@ -164,15 +177,15 @@ def test_silent_strangers_do_not_delay_a_parameter_server_client(
         flood(server.addresses[0], strangers, 30, sources=2)
         time.sleep(0.2)
         started = time.monotonic()
-        conn = wire.connect(
+        conn = connect(
             server.addresses[0],
             secret=SECRET,
             job_id=JOB,
             attempt=0,
             my_rank=0,
-            peer_rank=wire.DRIVER_RANK,
+            peer_rank=DRIVER_RANK,
             timeout=8.0,
-            stats=wire.CommStats(),
+            stats=CommStats(),
         )
         conn.close()
         assert time.monotonic() - started < 1.5
@@ -185,11 +198,10 @@ def test_silent_strangers_do_not_keep_a_lower_rank_out_of_a_mesh(
 ) -> None:
     # today's main refuses new clients once 2 * world + 8 handshakes are pending,
     # and a pending one holds its slot for the whole comm timeout
-    listeners = [wire.open_listener(HOST) for _ in range(2)]
-    addresses = [wire.address_of(s) for s in listeners]
+    listeners = [open_listener(HOST) for _ in range(2)]
+    addresses = [address_of(s) for s in listeners]
     meshes = [
-        wire.Mesh(r, 2, listeners[r], addresses, SECRET, JOB, attempt=0, timeout=10.0)
-        for r in range(2)
+        Mesh(r, 2, listeners[r], addresses, SECRET, JOB, attempt=0, timeout=10.0) for r in range(2)
     ]
     try:
         flood(addresses[1], strangers, 40, sources=4)
@@ -294,7 +306,7 @@ def test_a_service_across_attempts_proves_the_current_attempt_and_ticks() -> Non
 
 @pytest.mark.parametrize("how", ["reset", "eof"])
 def test_a_dial_dropped_during_the_handshake_is_retried(how: str) -> None:
-    listener = wire.open_listener(HOST, timeout=5.0)
+    listener = open_listener(HOST, timeout=5.0)
     served: list[Any] = []
 
     def server() -> None:
@@ -304,29 +316,29 @@ def test_a_dial_dropped_during_the_handshake_is_retried(how: str) -> None:
             first.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         first.close()
         served.append(
-            wire.accept(
+            accept(
                 listener,
                 secret=SECRET,
                 job_id=JOB,
                 attempt=0,
-                my_rank=wire.DRIVER_RANK,
+                my_rank=DRIVER_RANK,
                 timeout=5.0,
-                stats=wire.CommStats(),
+                stats=CommStats(),
             )
         )
 
     t = threading.Thread(target=server)
     t.start()
     try:
-        conn = wire.connect(
-            wire.address_of(listener),
+        conn = connect(
+            address_of(listener),
             secret=SECRET,
             job_id=JOB,
             attempt=0,
             my_rank=0,
-            peer_rank=wire.DRIVER_RANK,
+            peer_rank=DRIVER_RANK,
             timeout=5.0,
-            stats=wire.CommStats(),
+            stats=CommStats(),
         )
         t.join(5)
         assert served and served[0].peer_rank == 0
@@ -339,19 +351,19 @@ def test_a_dial_dropped_during_the_handshake_is_retried(how: str) -> None:
 
 
 def test_an_authentication_rejection_is_not_retried() -> None:
-    listener = wire.open_listener(HOST, timeout=5.0)
+    listener = open_listener(HOST, timeout=5.0)
     seen: list[str] = []
 
     def server() -> None:
         with contextlib.suppress(HandshakeError):
-            wire.accept(
+            accept(
                 listener,
                 secret=SECRET,
                 job_id=JOB,
                 attempt=0,
-                my_rank=wire.DRIVER_RANK,
+                my_rank=DRIVER_RANK,
                 timeout=2.0,
-                stats=wire.CommStats(),
+                stats=CommStats(),
             )
         seen.append("refused")
         listener.settimeout(1.0)
@@ -364,15 +376,15 @@ def test_an_authentication_rejection_is_not_retried() -> None:
     t.start()
     try:
         with pytest.raises(HandshakeError, match="rejected"):
-            wire.connect(
-                wire.address_of(listener),
+            connect(
+                address_of(listener),
                 secret=secrets.token_bytes(32),
                 job_id=JOB,
                 attempt=0,
                 my_rank=0,
-                peer_rank=wire.DRIVER_RANK,
+                peer_rank=DRIVER_RANK,
                 timeout=5.0,
-                stats=wire.CommStats(),
+                stats=CommStats(),
             )
         t.join(5)
         assert seen == ["refused"]  # one refused handshake, then nobody
@@ -388,4 +400,4 @@ def test_an_authentication_rejection_is_not_retried() -> None:
 def test_an_ipv4_mapped_wildcard_is_refused(host: str) -> None:
     # today's main binds it: on a dual-stack host that is every IPv4 interface
     with pytest.raises(ConfigError, match="wildcard"):
-        wire.open_listener(host)
+        open_listener(host)

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from sparktrain.comm.wire import DRIVER_RANK, HEADER_BYTES, CommStats, connect
+from sparktrain.comm.frames import HEADER_BYTES
+from sparktrain.comm.handshake import DRIVER_RANK, connect
+from sparktrain.comm.stats import CommStats
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError, HandshakeError, PeerLostError
 from sparktrain.models import mlp

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.comm.wire import HEADER_BYTES, CommStats
+from sparktrain.comm.frames import HEADER_BYTES
+from sparktrain.comm.stats import CommStats
 from sparktrain.config import TrainConfig
 from sparktrain.errors import FrameError
 from sparktrain.models import mlp
