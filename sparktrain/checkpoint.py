@@ -56,6 +56,10 @@ ORPHAN_AGE_S = 3600.0
 checkpoint takes an hour to write) and removed by the next save."""
 RANK_SHARDS = "rank_shards"
 """Key in :attr:`Checkpoint.extra`: how many per-rank shards belong to the checkpoint."""
+PIPELINE_LAYOUT = "pipeline"
+"""Key in :attr:`Checkpoint.extra` of a pipeline run's checkpoint: the layout it was
+written with (``stages``, ``replicas``, layer ``bounds``); its model lives in the
+stages' shards, not in the main file."""
 
 SHARED_SCHEMES = ("hdfs://", "s3://", "gs://", "abfs://", "file://")
 _SINGLE_HOST_MASTER = re.compile(r"^local(\[[^\]]*\])?$")

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from sparktrain.errors import ConfigError
+from sparktrain.strategies import registry
 
-STRATEGIES = ("ring", "tree", "ps", "tree_aggregate", "auto")
 PS_MODES = ("sync", "async", "ssp")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk:R", "randomk:R", "sign", "powersgd:R")
 """The compressor families; specs compose (``topk:0.01+ef``, ``delta+int8``), see
-:mod:`sparktrain.compress.base` for the grammar."""
+:mod:`sparktrain.compress.spec` for the grammar."""
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 LINK_PROFILES = ("none", "lan", "5g", "4g", "wan")
 """Named link-emulation profiles; their figures live in :mod:`sparktrain.comm.link`."""
@@ -49,7 +49,7 @@ class TrainConfig:
         ``delta+`` in front (``ps`` and ``tree_aggregate``: also compress the weights the
         driver sends, as deltas) and ``+ef`` (error feedback) behind, e.g.
         ``"topk:0.01+ef"``;
-        grammar and options in :mod:`sparktrain.compress.base`. ``"auto"`` picks one from
+        grammar and options in :mod:`sparktrain.compress.spec`. ``"auto"`` picks one from
         the link probe. A table ``{"pattern" = "spec", ...}`` is a per-layer policy:
         parameter names are matched against the glob patterns in order, first match wins,
         ``"*"`` is the fallback (unmatched parameters are not compressed).
@@ -183,9 +183,14 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first key whose value is not allowed."""
-        _one_of("strategy", self.strategy, STRATEGIES)
-        _check_compression(self.compression, self.strategy, self.optimizer_kwargs)
+        """Raise :class:`ConfigError` naming the first key whose value is not allowed.
+
+        Checks the keys this class owns, then asks the strategy registered under
+        ``strategy`` what it makes of them (which compression specs it takes, whether it
+        combines with a pipeline): :meth:`sparktrain.strategies.base.Strategy.validate`.
+        """
+        strategy = registry.get(self.strategy)  # an unknown name: the error lists them
+        _check_compression(self.compression, self.optimizer_kwargs)
         if isinstance(self.loss, str):
             _one_of("loss", self.loss, LOSSES)
         elif not callable(self.loss):
@@ -217,10 +222,6 @@ class TrainConfig:
         _one_of("parallelism.balance", self.parallelism_balance, ("time", "params"))
         if not isinstance(self.max_param_mb, int | float) or self.max_param_mb < 0:
             raise ConfigError(f"max_param_mb={self.max_param_mb!r} must be >= 0 (0 = no cap)")
-        if isinstance(self.compression, Mapping) and (
-            self.strategy not in ("ring", "tree", "auto") or self.parallelism_pipeline > 1
-        ):
-            single_spec(self.compression, self.strategy)  # raises, saying what to do
         _one_of("link.profile", self.link_profile, LINK_PROFILES)
         for key in ("bandwidth_mbit", "rtt_ms", "jitter_ms"):
             value = getattr(self, f"link_{key}")
@@ -241,6 +242,7 @@ class TrainConfig:
         for name in ("optimizer_kwargs", "loss_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a table/dict, e.g. {{momentum = 0.9}}")
+        strategy.validate(self)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -385,7 +387,7 @@ def single_spec(compression: str | Mapping[str, str], strategy: str) -> str:
     return compression
 
 
-def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -> None:
+def _check_compression(spec: Any, optimizer_kwargs: Any = None) -> None:
     if isinstance(spec, Mapping):
         if not spec:
             raise ConfigError(
@@ -399,30 +401,15 @@ def _check_compression(spec: Any, strategy: str, optimizer_kwargs: Any = None) -
                     "parameter-name glob to a spec string such as 'int8+ef' ('auto' is "
                     "only allowed for the whole model)"
                 )
-            _check_compression(sub, strategy, optimizer_kwargs)
+            _check_compression(sub, optimizer_kwargs)
         return
     if not isinstance(spec, str):
         raise ConfigError(f"compression must be a spec string such as 'topk:0.01+ef', got {spec!r}")
     if spec == "auto":
         return
-    from sparktrain.compress.registry import build, split_spec
+    from sparktrain.compress.registry import build
 
     comp = build(spec)
-    parts = split_spec(spec)
-    if strategy in ("ring", "tree") and parts.delta:
-        raise ConfigError(
-            f"compression={spec!r}: delta encodes repeated sends of a value the receiver "
-            "already holds (parameter-server pulls, tree_aggregate's weight downloads); "
-            f"{strategy} exchanges fresh gradients, so drop 'delta+' (e.g. use 'int8+ef')"
-        )
-    if strategy == "tree_aggregate":
-        from sparktrain.launch.weights_server import download_compressor
-
-        download_compressor(spec)  # refuses delta+powersgd
-    if strategy == "ps":
-        from sparktrain.ps.protocol import make_compression
-
-        make_compression(spec)  # e.g. refuses delta+powersgd
     optimizer_momentum = (
         float(optimizer_kwargs.get("momentum", 0.0) or 0.0)
         if isinstance(optimizer_kwargs, dict)

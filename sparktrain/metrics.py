@@ -16,9 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sparktrain.comm import wire
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_METRICS
+from sparktrain.comm.handshake import DRIVER_RANK, connect
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
+from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError
 
 log = logging.getLogger(__name__)
@@ -40,18 +43,18 @@ class MetricsClient:
         timeout: float,
         security: WireSecurity | None = None,
     ) -> None:
-        self._conn: wire.Connection | None = None
+        self._conn: Connection | None = None
         self._last_step = 0.0
         try:
-            self._conn = wire.connect(
+            self._conn = connect(
                 address,
                 secret=secret,
                 job_id=job_id,
                 attempt=attempt,
                 my_rank=0,
-                peer_rank=wire.DRIVER_RANK,
+                peer_rank=DRIVER_RANK,
                 timeout=timeout,
-                stats=wire.CommStats(),
+                stats=CommStats(),
                 security=security,
             )
         except (CommError, OSError) as exc:
@@ -71,7 +74,7 @@ class MetricsClient:
         if self._conn is None:
             return
         try:
-            self._conn.send_bytes(json.dumps(message).encode(), wire.KIND_METRICS)
+            self._conn.send_bytes(json.dumps(message).encode(), KIND_METRICS)
         except (CommError, OSError) as exc:
             log.warning("progress channel to the driver broke (%s); training goes on", exc)
             self.close()
@@ -101,11 +104,11 @@ class MetricsServer(DriverService):
         super().__init__(host, secret=secret, job_id=job_id, attempt=attempt, security=security)
         self._on_message = on_message
         self._idle_timeout = idle_timeout
-        self._conns: list[wire.Connection] = []
+        self._conns: list[Connection] = []
         self._lock = threading.Lock()
         self.start()
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         with self._lock:
             if self.stopping:  # stop() ran between the accept and here
                 conn.close()
@@ -114,7 +117,7 @@ class MetricsServer(DriverService):
         conn.set_timeout(self._idle_timeout)
         while not self.stopping:
             try:
-                _, payload = conn.recv_bytes(wire.KIND_METRICS, max_bytes=1 << 20)
+                _, payload = conn.recv_bytes(KIND_METRICS, max_bytes=1 << 20)
                 message = json.loads(payload)
             except (CommError, OSError, ValueError):
                 return

@@ -196,7 +196,7 @@ def _ps_task(
     def task(partition: Iterator[Any]) -> Iterator[str]:
         import concurrent.futures as cf
 
-        from sparktrain.comm.wire import CommStats
+        from sparktrain.comm.stats import CommStats
         from sparktrain.launch.barrier import worker_context
         from sparktrain.ps.client import ShardClient, connect_shards
 

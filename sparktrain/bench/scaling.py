@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparktrain import costmodel as cm
+from sparktrain import costmodel, strategies
 from sparktrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -181,12 +181,12 @@ def predict_measured(rows: list[dict[str, Any]], link: dict[str, Any]) -> None:
     compute = base["step_s"]
     for r in rows:
         nbytes = r["num_parameters"] * 4
-        comm = cm.ring_allreduce_s(
+        comm = costmodel.ring_allreduce_s(
             nbytes,
             r["world"],
             link["alpha_s"],
             link["beta_s_per_byte"],
-            calls=cm.buckets_for(nbytes, BUCKET_BYTES),
+            calls=costmodel.buckets_for(nbytes, BUCKET_BYTES),
         )
         r["predicted_comm_step_s"] = comm
         r["predicted_step_s"] = compute + comm
@@ -201,19 +201,21 @@ def predictions(
     for link in links:
         a, b = link["alpha_s"], link["beta_s_per_byte"]
         for model, nbytes in MODEL_SIZES.items():
-            calls = cm.buckets_for(nbytes, BUCKET_BYTES)
+            calls = costmodel.buckets_for(nbytes, BUCKET_BYTES)
             for p in PREDICT_WORLDS:
                 row = {
                     "link": link["profile"],
                     "model": model,
                     "model_bytes": nbytes,
                     "world": p,
-                    "ring_s": cm.ring_allreduce_s(nbytes, p, a, b, calls=calls),
-                    "tree_s": cm.tree_allreduce_s(nbytes, p, a, b, calls=calls),
-                    "ps_s": cm.ps_step_s(nbytes, p, a, b),
+                    # each strategy's own term of the cost model
+                    **{
+                        f"{name}_s": strategies.get(name).comm_s(nbytes, p, a, b, buckets=calls)
+                        for name in ("ring", "tree", "ps")
+                    },
                 }
                 if job_overhead_s is not None:
-                    row["tree_aggregate_s"] = cm.tree_aggregate_round_s(
+                    row["tree_aggregate_s"] = costmodel.tree_aggregate_round_s(
                         nbytes, p, a, b, job_overhead_s, depth
                     )
                 out.append(row)
@@ -268,8 +270,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- auto vs fixed
-FIXED_STRATEGIES = cm.AUTO_STRATEGIES
-FIXED_COMPRESSIONS = cm.AUTO_COMPRESSIONS
+FIXED_STRATEGIES = costmodel.AUTO_STRATEGIES
+FIXED_COMPRESSIONS = costmodel.AUTO_COMPRESSIONS
 
 
 def compare_auto(

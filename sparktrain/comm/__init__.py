@@ -4,27 +4,22 @@ Never imports pyspark: usable (and tested) with plain threads or processes.
 """
 
 from sparktrain.comm.allreduce import ALLREDUCE_ALGOS, Allreduce, make_allreduce
-from sparktrain.comm.link import LinkProfile, link_from_config, link_profile
-from sparktrain.comm.ring import RingAllreduce
-from sparktrain.comm.tree import TreeAllreduce
-from sparktrain.comm.wire import (
-    DRIVER_RANK,
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import (
     KIND_ABORT,
     KIND_CONTROL,
     KIND_DATA,
     KIND_METRICS,
     KIND_USER_MIN,
     MAX_FRAME_BYTES_DEFAULT,
-    AsyncSender,
-    CommStats,
-    Connection,
-    Mesh,
-    accept,
-    address_of,
-    connect,
-    open_listener,
-    parse_address,
 )
+from sparktrain.comm.handshake import DRIVER_RANK, accept, connect
+from sparktrain.comm.link import LinkProfile, link_from_config, link_profile
+from sparktrain.comm.listen import address_of, open_listener, parse_address
+from sparktrain.comm.mesh import AsyncSender, Mesh
+from sparktrain.comm.ring import RingAllreduce
+from sparktrain.comm.stats import CommStats
+from sparktrain.comm.tree import TreeAllreduce
 
 __all__ = [
     "ALLREDUCE_ALGOS",

@@ -6,9 +6,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from sparktrain.comm.mesh import Mesh
 from sparktrain.comm.ring import RingAllreduce
 from sparktrain.comm.tree import TreeAllreduce
-from sparktrain.comm.wire import Mesh
 from sparktrain.errors import ConfigError
 
 

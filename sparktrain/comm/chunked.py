@@ -23,7 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from sparktrain.comm.wire import KIND_DATA, AsyncSender, Connection, Mesh
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_DATA
+from sparktrain.comm.mesh import AsyncSender, Mesh
 from sparktrain.errors import CommError, ConfigError
 
 DEFAULT_CHUNK_BYTES = 4 << 20

@@ -1,8 +1,8 @@
 """Link emulation: make loopback behave like a 5G, 4G, WAN or LAN link, without root.
 
 The ``link`` option of :class:`~sparktrain.config.TrainConfig` shapes sparktrain's own
-transport (:mod:`sparktrain.comm.wire`) instead of the kernel's, so it needs neither root
-nor ``tc``. Each direction of each connection gets a :class:`LinkShaper`; the model is
+transport (:mod:`sparktrain.comm.connection`) instead of the kernel's, so it needs neither
+root nor ``tc``. Each direction of each connection gets a :class:`LinkShaper`; the model is
 the one ``tc netem`` + a rate limit would apply to a TCP stream:
 
 * **Bandwidth** -- a token bucket, written as a virtual clock (GCRA): a frame of ``n``
@@ -52,14 +52,11 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from sparktrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    from sparktrain.config import TrainConfig
 
 MBIT = 1e6 / 8
 """Bytes per second in one Mbit/s."""
@@ -241,7 +238,19 @@ def link_profile(
     return None if profile.unshaped else profile
 
 
-def link_from_config(cfg: TrainConfig) -> LinkProfile | None:
+class LinkSettings(Protocol):
+    """The options a job's link is read from. A :class:`~sparktrain.config.TrainConfig`
+    has them; comm/ sits below the config, so it names only what it reads."""
+
+    link_profile: str
+    link_bandwidth_mbit: float
+    link_rtt_ms: float
+    link_jitter_ms: float
+    link_loss: float
+    seed: int
+
+
+def link_from_config(cfg: LinkSettings) -> LinkProfile | None:
     """The link a training job's connections emulate, or ``None`` (unshaped)."""
     return link_profile(
         cfg.link_profile,
@@ -367,7 +376,7 @@ def emulate_transfer(
     return seconds
 
 
-def emulate_task_transfer(cfg: TrainConfig, nbytes: int, *keys: int) -> float:
+def emulate_task_transfer(cfg: LinkSettings, nbytes: int, *keys: int) -> float:
     """:func:`emulate_transfer` on the job's link (``cfg``), jitter and loss seeded by
     ``cfg.seed`` and ``keys`` (e.g. partition, round, direction); for tasks whose bytes
     travel on Spark's sockets (``tree_aggregate``). Returns the seconds slept."""

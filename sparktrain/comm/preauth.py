@@ -17,12 +17,12 @@ next to nothing: a dozen silent connections must not stall a stage.
   source address (:data:`MAX_PENDING_PER_SOURCE`). When a bound is reached the OLDEST
   pending connection (of that source, or of all) is dropped, never the new one: a flood
   cannot lock real clients out, it can at most drop a real client's half-finished
-  handshake, which the client retries (:func:`sparktrain.comm.wire.connect`);
+  handshake, which the client retries (:func:`sparktrain.comm.handshake.connect`);
 * a connection leaves the registry the moment its MAC verifies (the handshake calls
   the ``authenticated`` callback before sending the verdict), so a proven client is
   never dropped; it is handed to ``on_ready`` on its handshake thread.
 
-The gate knows nothing about the handshake itself (:mod:`sparktrain.comm.wire` does):
+The gate knows nothing about the handshake itself (:mod:`sparktrain.comm.handshake` does):
 owners pass a ``handshake(sock, deadline, authenticated)`` function.
 
 Executor-side code: this module never imports pyspark.

@@ -24,16 +24,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sparktrain.comm.wire import HEADER_BYTES, KIND_DATA, Mesh
+from sparktrain.comm.frames import HEADER_BYTES, KIND_DATA, KIND_PAYLOAD
+from sparktrain.comm.mesh import Mesh
 from sparktrain.errors import CommError, ConfigError
 
 AddFn = Callable[[np.ndarray, np.ndarray, np.ndarray], object]
 """``add(a, b, out)``: element-wise ``out = a + b``; must be commutative and
 deterministic (the default is ``np.add``)."""
-
-KIND_PAYLOAD = 4
-"""Frames of compressed collectives: not counted as raw bytes (the compressed exchange
-adds the uncompressed equivalent itself). Lives here until wire.py declares it."""
 
 SUMMABLE_DTYPES = (np.float16, np.float32, np.float64)
 

@@ -1,6 +1,6 @@
 """Wire security: per-frame MACs and TLS with an ephemeral, pinned per-job certificate.
 
-The handshake (:mod:`sparktrain.comm.wire`) proves that both ends know the job secret,
+The handshake (:mod:`sparktrain.comm.handshake`) proves that both ends know the job secret,
 but without more the frames that follow carry no integrity: sequence numbers are
 predictable, so an on-path attacker could inject or alter frames. Two defences, chosen
 per job by ``TrainConfig.encryption`` and ``TrainConfig.frame_integrity``:
@@ -287,7 +287,7 @@ class LockedTlsSocket:
     concurrent calls on one SSL object (they corrupt the stream: "EOF occurred in
     violation of protocol"), so every call here runs under one lock on a non-blocking
     socket, and the waits for the network (selectors, bounded by the timeout) happen
-    outside the lock. Offers what :class:`~sparktrain.comm.wire.Connection` uses.
+    outside the lock. Offers what :class:`~sparktrain.comm.connection.Connection` uses.
     """
 
     def __init__(self, sock: ssl.SSLSocket, timeout: float) -> None:

@@ -36,8 +36,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from sparktrain.comm.ring import KIND_PAYLOAD, AddFn, check_buffer
-from sparktrain.comm.wire import HEADER_BYTES, KIND_DATA, Connection, Mesh
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import HEADER_BYTES, KIND_DATA, KIND_PAYLOAD
+from sparktrain.comm.mesh import Mesh
+from sparktrain.comm.ring import AddFn, check_buffer
 from sparktrain.errors import CommError
 
 INLINE_MAX_BYTES = 256 << 10

@@ -58,15 +58,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from sparktrain.comm.frames import HEADER_BYTES, KIND_PAYLOAD
 from sparktrain.comm.ring import (
-    KIND_PAYLOAD,
     RingAllreduce,
     ring_allgather,
     ring_raw_bytes_sent,
     ring_segments,
 )
 from sparktrain.comm.tree import TreeAllreduce, tree_raw_bytes_sent
-from sparktrain.comm.wire import HEADER_BYTES
 from sparktrain.compress.base import (
     BucketState,
     Compressor,

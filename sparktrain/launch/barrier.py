@@ -1,29 +1,33 @@
-"""Launching the training loop as one Spark barrier stage.
+"""The one barrier launcher: a per-task entry run in every task of one barrier stage.
 
 DataFrames go through ``mapInArrow(..., barrier=True)`` (Arrow batches in, Arrow batches
 out; works under Spark Connect too); RDDs through ``rdd.barrier().mapPartitions``. Both
-run the same :func:`train_partition` and return :class:`Record` rows to the driver.
-The task functions close over the picklable :class:`JobSpec` only.
+run the same entry (the built-in loop, a pipeline stage) on the task's converted
+partition and return :class:`~sparktrain.result.Record` rows to the driver. The task
+functions close over the picklable :class:`JobSpec` and entry only. The attempt loop
+around a launch is :mod:`sparktrain.launch.stage`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+import logging
+from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
+from sparktrain.errors import SparkTrainError, WorkerError
 from sparktrain.launch import rendezvous
 from sparktrain.launch.prepare import PreparedData
 from sparktrain.result import Record
 from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import from_arrow, from_rows
-from sparktrain.worker.loop import train_partition
+from sparktrain.worker.data import PartitionData, from_arrow, from_rows
 
-if TYPE_CHECKING:
-    from pyspark import RDD
-    from pyspark.sql import DataFrame
+log = logging.getLogger(__name__)
+
+TaskEntry = Callable[[WorkerContext, PartitionData], list[Record]]
+"""What every task of the stage runs on its partition; picklable (a module-level
+function or a ``functools.partial`` of one)."""
 
 OUTPUT_SCHEMA = pa.schema(
     [("rank", pa.int32()), ("kind", pa.string()), ("seq", pa.int32()), ("data", pa.binary())]
@@ -72,14 +76,6 @@ def worker_context(spec: JobSpec | None) -> WorkerContext:
     )
 
 
-def run(prepared: PreparedData, spec: JobSpec) -> list[Record]:
-    """Run the training stage over whichever form the prepared data has."""
-    if prepared.frame is not None:
-        return run_dataframe(prepared.frame, spec)
-    assert prepared.rdd is not None
-    return run_rdd(prepared.rdd, spec)
-
-
 def is_unsupported_chain(exc: BaseException) -> bool:
     """Spark's refusal of a barrier stage over RDDs with other partition counts."""
     text = str(exc)
@@ -88,29 +84,57 @@ def is_unsupported_chain(exc: BaseException) -> bool:
     )
 
 
-def run_dataframe(df: DataFrame, spec: JobSpec) -> list[Record]:
-    """Train over a DataFrame with columns features (array), label, is_validation."""
-
-    def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        ctx = worker_context(spec)
-        data = from_arrow(batches, spec.feature_width, ctx.rank)
-        records = train_partition(ctx, data)
-        yield pa.RecordBatch.from_pylist(
-            [{"rank": r.rank, "kind": r.kind, "seq": r.seq, "data": r.data} for r in records],
-            schema=OUTPUT_SCHEMA,
+def launch(prepared: PreparedData, spec: JobSpec, entry: TaskEntry) -> list[Record]:
+    """Run ``entry`` in every task of one barrier stage over the prepared data; Spark's
+    errors come back as :class:`WorkerError` (a task's own sparktrain error keeps its
+    type)."""
+    try:
+        try:
+            return _run(prepared, spec, entry)
+        except Exception as exc:
+            if not is_unsupported_chain(exc):
+                raise
+        # Spark refuses barrier stages over a union or coalesce whose partition counts
+        # differ (checked at submission, before any task runs): shuffle and retry.
+        log.info(
+            "the input's lineage cannot feed a barrier stage (union/coalesce); "
+            "shuffling it into %d partitions",
+            spec.config.num_workers,
         )
+        return _run(prepared.shuffled(spec.config.num_workers), spec, entry)
+    except SparkTrainError:
+        raise
+    except Exception as exc:  # Py4J / PythonException wrapping a task's error
+        raise WorkerError.from_spark(exc) from exc
 
-    table = df.mapInArrow(task, OUTPUT_DDL, barrier=True).toArrow()
-    return [Record(**row) for row in table.to_pylist()]
+
+def _run(prepared: PreparedData, spec: JobSpec, entry: TaskEntry) -> list[Record]:
+    """DataFrames go through ``mapInArrow(..., barrier=True)`` (works under Spark Connect
+    too), RDDs through ``rdd.barrier().mapPartitions``; the task closures hold only the
+    picklable spec and entry."""
+    if prepared.frame is not None:
+        task = functools.partial(_arrow_task, spec, entry)
+        table = prepared.frame.mapInArrow(task, OUTPUT_DDL, barrier=True).toArrow()
+        return [Record(**row) for row in table.to_pylist()]
+    assert prepared.rdd is not None
+    rdd_task = functools.partial(_rows_task, spec, entry)
+    return [Record(*row) for row in prepared.rdd.barrier().mapPartitions(rdd_task).collect()]
 
 
-def run_rdd(rdd: RDD[tuple[object, ...]], spec: JobSpec) -> list[Record]:
-    """Train over an RDD of (features, label, is_validation) tuples."""
+def _arrow_task(
+    spec: JobSpec, entry: TaskEntry, batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    ctx = worker_context(spec)
+    records = entry(ctx, from_arrow(batches, spec.feature_width, ctx.rank))
+    yield pa.RecordBatch.from_pylist(
+        [{"rank": r.rank, "kind": r.kind, "seq": r.seq, "data": r.data} for r in records],
+        schema=OUTPUT_SCHEMA,
+    )
 
-    def task(rows: Iterable[tuple[object, ...]]) -> Iterator[tuple[int, str, int, bytes]]:
-        ctx = worker_context(spec)
-        data = from_rows(rows, spec.feature_width, ctx.rank)
-        for r in train_partition(ctx, data):
-            yield (r.rank, r.kind, r.seq, r.data)
 
-    return [Record(*row) for row in rdd.barrier().mapPartitions(task).collect()]
+def _rows_task(
+    spec: JobSpec, entry: TaskEntry, rows: Iterable[tuple[object, ...]]
+) -> Iterator[tuple[int, str, int, bytes]]:
+    ctx = worker_context(spec)
+    for r in entry(ctx, from_rows(rows, spec.feature_width, ctx.rank)):
+        yield (r.rank, r.kind, r.seq, r.data)

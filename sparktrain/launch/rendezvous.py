@@ -26,10 +26,13 @@ import json
 import logging
 import threading
 
-from sparktrain.comm import wire
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_CONTROL
+from sparktrain.comm.handshake import DRIVER_RANK, connect
 from sparktrain.comm.preauth import notify_observer
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import HANDSHAKE_TIMEOUT_S, DriverService
+from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError, FrameError
 
 log = logging.getLogger(__name__)
@@ -58,16 +61,16 @@ class RendezvousServer(DriverService):
         super().__init__(host, secret=secret, job_id=job_id, attempt=attempt, security=security)
         self.world_size = world_size
         self._messages: dict[int, str] = {}
-        self._waiting: dict[int, wire.Connection] = {}
+        self._waiting: dict[int, Connection] = {}
         self._lock = threading.Lock()
         self.rounds_completed = 0
         self.start()
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         rank = conn.peer_rank
         try:
             conn.set_timeout(HANDSHAKE_TIMEOUT_S)  # the message follows the handshake
-            _, payload = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=MAX_MESSAGE_BYTES)
+            _, payload = conn.recv_bytes(KIND_CONTROL, max_bytes=MAX_MESSAGE_BYTES)
             request = json.loads(payload)
             message = request["message"]
             if not isinstance(message, str):
@@ -105,9 +108,9 @@ class RendezvousServer(DriverService):
                 self._answer(waiter, {"messages": everyone})
 
     @staticmethod
-    def _answer(conn: wire.Connection, reply: dict[str, object]) -> None:
+    def _answer(conn: Connection, reply: dict[str, object]) -> None:
         with contextlib.suppress(CommError, OSError):
-            conn.send_bytes(json.dumps(reply).encode(), wire.KIND_CONTROL)
+            conn.send_bytes(json.dumps(reply).encode(), KIND_CONTROL)
         conn.close()
 
     def stop(self) -> None:
@@ -137,22 +140,22 @@ def all_gather(
     Raises :class:`CommError` if the driver cannot be reached, refuses this task, or
     the other ranks do not all arrive within ``timeout`` seconds.
     """
-    conn = wire.connect(
+    conn = connect(
         address,
         secret=secret,
         job_id=job_id,
         attempt=attempt,
         my_rank=rank,
-        peer_rank=wire.DRIVER_RANK,
+        peer_rank=DRIVER_RANK,
         timeout=timeout,
-        stats=wire.CommStats(),
+        stats=CommStats(),
         security=security,
     )
     try:
-        conn.send_bytes(json.dumps({"message": message}).encode(), wire.KIND_CONTROL)
+        conn.send_bytes(json.dumps({"message": message}).encode(), KIND_CONTROL)
         conn.set_timeout(timeout)
         try:
-            _, payload = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=64 * MAX_MESSAGE_BYTES)
+            _, payload = conn.recv_bytes(KIND_CONTROL, max_bytes=64 * MAX_MESSAGE_BYTES)
         except CommError as exc:
             raise CommError(
                 f"rank {rank}: the other tasks of the stage did not all reach the rendezvous "

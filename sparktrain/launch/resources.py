@@ -10,6 +10,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from sparktrain import strategies
 from sparktrain.errors import ResourceError
 
 if TYPE_CHECKING:
@@ -63,15 +64,10 @@ def starts_own_sockets(cfg: TrainConfig) -> bool:
     Every barrier strategy (ring, tree, ps, auto) and every pipeline does: rendezvous,
     metrics, allreduce or parameter-server traffic. ``tree_aggregate`` moves everything
     through Spark's own jobs, except that a ``delta+`` compression spec starts the driver's
-    weights server (:mod:`sparktrain.launch.weights_server`).
+    weights server (:mod:`sparktrain.launch.weights_server`); each strategy says which
+    (:meth:`~sparktrain.strategies.base.Strategy.opens_sockets`).
     """
-    if cfg.strategy != "tree_aggregate" or cfg.parallelism_pipeline > 1:
-        return True
-    if cfg.compression == "auto":
-        return False  # refused with tree_aggregate elsewhere (Trainer._check_auto)
-    from sparktrain.launch.weights_server import download_compressor
-
-    return download_compressor(cfg.compression) is not None  # what run_rounds checks
+    return cfg.parallelism_pipeline > 1 or strategies.get(cfg.strategy).opens_sockets(cfg)
 
 
 def check_transport_security(sc: SparkContext, cfg: TrainConfig) -> TrainConfig:
@@ -117,7 +113,7 @@ def check_transport_security(sc: SparkContext, cfg: TrainConfig) -> TrainConfig:
 
 
 def _delta_note(cfg: TrainConfig) -> str:
-    if cfg.strategy == "tree_aggregate" and cfg.parallelism_pipeline == 1:
+    if strategies.get(cfg.strategy).launcher == "rounds" and cfg.parallelism_pipeline == 1:
         return f", compression={cfg.compression!r}: delta+ starts the driver's weights server"
     return ""
 

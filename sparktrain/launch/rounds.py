@@ -1,9 +1,17 @@
 """``strategy="tree_aggregate"``: the MLlib way. The driver holds the model and the
 optimizer; every round is one ordinary Spark job.
 
+This module is the driver's loop (:func:`run_rounds`: size, train epochs of rounds,
+checkpoint, summarise). The Spark mechanics of caching the data and running one round are
+:mod:`sparktrain.launch.round_runner`, Spark's traffic counts
+:mod:`sparktrain.launch.spark_volume`, the ``delta+`` weights mirror
+:mod:`sparktrain.launch.weights_server`; what a partition does in a round is executor
+code, :mod:`sparktrain.worker.rounds`, with the contribution's codecs and combOp in
+:mod:`sparktrain.worker.round_codec`.
+
 1. **Cache** (once): each partition is converted to numpy (Arrow -> numpy for a DataFrame,
    tuples -> numpy for an RDD, with the same checks as the barrier path), validation rows
-   split off, and kept as one :class:`~sparktrain.launch.rounds_worker.Block` per
+   split off, and kept as one :class:`~sparktrain.worker.rounds.Block` per
    partition with ``persist(MEMORY_AND_DISK)``. No round converts or validates again.
    There is no job of its own for this: the first round materialises the cache and also
    reports every partition's row counts (the *sizing round*, ``RoundSpec.size_slots``),
@@ -48,7 +56,7 @@ Spark's own view of the traffic (shuffle write/read and task result bytes per st
 read from the driver's ``AppStatusStore`` through Py4J; it works with the UI disabled.
 
 Compression (``config.compression``): each partition encodes its contribution
-(``rounds_worker.CompressedCodec``), combOp merges payloads and the driver decodes the
+(``round_codec.CompressedCodec``), combOp merges payloads and the driver decodes the
 sum. A ``delta+`` prefix also compresses the weights sent down, as deltas on a mirror
 the tasks hold (:mod:`sparktrain.launch.weights_server`). ``bytes_sent`` counts both
 directions uncompressed (the partitions' vectors, and one copy of the weights per
@@ -66,11 +74,10 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch import nn
 
@@ -80,7 +87,16 @@ from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
 from sparktrain.launch.prepare import PreparedData
 from sparktrain.launch.resources import task_cpus
-from sparktrain.launch.rounds_worker import (
+from sparktrain.launch.round_runner import RoundRunner, cache_blocks
+from sparktrain.launch.spark_volume import SparkVolume
+from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
+from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
+from sparktrain.modeling import build_optimizer
+from sparktrain.result import TrainResult
+from sparktrain.worker.data import steps_for
+from sparktrain.worker.evaluate import finish_metric, metric_name
+from sparktrain.worker.flat import assign, assign_grads, flatten, num_elements
+from sparktrain.worker.round_codec import (
     COMPUTE_S,
     DOWN_BYTES,
     EVAL_ROWS,
@@ -90,249 +106,18 @@ from sparktrain.launch.rounds_worker import (
     RAW_BYTES,
     SAMPLES,
     WIRE_BYTES,
-    Block,
-    RoundSpec,
-    assign,
-    assign_grads,
-    flatten,
+    download_compressor,
     make_codec,
-    make_comb_op,
-    make_seq_op,
-    num_elements,
-    zero_stats,
 )
-from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, download_compressor
-from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
-from sparktrain.modeling import build_optimizer
-from sparktrain.result import TrainResult
-from sparktrain.worker.data import PartitionData, check_labels, from_arrow, from_rows, steps_for
-from sparktrain.worker.evaluate import finish_metric, metric_name
+from sparktrain.worker.rounds import RoundSpec
 
 if TYPE_CHECKING:
-    from pyspark import RDD, SparkContext
+    from pyspark import SparkContext
 
 log = logging.getLogger(__name__)
 
 # Spark's status store keeps the last spark.ui.retainedStages (1000) stages: read it often.
 VOLUME_POLL_ROUNDS = 100
-# Weights up to this size ride in each round's task closure instead of a broadcast. A
-# closure is pickled once per job and shipped with every task, so this trades a
-# broadcast's fixed cost for P copies of the weights: worth it for small models only.
-CLOSURE_WEIGHTS_MAX_BYTES = 1 << 20
-_ENCODED_DDL = "part int, x binary, y binary, v binary, w binary"
-
-
-# ---------------------------------------------------------------------- data, cached once
-def cache_blocks(prepared: PreparedData, cfg: TrainConfig, num_outputs: int) -> RDD[Block]:
-    """One validated numpy :class:`Block` per partition, persisted MEMORY_AND_DISK (lazy:
-    the first action materialises it)."""
-    from pyspark import StorageLevel
-
-    width = prepared.feature_width
-    check = _block_builder(cfg, num_outputs)
-    if prepared.frame is not None:
-        encoded = prepared.frame.mapInArrow(_arrow_encoder(width), _ENCODED_DDL)
-
-        def assemble(index: int, rows: Iterable[Any]) -> Iterator[Block]:
-            parts = [
-                PartitionData(
-                    np.frombuffer(r.x, dtype=np.float32).reshape(-1, width),
-                    np.frombuffer(r.y, dtype=np.float64),
-                    np.frombuffer(r.v, dtype=np.bool_),
-                    None if r.w is None else np.frombuffer(r.w, dtype=np.float64),
-                )
-                for r in rows
-            ]
-            yield check(index, _concat(parts, width))
-
-        blocks = encoded.rdd.mapPartitionsWithIndex(assemble)
-    else:
-        assert prepared.rdd is not None
-
-        def convert(index: int, rows: Iterable[tuple[object, ...]]) -> Iterator[Block]:
-            yield check(index, from_rows(rows, width, index))
-
-        blocks = prepared.rdd.mapPartitionsWithIndex(convert)
-    return blocks.persist(StorageLevel.MEMORY_AND_DISK)
-
-
-def _arrow_encoder(width: int) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """mapInArrow function: each Arrow batch -> validated numpy -> one row of raw buffers."""
-
-    def encode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        rank = ctx.partitionId() if ctx is not None else 0
-        for batch in batches:
-            data = from_arrow([batch], width, rank)
-            if data.size == 0:
-                continue
-            yield pa.RecordBatch.from_pydict(
-                {
-                    "part": pa.array([rank], pa.int32()),
-                    "x": pa.array([data.x.tobytes()], pa.binary()),
-                    "y": pa.array([data.y.tobytes()], pa.binary()),
-                    "v": pa.array([data.is_val.tobytes()], pa.binary()),
-                    "w": pa.array([None if data.w is None else data.w.tobytes()], pa.binary()),
-                }
-            )
-
-    return encode
-
-
-def _concat(parts: list[PartitionData], width: int) -> PartitionData:
-    return PartitionData.concat(parts, width)  # carries sample weights too
-
-
-def _block_builder(cfg: TrainConfig, num_outputs: int) -> Callable[[int, PartitionData], Block]:
-    loss, fraction, seed = cfg.loss, cfg.validation_fraction, cfg.seed
-
-    def build(index: int, data: PartitionData) -> Block:
-        if loss == "cross_entropy":
-            check_labels(data.y, num_outputs, index)
-        train, val = data.split(fraction, seed, index)
-        return Block(index, train, val)
-
-    return build
-
-
-# ---------------------------------------------------------------------- Spark's own counts
-class SparkVolume:
-    """Shuffle and task-result bytes of a job group's stages, from the driver's
-    ``AppStatusStore`` (the data behind the UI and the REST API; it is kept even with
-    ``spark.ui.enabled=false``). Best effort: any Py4J surprise turns it off, not the run."""
-
-    def __init__(self, sc: SparkContext, group: str) -> None:
-        self.group = group
-        self.shuffle_write = 0
-        self.shuffle_read = 0
-        self.result_bytes = 0
-        self.failed_tasks = 0
-        self.stages = 0
-        self.available = True
-        self._done: set[int] = set()
-        self._sc = sc
-
-    def poll(self, final: bool = False) -> None:
-        if not self.available:
-            return
-        try:
-            self._poll(final)
-        except Exception as exc:  # Spark Connect, another Spark version...
-            log.info("Spark's stage metrics are unavailable (%s); spark_* bytes not reported", exc)
-            self.available = False
-
-    def _poll(self, final: bool) -> None:
-        sc = self._sc
-        jsc = sc._jsc.sc()
-        if final:
-            jsc.listenerBus().waitUntilEmpty(10_000)
-        tracker = sc.statusTracker()
-        store = jsc.statusStore()
-        no_tasks = sc._jvm.java.util.ArrayList()  # type: ignore[union-attr]
-        no_quantiles = sc._gateway.new_array(sc._jvm.double, 0)  # type: ignore[union-attr]
-        for job in tracker.getJobIdsForGroup(self.group):
-            if job in self._done:
-                continue
-            info = tracker.getJobInfo(job)
-            if info is None or info.status not in ("SUCCEEDED", "FAILED"):
-                continue
-            self._done.add(job)
-            for stage in info.stageIds:
-                try:
-                    attempts = store.stageData(stage, False, no_tasks, False, no_quantiles)
-                except Exception:  # skipped or evicted stage
-                    continue
-                for i in range(attempts.size()):
-                    data = attempts.apply(i)
-                    self.shuffle_write += int(data.shuffleWriteBytes())
-                    self.shuffle_read += int(data.shuffleReadBytes())
-                    self.result_bytes += int(data.resultSize())
-                    self.failed_tasks += int(data.numFailedTasks())
-                    self.stages += 1
-
-    def as_dict(self) -> dict[str, Any]:
-        if not self.available:
-            return {
-                "spark_shuffle_bytes": None,
-                "spark_shuffle_read_bytes": None,
-                "spark_result_bytes": None,
-                "spark_failed_tasks": None,
-                "spark_stages": None,
-            }
-        return {
-            "spark_shuffle_bytes": self.shuffle_write,
-            "spark_shuffle_read_bytes": self.shuffle_read,
-            "spark_result_bytes": self.result_bytes,
-            "spark_failed_tasks": self.failed_tasks,
-            "spark_stages": self.stages,
-        }
-
-
-# ---------------------------------------------------------------------- one round
-class RoundRunner:
-    """Runs rounds over the cached blocks: weights out (in the closure or a broadcast),
-    treeAggregate, unbroadcast. ``spec`` may be replaced between rounds (the sizing round
-    runs with a spec of its own)."""
-
-    def __init__(
-        self,
-        sc: SparkContext,
-        blocks: RDD[Block],
-        spec: RoundSpec,
-        closure_max_bytes: int = CLOSURE_WEIGHTS_MAX_BYTES,
-        downloads: WeightsServer | None = None,
-    ) -> None:
-        self.sc = sc
-        self.blocks = blocks
-        self.spec = spec
-        self.closure_max_bytes = closure_max_bytes
-        self.downloads = downloads  # delta+ specs: compressed weight downloads
-        self.broadcast_bytes = 0
-        self.closure_bytes = 0
-        self.rounds = 0
-
-    def run(
-        self, weights: np.ndarray, round_index: int, train: bool = True, evaluate: bool = False
-    ) -> tuple[np.ndarray | None, np.ndarray]:
-        """The summed contribution of every partition: (decoded vector or None, stats)."""
-        spec = self.spec
-        handle: Any
-        broadcast = None
-        small = weights.nbytes <= self.closure_max_bytes
-        exact = self.downloads is None or self.rounds == 0 or not train
-        if not exact:
-            assert self.downloads is not None
-            handle = self.downloads.next(weights)  # C(w - mirror); tasks add it to theirs
-            self.closure_bytes += handle.message.nbytes if handle.message is not None else 0
-        elif small:
-            # pickled with the closure when the job is submitted, i.e. inside
-            # treeAggregate below: the caller may reuse its buffer after we return
-            handle = weights
-            self.closure_bytes += weights.nbytes
-        else:
-            handle = broadcast = self.sc.broadcast(weights)
-            self.broadcast_bytes += weights.nbytes
-        if self.downloads is not None and exact:
-            # the first round's mirror starts exact; the final evaluation's metric is then
-            # the driver model's own, not its compressed copy's
-            handle = self.downloads.next(weights, broadcast, force=True)
-        try:
-            out = self.blocks.treeAggregate(
-                None,
-                make_seq_op(spec, handle, round_index, train, evaluate),
-                make_comb_op(spec.codec),
-                depth=spec.config.aggregation_depth,
-            )
-        finally:
-            if broadcast is not None:
-                broadcast.destroy(blocking=False)
-        self.rounds += 1
-        if out is None:
-            return None, zero_stats(spec.size_slots)
-        payload, stats = out
-        return (spec.codec.decode(payload) if payload is not None else None), stats
 
 
 # ---------------------------------------------------------------------- the driver loop
@@ -711,4 +496,4 @@ class _Loop:
         )
 
 
-__all__ = ["RoundRunner", "SparkVolume", "cache_blocks", "run_rounds"]
+__all__ = ["run_rounds"]

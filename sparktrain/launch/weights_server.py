@@ -1,4 +1,4 @@
-"""Compressed weight downloads for ``strategy="tree_aggregate"`` (``delta+`` specs).
+"""The driver's half of tree_aggregate's compressed weight downloads (``delta+`` specs).
 
 Without ``delta+``, every round ships the full float32 weights to every task (in the
 closure or a broadcast): on a slow link that is half of a round's bytes, and the half no
@@ -10,17 +10,20 @@ the tasks compute on ``mirror``, which trails the driver's weights by the compre
 error that the next delta re-sends (so the error never accumulates). Uploads use ``X``
 with its ``+ef`` as before.
 
-Python workers keep the mirror between rounds (``rounds_worker._WorkerState``). A
+Python workers keep the mirror between rounds (:mod:`sparktrain.worker.rounds`). A
 worker that ran the previous round adds the delta; one that did not (a new executor, a
 worker that sat a round out) fetches the round's full mirror from the driver's
-:class:`WeightsServer` over an authenticated connection.
+:class:`WeightsServer` over an authenticated connection (the tasks' half of both,
+:class:`~sparktrain.worker.weights_mirror.Download` included, is
+:mod:`sparktrain.worker.weights_mirror`).
 Only such tasks pay the full weights, and only when they need them: a Spark broadcast
 would ship them to every executor every round. Sender and receivers apply the same
 decoded bytes with the same ops, so every copy of ``mirror`` is bitwise equal and a
 retried task computes the same contribution.
 
 ``delta+powersgd`` is refused (its decode depends on the thread count, so copies would
-drift), as for the parameter server.
+drift), as for the parameter server: see
+:func:`~sparktrain.worker.round_codec.download_compressor`.
 """
 
 from __future__ import annotations
@@ -28,58 +31,20 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from sparktrain.comm import wire
-from sparktrain.comm.chunked import (
-    DEFAULT_CHUNK_BYTES,
-    chunk_bytes_for,
-    recv_chunked_into,
-    send_chunked,
-)
+from sparktrain.comm.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for, send_chunked
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_CONTROL
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
-from sparktrain.compress.base import BucketState, Compressor, decode_message, encode_message
-from sparktrain.compress.registry import build, split_spec
-from sparktrain.errors import CommError, ConfigError
+from sparktrain.compress.base import BucketState, Compressor, encode_message
+from sparktrain.errors import CommError
+from sparktrain.worker.weights_mirror import Download
 
 log = logging.getLogger(__name__)
-
-
-def download_compressor(compression: object) -> Compressor | None:
-    """The compressor for weight downloads: ``X`` of a ``delta+X`` spec, else ``None``."""
-    if not isinstance(compression, str):
-        return None
-    parts = split_spec(compression)
-    if not parts.delta:
-        return None
-    if parts.base.partition(":")[0].lower() == "powersgd":
-        raise ConfigError(
-            f"compression={compression!r}: delta+powersgd cannot compress tree_aggregate's "
-            "weight downloads (its decode depends on the thread count, so the copies would "
-            "drift); use delta+int8, delta+fp16 or delta+topk:R, or plain powersgd:R+ef for "
-            "the uploads only"
-        )
-    return build(parts.base)
-
-
-@dataclass(frozen=True)
-class Download:
-    """What a round's closure carries instead of the weights (``delta+`` specs).
-
-    ``message`` is ``C(mirror[seq] - mirror[seq - 1])`` (an ``encode_message`` buffer),
-    or ``None`` when the mirror restarts from the exact weights in ``first`` (the first
-    round, and the final evaluation, whose metric is then the driver model's own).
-    """
-
-    seq: int
-    numel: int
-    message: np.ndarray | None
-    first: Any = None  # the exact first weights: an array or a broadcast of one
 
 
 class DownloadEncoder:
@@ -105,12 +70,6 @@ class DownloadEncoder:
         self.state.step += 1
         self.comp.add_into(torch.from_numpy(self.mirror), payload, ctx)
         return Download(self.seq, weights.size, encode_message(payload, ctx, 0.0))
-
-
-def apply_delta(comp: Compressor, ref: np.ndarray, message: np.ndarray) -> None:
-    """Advance a copy of the mirror by one download's message, in place."""
-    parts, ctx, _ = decode_message(message, ref.size)
-    comp.add_into(torch.from_numpy(ref), parts, ctx)
 
 
 class WeightsServer(DriverService):
@@ -139,10 +98,10 @@ class WeightsServer(DriverService):
         self.fetches = 0
         self.start()
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
         with conn:
             try:
-                _, request = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=1024)
+                _, request = conn.recv_bytes(KIND_CONTROL, max_bytes=1024)
                 seq = int(json.loads(request)["seq"])
                 with self._lock:
                     enc = self._encoder
@@ -154,11 +113,11 @@ class WeightsServer(DriverService):
                         values = self._snapshot[1]
                 if values is None:
                     reply = {"error": f"mirror {seq} is gone (the driver is at {enc.seq})"}
-                    conn.send_bytes(json.dumps(reply).encode(), wire.KIND_CONTROL)
+                    conn.send_bytes(json.dumps(reply).encode(), KIND_CONTROL)
                     return
                 # in pieces: a mirror over the frame cap (268M+ parameters) still goes out
                 step = chunk_bytes_for(conn.max_frame_bytes, self.chunk_bytes)
-                conn.send_bytes(json.dumps({"chunk_bytes": step}).encode(), wire.KIND_CONTROL)
+                conn.send_bytes(json.dumps({"chunk_bytes": step}).encode(), KIND_CONTROL)
                 send_chunked(conn, values, step)
                 self.fetches += 1
             except (CommError, OSError, ValueError, KeyError) as exc:
@@ -169,32 +128,3 @@ class WeightsServer(DriverService):
         with self._lock:
             self._snapshot = None  # fetches under way keep theirs alive until done
             return self._encoder.next(weights, exact, force=force)
-
-
-def fetch_mirror(
-    address: str, *, secret: bytes, job_id: str, partition: int, seq: int, numel: int,
-    timeout: float, security: WireSecurity | None = None,
-) -> np.ndarray:  # fmt: skip
-    """A task's side: the driver's ``mirror[seq]`` as a fresh float32 array."""
-    with wire.connect(
-        address,
-        secret=secret,
-        job_id=job_id,
-        attempt=0,
-        my_rank=partition,
-        peer_rank=wire.DRIVER_RANK,
-        timeout=timeout,
-        stats=wire.CommStats(),
-        security=security,
-    ) as conn:
-        conn.send_bytes(json.dumps({"seq": seq}).encode(), wire.KIND_CONTROL)
-        _, status = conn.recv_bytes(wire.KIND_CONTROL, max_bytes=4096)
-        reply = json.loads(status)
-        if "error" in reply:
-            raise CommError(f"partition {partition}: the driver's weights server: {reply['error']}")
-        step = int(reply.get("chunk_bytes", conn.max_frame_bytes))
-        if not 0 < step <= conn.max_frame_bytes:
-            raise CommError(f"partition {partition}: the weights server sent a bad chunk size")
-        out = np.empty(numel, dtype=np.float32)
-        recv_chunked_into(conn, out, step)
-    return out

@@ -34,7 +34,8 @@ from pyspark.ml.param.shared import (
     HasWeightCol,
 )
 
-from sparktrain.config import LOSSES, OPTIMIZERS, PS_MODES, STRATEGIES, TrainConfig
+from sparktrain.config import LOSSES, OPTIMIZERS, PS_MODES, TrainConfig
+from sparktrain.strategies import registry
 
 __all__ = [
     "HasBatchSize",
@@ -71,6 +72,13 @@ def _one_of(name: str, allowed: tuple[str, ...]) -> Any:
         return text
 
     return convert
+
+
+def _registered_strategy(value: Any) -> str:
+    text = TypeConverters.toString(value)
+    if not registry.is_known(text):
+        registry.get(text)  # raises, listing the registered strategies
+    return text
 
 
 def _int_at_least(name: str, low: int) -> Any:
@@ -327,8 +335,9 @@ class HasStrategy(Params):
     strategy: Param[str] = Param(
         Params._dummy(),
         "strategy",
-        f"aggregation strategy, one of {', '.join(STRATEGIES)}",
-        typeConverter=_one_of("strategy", STRATEGIES),
+        "aggregation strategy: a registered name (sparktrain.strategies.names(): "
+        f"{', '.join(registry.names())}, or a plug-in)",
+        typeConverter=_registered_strategy,
     )
 
     def __init__(self) -> None:

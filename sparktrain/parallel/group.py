@@ -1,23 +1,26 @@
 """Collectives over a sub-group of a mesh's ranks (e.g. the D replicas of one stage).
 
-:class:`GroupMesh` is a thin view of a :class:`~sparktrain.comm.wire.Mesh`: group rank
+:class:`GroupMesh` is a thin view of a :class:`~sparktrain.comm.mesh.Mesh`: group rank
 ``g`` is world rank ``members[g]``. It offers exactly what the ring and tree allreduces
-and the compressed collectives use (``rank``, ``world_size``, ``stats``, ``connection``,
-``connect_all``, ``sender``, ``abort``), so :class:`~sparktrain.comm.ring.RingAllreduce`
-runs on the group unchanged. Connections are the mesh's own (opened lazily per pair);
+and the compressed collectives use (``rank``, ``world_size``, ``stats``,
+``max_frame_bytes``, ``connection``, ``connect_all``, ``sender``, ``abort``), so
+:class:`~sparktrain.comm.ring.RingAllreduce` and the chunked broadcast run on the group
+unchanged. Connections are the mesh's own (opened lazily per pair);
 a failure aborts the whole mesh, as it should: one lost rank stops the job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import cast
+from typing import Any, cast
 
 from torch import nn
 
 from sparktrain.comm import Mesh, RingAllreduce
 from sparktrain.comm.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for
-from sparktrain.comm.wire import AsyncSender, CommStats, Connection
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.mesh import AsyncSender
+from sparktrain.comm.stats import CommStats
 from sparktrain.compress.collective import CompressedAllreduce
 from sparktrain.compress.registry import build as build_compressor
 from sparktrain.errors import CommError, ConfigError
@@ -41,6 +44,10 @@ class GroupMesh:
     @property
     def stats(self) -> CommStats:
         return self.mesh.stats
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self.mesh.max_frame_bytes
 
     def world(self, group_rank: int) -> int:
         return self.members[group_rank]
@@ -94,3 +101,15 @@ class GroupGradientSync:
         if self.compressed is not None:
             return self.buckets.average_compressed_(self.compressed, count)
         return self.buckets.average_(self.allreduce, count)
+
+    def rank_state(self) -> dict[str, Any] | None:
+        """This rank's compressor state (residuals, PowerSGD's ``Q``, ...) for a
+        checkpoint shard, or None without compression."""
+        if self.compressed is None:
+            return None
+        return {"compress": self.compressed.state_dict()}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`rank_state`'s output of the same rank."""
+        if self.compressed is not None and "compress" in state:
+            self.compressed.load_state_dict(state["compress"])

@@ -10,6 +10,7 @@ largest stage cost, subject to an optional per-stage parameter-memory cap.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,13 +154,20 @@ def partition(
     *,
     balance: str = "time",
     max_param_bytes: int | None = None,
+    bounds: Sequence[int] | None = None,
 ) -> Partition:
-    """Split ``model`` into ``stages`` consecutive stages (see the module docstring)."""
+    """Split ``model`` into ``stages`` consecutive stages (see the module docstring).
+
+    ``bounds`` fixes the split instead (e.g. a resumed run takes its checkpoint's, as
+    measured times may balance differently today); it must cover the model in
+    ``stages`` non-empty stages, each under ``max_param_bytes``."""
     seq = as_sequential(model)
     sizes = [param_bytes(child) for child in seq]
     shapes = boundary_shapes(seq, width)
     costs: list[float] | None = None
     used = "params"
+    if bounds is not None:
+        balance = "params"  # nothing to measure: the costs are only reported
     if balance == "time":
         costs = measure_costs(seq, width)
         if costs is not None:
@@ -169,12 +177,37 @@ def partition(
     if costs is None:
         # parameter count, plus a little per layer so that parameter-free layers spread out
         costs = [float(s // 4) + 1.0 for s in sizes]
-    bounds = split_costs(costs, sizes, stages, max_param_bytes)
+    if bounds is None:
+        bounds = split_costs(costs, sizes, stages, max_param_bytes)
+    else:
+        bounds = _check_bounds(tuple(bounds), sizes, stages, max_param_bytes)
     per_stage = tuple(sum(sizes[bounds[s] : bounds[s + 1]]) for s in range(stages))
     return Partition(
-        bounds=bounds,
+        bounds=tuple(bounds),
         shapes=tuple(shapes[b] for b in bounds),
         costs=tuple(costs),
         param_bytes=per_stage,
         balance=used,
     )
+
+
+def _check_bounds(
+    bounds: tuple[int, ...], sizes: Sequence[int], stages: int, cap_bytes: int | None
+) -> tuple[int, ...]:
+    """``bounds`` if they split ``len(sizes)`` layers into ``stages`` non-empty stages
+    under the cap, else a ConfigError saying why."""
+    n = len(sizes)
+    ordered = all(a < b for a, b in itertools.pairwise(bounds))
+    if len(bounds) != stages + 1 or bounds[0] != 0 or bounds[-1] != n or not ordered:
+        raise ConfigError(
+            f"stage bounds {list(bounds)} do not split the model's {n} top-level layers "
+            f"into {stages} non-empty stages: give {stages + 1} increasing bounds from 0 to {n}"
+        )
+    for s in range(stages):
+        held = sum(sizes[bounds[s] : bounds[s + 1]])
+        if cap_bytes is not None and held > cap_bytes:
+            raise ConfigError(
+                f"stage {s} (layers {bounds[s]}:{bounds[s + 1]}) holds {held / (1 << 20):.2f} "
+                f"MiB of parameters, over max_param_mb={cap_bytes / (1 << 20):g}"
+            )
+    return bounds

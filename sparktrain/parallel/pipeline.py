@@ -5,58 +5,50 @@
 1. resolve the layout: P stages x D replicas = ``num_workers`` tasks;
 2. split the driver's seeded model into P stages (:mod:`partition`: measured forward +
    backward time, else parameter count; every stage under ``max_param_mb``);
-3. run one barrier stage whose tasks run :func:`~sparktrain.parallel.stage.train_stage`
-   (the partition travels in a picklable :class:`PipelineSpec`, so every task agrees);
-4. load each stage's state (returned by its replica-0 task, in chunks, under the whole
-   model's key names) into the driver's model, and build the summary: the data-parallel
-   keys plus the pipeline's own (bubble fraction, bytes between stages per step, ...).
+3. run one barrier stage through the stage runner (:mod:`sparktrain.launch.stage`:
+   restarts, resume from the stages' checkpoints, job group, slot watchdog) whose tasks
+   run :func:`~sparktrain.parallel.stage.train_stage` (the partition travels in a
+   picklable :class:`PipelineSpec`, so every task agrees; a resumed run keeps its
+   checkpoint's split);
+4. each stage's replica 0 streams its part of the state, under the whole model's key
+   names, into the driver's model; the summary has the data-parallel keys plus the
+   pipeline's own (bubble fraction, bytes between stages per step, ...).
 
-Config keys read with defaults until TrainConfig declares them:
-``parallelism.micro_batches`` (4), ``parallelism.schedule`` ("1f1b" | "gpipe"),
-``parallelism.activation_dtype`` ("float32" | "float16" | "bfloat16"),
-``parallelism.balance`` ("time" | "params") and ``max_param_mb`` (0 = no cap).
+The knobs: ``parallelism.micro_batches``, ``parallelism.schedule`` ("1f1b" | "gpipe"),
+``parallelism.activation_dtype``, ``parallelism.balance`` ("time" | "params") and
+``max_param_mb`` (0 = no cap); see docs/configuration.md.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import secrets
 import time
-import uuid
-from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
 import torch
 from torch import nn
 
-from sparktrain.comm.security import WireSecurity
+from sparktrain.checkpoint import PIPELINE_LAYOUT, CheckpointStore
 from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError, SparkTrainError, WorkerError
-from sparktrain.launch import barrier
-from sparktrain.launch.prepare import PreparedData
-from sparktrain.launch.rendezvous import RendezvousServer
-from sparktrain.launch.resources import task_cpus
-from sparktrain.metrics import MetricsServer, ProgressDisplay
+from sparktrain.errors import ConfigError, WorkerError
+from sparktrain.launch.stage import FitJob, train_in_stage
 from sparktrain.parallel.partition import Partition, partition
 from sparktrain.parallel.schedule import SCHEDULES, ideal_bubble
-from sparktrain.parallel.stage import WIRE_DTYPES, PipelineSpec, train_stage
+from sparktrain.parallel.stage import WIRE_DTYPES, PipelineSpec, stage_entry, state_senders
 from sparktrain.result import Record, TrainResult, load_state_records, stage_summary
 from sparktrain.worker.context import JobSpec
-from sparktrain.worker.data import from_arrow, from_rows
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
-
-    from sparktrain.trainer import Trainer
+    from sparktrain.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 
 
 def pipeline_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The pipeline knobs, with their defaults while TrainConfig lacks the keys."""
+    """The pipeline knobs, checked (a config built around validation still fails here)."""
     opts: dict[str, Any] = {
         "micro_batches": int(getattr(cfg, "parallelism_micro_batches", 4)),
         "schedule": str(getattr(cfg, "parallelism_schedule", "1f1b")).lower(),
@@ -111,9 +103,14 @@ def check_param_cap(model: nn.Module, cfg: TrainConfig) -> None:
 
 
 def plan(
-    model: nn.Module, cfg: TrainConfig, feature_width: int, stages: int | None = None
+    model: nn.Module,
+    cfg: TrainConfig,
+    feature_width: int,
+    stages: int | None = None,
+    bounds: Sequence[int] | None = None,
 ) -> Partition:
-    """Split the driver's model into the configured number of stages."""
+    """Split the driver's model into the configured number of stages (at ``bounds``
+    when given, e.g. a resumed checkpoint's split)."""
     opts = pipeline_options(cfg)
     cap = opts["max_param_mb"]
     return partition(
@@ -122,7 +119,21 @@ def plan(
         feature_width,
         balance=opts["balance"],
         max_param_bytes=int(cap * (1 << 20)) if cap > 0 else None,
+        bounds=bounds,
     )
+
+
+def resumed_bounds(cfg: TrainConfig) -> list[int] | None:
+    """The layer split of the checkpoint a resumed run continues from: a time-balanced
+    split is measured anew each run and may differ, and every stage must restore the
+    layers it saved."""
+    if not (cfg.resume and cfg.checkpoint_dir):
+        return None
+    store = CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
+    step = store.newest_intact()
+    ckpt = store.load(step) if step is not None else None
+    layout = ckpt.extra.get(PIPELINE_LAYOUT) if ckpt is not None else None
+    return list(layout["bounds"]) if layout else None
 
 
 def make_spec(job: JobSpec, part: Partition, replicas: int) -> PipelineSpec:
@@ -137,137 +148,40 @@ def make_spec(job: JobSpec, part: Partition, replicas: int) -> PipelineSpec:
     )
 
 
-def run_pipeline(
-    trainer: Trainer,
-    sc: SparkContext,
-    prepared: PreparedData,
-    model: nn.Module,
-    *,
-    num_outputs: int,
-    started: float,
-) -> TrainResult:
-    """Train ``model``'s stages across ``num_workers`` barrier tasks; see the module doc."""
-    cfg = trainer.config
+def run_pipeline(job: FitJob, strategy: Strategy) -> TrainResult:
+    """Train ``job.model``'s stages across ``num_workers`` barrier tasks through the stage
+    runner (restarts, resume, job group and slot watchdog as for data parallel); see the
+    module doc."""
+    cfg = job.config
     stages, replicas = layout(cfg)
-    if cfg.strategy not in ("ring", "tree"):
-        raise ConfigError(
-            f"strategy={cfg.strategy!r} does not combine with parallelism.pipeline > 1: the "
-            "replicas of a stage average gradients with the ring; use strategy='ring'"
-        )
-    part = plan(model, cfg, prepared.feature_width)
-    job = JobSpec(
-        job_id=uuid.uuid4().hex[:12],
-        attempt=0,
-        secret=secrets.token_bytes(32),
-        config=cfg,
-        model_fn=trainer.model_fn,
-        model_kwargs=trainer.model_kwargs,
-        feature_width=prepared.feature_width,
-        num_outputs=num_outputs,
-        threads=cfg.threads_per_worker or task_cpus(sc),
-        security=WireSecurity.for_job(cfg.encryption, cfg.frame_integrity),
+    part = plan(job.model, cfg, job.prepared.feature_width, bounds=resumed_bounds(cfg))
+    template = make_spec(job.job_spec(strategy), part, replicas)
+
+    def finish(records: list[Record], stage_s: float) -> TrainResult:
+        wall_s = time.perf_counter() - job.started
+        return assemble(job.model, records, template, wall_s=wall_s, stage_s=stage_s)
+
+    describe = (
+        f": {stages} pipeline stages (layers {list(part.bounds)}, balanced by {part.balance}) "
+        f"x {replicas} replicas, {template.schedule}, {template.micro_batches} micro-batches"
     )
-    spec = make_spec(job, part, replicas)
-    log.info(
-        "job %s: %d pipeline stages (layers %s, balanced by %s) x %d replicas, %s, "
-        "%d micro-batches",
-        job.job_id,
-        stages,
-        list(part.bounds),
-        part.balance,
-        replicas,
-        spec.schedule,
-        spec.micro_batches,
+    return train_in_stage(
+        job,
+        strategy,
+        spec=template.job,
+        entry=functools.partial(stage_entry, template),
+        assemble_result=finish,
+        senders=state_senders(template, job.model),
+        describe=describe,
     )
-    if cfg.checkpoint_dir:
-        log.warning(
-            "checkpoints are not written under pipeline parallelism yet; a failed stage "
-            "is not resubmitted (checkpoint_dir=%s ignored)",
-            cfg.checkpoint_dir,
-        )
-    host = sc.getConf().get("spark.driver.host", "127.0.0.1")
-    display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
-    server = MetricsServer(
-        host,
-        secret=job.secret,
-        job_id=job.job_id,
-        attempt=0,
-        on_message=display,
-        security=job.security,
-    )
-    meeting = RendezvousServer(
-        host,
-        secret=job.secret,
-        job_id=job.job_id,
-        attempt=0,
-        world_size=cfg.num_workers,
-        security=job.security,
-    )
-    launched = time.perf_counter()
-    try:
-        spec = replace(
-            spec,
-            job=replace(job, metrics_address=server.address, rendezvous_address=meeting.address),
-        )
-        records = _launch(prepared, spec)
-    finally:
-        meeting.stop()
-        server.stop()
-        display.close()
-    now = time.perf_counter()
-    result = assemble(model, records, spec, wall_s=now - started, stage_s=now - launched)
-    result.summary.update(restarts=0, steps_redone=0)
-    return result
-
-
-# --------------------------------------------------------------------------- launching
-
-
-def _launch(prepared: PreparedData, spec: PipelineSpec) -> list[Record]:
-    try:
-        try:
-            return _run(prepared, spec)
-        except Exception as exc:
-            if not barrier.is_unsupported_chain(exc):
-                raise
-        return _run(prepared.shuffled(spec.job.config.num_workers), spec)
-    except SparkTrainError:
-        raise
-    except Exception as exc:  # Py4J / PythonException wrapping a task's error
-        raise WorkerError.from_spark(exc) from exc
-
-
-def _run(prepared: PreparedData, spec: PipelineSpec) -> list[Record]:
-    job = spec.job
-    if prepared.frame is not None:
-
-        def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-            ctx = barrier.worker_context(job)
-            data = from_arrow(batches, job.feature_width, ctx.rank)
-            records = train_stage(ctx, data, spec)
-            yield pa.RecordBatch.from_pylist(
-                [{"rank": r.rank, "kind": r.kind, "seq": r.seq, "data": r.data} for r in records],
-                schema=barrier.OUTPUT_SCHEMA,
-            )
-
-        table = prepared.frame.mapInArrow(task, barrier.OUTPUT_DDL, barrier=True).toArrow()
-        return [Record(**row) for row in table.to_pylist()]
-    assert prepared.rdd is not None
-
-    def rdd_task(rows: Iterable[tuple[object, ...]]) -> Iterator[tuple[int, str, int, bytes]]:
-        ctx = barrier.worker_context(job)
-        data = from_rows(rows, job.feature_width, ctx.rank)
-        for r in train_stage(ctx, data, spec):
-            yield (r.rank, r.kind, r.seq, r.data)
-
-    return [Record(*row) for row in prepared.rdd.barrier().mapPartitions(rdd_task).collect()]
 
 
 # --------------------------------------------------------------------------- assembling
 
 
 def load_stage_states(model: nn.Module, records: list[Record], stages: int) -> dict[str, Any]:
-    """Load every stage's returned state into ``model``; returns the last stage's meta."""
+    """Load every stage's returned state into ``model`` (unless the stages streamed it
+    there through the state receiver); returns the last stage's meta."""
     metas = {r.rank: json.loads(r.data) for r in records if r.kind == "meta"}
     if sorted(m["stage"] for m in metas.values()) != list(range(stages)):
         raise WorkerError(
@@ -277,11 +191,19 @@ def load_stage_states(model: nn.Module, records: list[Record], stages: int) -> d
         )
     state: dict[str, torch.Tensor] = {}
     last_meta: dict[str, Any] = {}
+    streamed = {bool(m.get("streamed")) for m in metas.values()}
+    if len(streamed) != 1:
+        raise WorkerError(
+            "some pipeline stages streamed their state, others returned it as task "
+            "results; this is a bug, please report it"
+        )
     for rank, meta in metas.items():
-        state.update(load_state_records(records, rank, meta))
+        if not meta.get("streamed"):  # else the state receiver already wrote it into model
+            state.update(load_state_records(records, rank, meta))
         if meta["stage"] == stages - 1:
             last_meta = meta
-    model.load_state_dict(state)  # strict: every key of the whole model, from some stage
+    if streamed == {False}:
+        model.load_state_dict(state)  # strict: every key of the whole model, from some stage
     return last_meta
 
 

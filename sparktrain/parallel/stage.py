@@ -23,14 +23,27 @@ group (``worker/buckets.py`` rule): the step's gradient is exactly that of the m
 over the concatenation of every row's batch. Every stage steps its own optimizer on its
 own parameters (element-wise optimizers: the same as one optimizer on the whole model).
 A row whose data ran out contributes 0 samples to the group, as in data parallel.
+
+Start. With ``D > 1`` every replica of a stage takes its replica 0's parameters and
+buffers, bitwise, right after building its stage (a chunked broadcast over the stage's
+group, :func:`~sparktrain.worker.state.start_from_rank0`), as data parallel does.
+
+Checkpoints (``checkpoint_dir``; every ``checkpoint_every`` epochs, rounded to whole
+steps as in data parallel): every rank writes a shard, the last stage's replica 0 the
+main file (:mod:`sparktrain.parallel.checkpoints`). A run with ``resume_step``
+restores every stage and goes on at that step: same batches, same optimizer state, so
+it ends with the weights of an uninterrupted run.
+
+State return. Each stage's replica 0 returns its part of the trained state under the
+whole model's key names: streamed to the driver's state receiver when the job has one
+(:func:`state_senders` says which rank sends which keys), else as chunked task results.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,16 +51,18 @@ import torch
 from torch import nn
 
 from sparktrain import errors
+from sparktrain.checkpoint import CheckpointStore
 from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
 from sparktrain.comm.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
-from sparktrain.comm.wire import KIND_DATA
+from sparktrain.comm.frames import KIND_DATA
 from sparktrain.config import single_spec
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_optimizer, label_dtype, resolve_model_fn
-from sparktrain.parallel.group import GroupGradientSync, group_allreduce
+from sparktrain.parallel.checkpoints import StageCheckpoints, StagePart, stage_state
+from sparktrain.parallel.group import GroupGradientSync, GroupMesh, group_allreduce
 from sparktrain.parallel.partition import Partition, as_sequential
 from sparktrain.parallel.schedule import make_schedule
-from sparktrain.result import Record, state_records
+from sparktrain.result import Record
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import (
     PartitionData,
@@ -58,7 +73,7 @@ from sparktrain.worker.data import (
 )
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
 from sparktrain.worker.loop import _SEEDED_INIT, rendezvous
-from sparktrain.worker.state import byte_view
+from sparktrain.worker.state import digest, return_state, start_from_rank0
 
 KIND_ROWS = KIND_USER_MIN + 1
 """Frames of the one-off row gather (features to the first stage, labels to the last)."""
@@ -93,6 +108,17 @@ class PipelineSpec:
         return replica * self.stages + stage
 
 
+def state_senders(spec: PipelineSpec, model: nn.Module) -> dict[int, list[str]]:
+    """For the driver's :class:`~sparktrain.launch.state_server.StateReceiver`: which
+    world rank streams which keys of ``model`` (the driver's whole model). Each stage's
+    replica 0 sends its stage's keys; a stage without state sends an empty part."""
+    full = as_sequential(model)
+    return {
+        spec.rank_of(s, 0): list(stage_state((i, full[i]) for i in spec.partition.owned(s)))
+        for s in range(spec.stages)
+    }
+
+
 def micro_batches(idx: np.ndarray, micro: int) -> list[np.ndarray]:
     """A step's row indices split into at most ``micro`` non-empty micro-batches."""
     return [m for m in np.array_split(idx, micro) if len(m)]
@@ -124,6 +150,12 @@ def train_stage(ctx: WorkerContext, data: PartitionData, spec: PipelineSpec) -> 
         return _StageRunner(ctx, spec, mesh, infos, train, val).run()
     finally:
         mesh.close()
+
+
+def stage_entry(template: PipelineSpec, ctx: WorkerContext, data: PartitionData) -> list[Record]:
+    """The stage runner's per-task entry: :func:`train_stage` with this attempt's job
+    (``ctx.job``) in the pipeline ``template``."""
+    return train_stage(ctx, data, replace(template, job=ctx.job))
 
 
 class _StageRunner:
@@ -172,6 +204,22 @@ class _StageRunner:
         self.w_train: np.ndarray | None = None  # the row's sample weights (last stage)
         # activations and rows travel in pieces under the frame cap, whatever their size
         self.chunk_bytes = chunk_bytes_for(mesh.max_frame_bytes)
+        self.replica_group = [spec.rank_of(self.stage, d) for d in range(self.D)]
+        self.checkpoints = (
+            StageCheckpoints(
+                CheckpointStore(self.cfg.checkpoint_dir, self.cfg.keep_checkpoints),
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                stage=self.stage,
+                replica=self.replica,
+                last=self.last,
+                layout={"stages": self.P, "replicas": self.D, "bounds": [*spec.partition.bounds]},
+            )
+            if self.cfg.checkpoint_dir
+            else None
+        )
+        # checkpoint_every is in epochs; fractions of an epoch are rounded to whole steps
+        self.every = max(1, round(self.cfg.checkpoint_every * self.steps_per_epoch))
 
     # ----------------------------------------------------------------- setup
     def _gather_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -397,26 +445,32 @@ class _StageRunner:
 
     def _epochs(
         self,
-        module: nn.Sequential,
-        optimizer: torch.optim.Optimizer | None,
-        sync: GroupGradientSync | None,
+        trained: StagePart,
         sums_reduce: RingAllreduce | None,
         loss_fn: Any,
         tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         history: list[dict[str, Any]],
         reporter: MetricsClient | None,
         metric: str,
+        global_step: int,
     ) -> None:
+        """Train from ``global_step`` (0, or a resumed checkpoint's) to the last epoch."""
         spec, cfg, c = self.spec, self.cfg, self.counters
         x_all, y_all, xe, ye = tensors
+        module, optimizer, sync = trained.module, trained.optimizer, trained.sync
         param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        for epoch in range(cfg.epochs):
+        fault = spec.job.fault
+        first_epoch = global_step // self.steps_per_epoch if self.steps_per_epoch else 0
+        for epoch in range(first_epoch, cfg.epochs):
             epoch_started = time.perf_counter()
             rng = np.random.default_rng([cfg.seed, self.replica, epoch]) if cfg.shuffle else None
             batches = list(epoch_batches(self.n_train, cfg.batch_size, rng, cfg.drop_last))
             loss_sum = 0.0
             loss_rows = 0
-            for step in range(self.steps_per_epoch):
+            # after a mid-epoch resume, the epoch's first steps are already done
+            for step in range(global_step - epoch * self.steps_per_epoch, self.steps_per_epoch):
+                if fault is not None:
+                    fault.maybe_fire(self.ctx.rank, global_step)
                 step_started = time.perf_counter()
                 idx = batches[step] if step < len(batches) else np.zeros(0, np.int64)
                 micro = micro_batches(idx, spec.micro_batches)
@@ -434,6 +488,11 @@ class _StageRunner:
                     optimizer.zero_grad(set_to_none=False)
                 c.steps += 1
                 c.step_s.append(time.perf_counter() - step_started)
+                global_step += 1
+                # a checkpoint at an epoch's end waits for the epoch's figures (below)
+                ckpts = self.checkpoints
+                if ckpts and global_step % self.every == 0 and step + 1 < self.steps_per_epoch:
+                    ckpts.save(global_step, trained, history)
                 if reporter is not None and reporter.step_due():
                     reporter.send(
                         {
@@ -462,6 +521,8 @@ class _StageRunner:
                 "seconds": time.perf_counter() - epoch_started,
             }
             history.append(record)
+            if self.checkpoints is not None and global_step % self.every == 0:
+                self.checkpoints.save(global_step, trained, history)
             if reporter is not None:
                 reporter.send(record)
 
@@ -472,6 +533,10 @@ class _StageRunner:
         self.mesh.connect_all(peers)
         x_train, x_eval, y_train, y_eval = self._gather_rows()
         owned, module = self._build()
+        if self.D > 1:  # every replica of the stage starts from its replica 0's weights
+            group = GroupMesh(self.mesh, self.replica_group).as_mesh()
+            start_from_rank0(module, group, self.chunk_bytes)
+        start_digest = digest([*module.parameters(), *module.buffers()])
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = (
             build_optimizer(cfg.optimizer, params, cfg.lr, dict(cfg.optimizer_kwargs))
@@ -480,20 +545,18 @@ class _StageRunner:
         )
         sync = None
         if self.D > 1 and params:
-            members = [spec.rank_of(self.stage, d) for d in range(self.D)]
             sync = GroupGradientSync(
                 self.mesh,
-                members,
+                self.replica_group,
                 params,
                 int(cfg.bucket_mb * (1 << 20)),
                 single_spec(cfg.compression, "pipeline"),
                 seed=cfg.seed,
             )
+        trained = StagePart(module, owned, optimizer, sync)
         sums_reduce = None
         if self.last and self.D > 1:
-            sums_reduce = group_allreduce(
-                self.mesh, [spec.rank_of(self.stage, d) for d in range(self.D)]
-            )
+            sums_reduce = group_allreduce(self.mesh, self.replica_group)
         loss_fn = build_loss(cfg.loss, dict(cfg.loss_kwargs))
         x_all = torch.from_numpy(x_train)
         y_all = torch.from_numpy(y_train).to(label_dtype(cfg.loss))
@@ -501,20 +564,29 @@ class _StageRunner:
         ye = torch.from_numpy(y_eval)
         metric = metric_name(cfg.loss, self.has_validation)
         history: list[dict[str, Any]] = []
+        global_step = 0
+        resume = spec.job.resume_step
+        if resume is not None:
+            if self.checkpoints is None:
+                raise errors.CheckpointError(
+                    f"resume_step={resume} without a checkpoint_dir: a pipeline resumes "
+                    "only from its checkpoints"
+                )
+            history = list(self.checkpoints.restore(resume, trained))
+            global_step = resume
         reporter = self._reporter()
         module.train()
         train_started = time.perf_counter()
         try:
             self._epochs(
-                module,
-                optimizer,
-                sync,
+                trained,
                 sums_reduce,
                 loss_fn,
                 (x_all, y_all, xe, ye),
                 history,
                 reporter,
                 metric,
+                global_step,
             )
         finally:
             if reporter is not None:
@@ -537,28 +609,16 @@ class _StageRunner:
             "peak_activation_bytes": c.peak_activation_bytes,
             "task_s": time.perf_counter() - started,
             "comm": self.mesh.stats.as_dict(),
-            "param_digest": _digest(params),
+            "start_digest": start_digest,
+            "param_digest": digest(params),
             "param_bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
         }
         records = [Record(self.ctx.rank, "stats", 0, json.dumps(stats).encode())]
         if self.replica == 0:
-            # this stage's state under the whole model's key names (<layer index>.<key>)
-            named = (
-                (f"{index}.{name}", tensor)
-                for pos, index in enumerate(owned)
-                for name, tensor in module[pos].state_dict().items()
-            )
             meta = {
                 "stage": self.stage,
                 "history": history if self.last else [],
                 "metric_name": metric,
             }
-            records += state_records(self.ctx.rank, named, meta, spec.job.state_chunk_bytes)
+            records += return_state(spec.job, self.ctx.rank, trained.state(), meta)
         return records
-
-
-def _digest(params: list[nn.Parameter]) -> str:
-    h = hashlib.sha256()
-    for p in params:
-        h.update(byte_view(p.detach().contiguous()).data)  # the memory itself: no copy
-    return h.hexdigest()[:16]

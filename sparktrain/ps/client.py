@@ -6,7 +6,7 @@ back into the flat parameter vector, then copies that into the model. The first 
 in the constructor, fetches the server's values, so every rank starts from the
 server's parameters whatever its own initialisation.
 
-Connections count their bytes into the mesh's :class:`~sparktrain.comm.wire.CommStats`,
+Connections count their bytes into the mesh's :class:`~sparktrain.comm.stats.CommStats`,
 so the run summary's byte totals include the PS traffic.
 
 With ``config.compression`` (see :mod:`sparktrain.ps.protocol`) each shard client keeps
@@ -58,19 +58,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_DATA, MAX_FRAME_BYTES_DEFAULT
+from sparktrain.comm.handshake import DRIVER_RANK, connect
 from sparktrain.comm.link import LinkProfile, link_from_config
+from sparktrain.comm.mesh import Mesh
 from sparktrain.comm.security import WireSecurity
-from sparktrain.comm.wire import (
-    DRIVER_RANK,
-    KIND_DATA,
-    MAX_FRAME_BYTES_DEFAULT,
-    CommStats,
-    Connection,
-    Mesh,
-    connect,
-)
+from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError, ConfigError, FrameError, PeerLostError
-from sparktrain.ps import protocol as P
+from sparktrain.ps import protocol
 from sparktrain.ps.layout import (
     NUMPY_DTYPES,
     flat_dtype,
@@ -113,8 +109,8 @@ class ShardClient:
         job_id: str,
         attempt: int,
         rank: int,
-        codec: P.Codec | None = None,
-        pull_codec: P.CompressorCodec | None = None,
+        codec: protocol.Codec | None = None,
+        pull_codec: protocol.CompressorCodec | None = None,
         dial: Callable[[], Connection] | None = None,
     ) -> None:
         self.conn = conn
@@ -122,12 +118,12 @@ class ShardClient:
         self.reconnects = 0
         self._closed = False
         # until the shard names its chunk size (in every reply): what our frame cap allows
-        self.chunk_bytes = P.chunk_size(conn.max_frame_bytes, None, 8)
-        self.codec: P.Codec = codec if codec is not None else P.IdentityCodec()
+        self.chunk_bytes = protocol.chunk_size(conn.max_frame_bytes, None, 8)
+        self.codec: protocol.Codec = codec if codec is not None else protocol.IdentityCodec()
         self.pull_codec = pull_codec
         self.index = index
         self.lo, self.hi = lo, hi
-        self.job_tag = P.job_tag(job_id)
+        self.job_tag = protocol.job_tag(job_id)
         self.attempt = attempt
         self.rank = rank
         self.version = -1
@@ -140,15 +136,15 @@ class ShardClient:
     def _fail(self, status: int, lost: int, what: str) -> CommError:
         """Read the reason that follows an error status and build the error to raise."""
         try:
-            _, text = self.conn.recv_bytes(P.KIND_TEXT, max_bytes=P.MAX_TEXT_BYTES)
+            _, text = self.conn.recv_bytes(protocol.KIND_TEXT, max_bytes=protocol.MAX_TEXT_BYTES)
             reason = text.decode("utf-8", "replace")
         except CommError:
-            reason = P.STATUS_NAMES.get(status, f"status {status}")
-        if status == P.LOST and lost >= 0:
+            reason = protocol.STATUS_NAMES.get(status, f"status {status}")
+        if status == protocol.LOST and lost >= 0:
             return PeerLostError(lost, f"the parameter server reports: {reason}")
         return CommError(
             f"parameter-server shard {self.index} refused the {what} of rank {self.rank} "
-            f"({P.STATUS_NAMES.get(status, status)}): {reason}"
+            f"({protocol.STATUS_NAMES.get(status, status)}): {reason}"
         )
 
     def push(
@@ -171,7 +167,7 @@ class ShardClient:
                 break
             except (CommError, OSError) as exc:
                 self._reconnect_or_raise(exc, tries, f"push of step {step}")
-        if status not in (P.OK, P.DUPLICATE):
+        if status not in (protocol.OK, protocol.DUPLICATE):
             raise self._fail(status, lost, f"push of step {step}")
         return int(status)
 
@@ -184,7 +180,7 @@ class ShardClient:
         attempt: int | None,
     ) -> tuple[int, int]:
         chunk = self.chunk_bytes
-        header = P.PUSH.pack(
+        header = protocol.PUSH.pack(
             self.job_tag,
             self.attempt if attempt is None else attempt,
             self.rank,
@@ -195,16 +191,16 @@ class ShardClient:
             0 if payload is None else payload.nbytes,
             chunk,
         )
-        self.conn.send_bytes(header, P.KIND_PUSH)
+        self.conn.send_bytes(header, protocol.KIND_PUSH)
         if payload is not None:
             assert grad is not None
             if self.codec.compressed:
-                P.send_chunked(self.conn, payload, P.KIND_CPAYLOAD, chunk)
+                protocol.send_chunked(self.conn, payload, protocol.KIND_CPAYLOAD, chunk)
                 self.conn.stats.add_sent(0, grad.nbytes)  # what the plain push sends
             else:
-                P.send_chunked(self.conn, payload, KIND_DATA, chunk)
-        _, reply = self.conn.recv_bytes(P.KIND_ACK, max_bytes=P.MAX_HEADER_BYTES)
-        status, lost, _version = P.ACK.unpack(reply)
+                protocol.send_chunked(self.conn, payload, KIND_DATA, chunk)
+        _, reply = self.conn.recv_bytes(protocol.KIND_ACK, max_bytes=protocol.MAX_HEADER_BYTES)
+        status, lost, _version = protocol.ACK.unpack(reply)
         return int(status), int(lost)
 
     def _reconnect_or_raise(self, exc: BaseException, tries: int, what: str) -> None:
@@ -257,40 +253,44 @@ class ShardClient:
         raise AssertionError("unreachable")
 
     def _pull_once(self, step: int, out: np.ndarray) -> int:
-        self.conn.send_bytes(P.PULL.pack(self.attempt, self.rank, step, self.version), P.KIND_PULL)
-        _, reply = self.conn.recv_bytes(P.KIND_REPLY, max_bytes=P.MAX_HEADER_BYTES)
-        status, lost, version, encoding, elements, nbytes, chunk = P.REPLY.unpack(reply)
-        if status != P.OK:
+        self.conn.send_bytes(
+            protocol.PULL.pack(self.attempt, self.rank, step, self.version), protocol.KIND_PULL
+        )
+        _, reply = self.conn.recv_bytes(protocol.KIND_REPLY, max_bytes=protocol.MAX_HEADER_BYTES)
+        status, lost, version, encoding, elements, nbytes, chunk = protocol.REPLY.unpack(reply)
+        if status != protocol.OK:
             raise _Refused(status, lost)
-        self.chunk_bytes = P.chunk_size(self.conn.max_frame_bytes, chunk, 8)
+        self.chunk_bytes = protocol.chunk_size(self.conn.max_frame_bytes, chunk, 8)
         if elements != self.hi - self.lo:
             raise ConfigError(
                 f"parameter-server shard {self.index} holds {elements} elements, this worker "
                 f"expects {self.hi - self.lo}: the workers' model differs from the driver's"
             )
-        if encoding in (P.DELTA, P.FULL) and nbytes != out.nbytes:
+        if encoding in (protocol.DELTA, protocol.FULL) and nbytes != out.nbytes:
             raise FrameError(f"a pull of {nbytes} bytes into a {out.nbytes}-byte shard")
-        if encoding == P.DELTA:
+        if encoding == protocol.DELTA:
             # the same float ops as the server's mirror, chunk by chunk
-            self._scratch = P.recv_chunked_add(self.conn, out, KIND_DATA, chunk, self._scratch)
+            self._scratch = protocol.recv_chunked_add(
+                self.conn, out, KIND_DATA, chunk, self._scratch
+            )
             self.payload_pulls += 1
-        elif encoding == P.CDELTA:
+        elif encoding == protocol.CDELTA:
             if self.pull_codec is None:
                 raise CommError(
                     f"parameter-server shard {self.index} sent a compressed delta to a worker "
                     "that expects exact ones: the driver and the workers disagree on compression"
                 )
-            if not 0 < nbytes <= P.max_message_bytes(self.hi - self.lo):
+            if not 0 < nbytes <= protocol.max_message_bytes(self.hi - self.lo):
                 raise FrameError(f"a compressed pull of {nbytes} bytes for {out.size} values")
             blob = np.empty(nbytes, np.uint8)
-            P.recv_chunked(self.conn, blob, P.KIND_CPAYLOAD, chunk)
+            protocol.recv_chunked(self.conn, blob, protocol.KIND_CPAYLOAD, chunk)
             # the same op on the same decoded bytes as the shard's mirror: bit-identical
             self.pull_codec.add_into(blob, out)
             self.payload_pulls += 1
-        elif encoding == P.FULL:
-            P.recv_chunked(self.conn, out, KIND_DATA, chunk)
+        elif encoding == protocol.FULL:
+            protocol.recv_chunked(self.conn, out, KIND_DATA, chunk)
             self.payload_pulls += 1
-        elif encoding == P.UNCHANGED:
+        elif encoding == protocol.UNCHANGED:
             self.unchanged_pulls += 1
         else:
             raise CommError(f"parameter-server shard {self.index} sent unknown encoding {encoding}")
@@ -301,7 +301,9 @@ class ShardClient:
         """Tell the shard this rank is done (``clean``) or failed; best effort."""
         with contextlib.suppress(CommError, OSError):
             self.conn.set_timeout(BYE_TIMEOUT_S)
-            self.conn.send_bytes(P.BYE.pack(self.attempt, self.rank, int(clean)), P.KIND_BYE)
+            self.conn.send_bytes(
+                protocol.BYE.pack(self.attempt, self.rank, int(clean)), protocol.KIND_BYE
+            )
 
     def close(self) -> None:
         self._closed = True
@@ -327,7 +329,7 @@ def connect_shards(
     stats: CommStats,
     num_elements: int,
     dtype: np.dtype[Any],
-    compression: P.Compression | None = None,
+    compression: protocol.Compression | None = None,
     param_shapes: Sequence[tuple[int, ...]] = (),
     seed: int = 0,
     link: LinkProfile | None = None,
@@ -459,7 +461,7 @@ class ParameterServerSync:
             )
         check_compression_table(cfg.compression)
         assert isinstance(cfg.compression, str)
-        compression = P.make_compression(cfg.compression)
+        compression = protocol.make_compression(cfg.compression)
         self.rank = ctx.rank
         self.params = trainable(model)
         dtype = np.dtype(NUMPY_DTYPES[flat_dtype(self.params)])

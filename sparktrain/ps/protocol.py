@@ -1,7 +1,7 @@
 """The parameter server's messages: fixed struct headers plus raw array payloads.
 
 Every exchange is a request from a worker and one reply from a shard, on an
-authenticated :class:`~sparktrain.comm.wire.Connection` (handshake with the job secret,
+authenticated :class:`~sparktrain.comm.connection.Connection` (handshake with the job secret,
 job id and stage attempt; the worker dials with ``peer_rank=DRIVER_RANK``). Headers are
 small struct-packed ``send_bytes`` frames of their own kind; arrays travel as
 ``KIND_DATA`` frames (``send_array``/``recv_into``). Never pickle.
@@ -78,7 +78,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from sparktrain.comm.wire import KIND_USER_MIN, Connection
+from sparktrain.comm.connection import Connection
+from sparktrain.comm.frames import KIND_USER_MIN
 from sparktrain.compress.base import BucketState, Compressor, decode_message, encode_message
 from sparktrain.compress.registry import build, split_spec
 from sparktrain.errors import ConfigError, FrameError

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from sparktrain.comm.frames import MAX_FRAME_BYTES_DEFAULT
 from sparktrain.comm.security import WireSecurity
-from sparktrain.comm.wire import MAX_FRAME_BYTES_DEFAULT
 from sparktrain.config import TrainConfig
+from sparktrain.strategies import registry
 from sparktrain.worker.faults import FaultPlan
+
+if TYPE_CHECKING:
+    from sparktrain.strategies.base import Strategy
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,16 @@ class JobSpec:
     fault: FaultPlan | None = None  # test-only failure injection
     # frame MACs / TLS certificate of every connection (None: plaintext, no MACs)
     security: WireSecurity | None = field(default=None, repr=False)
+    # the strategy plug-in, unpickled in the task by reference to its module (None: the
+    # one registered under config.strategy)
+    strategy: Strategy | None = None
+
+    def plugin(self) -> Strategy:
+        """The strategy this job's config names: the one the driver sent, unless the
+        stage itself chose another (``auto``), then the registered one."""
+        if self.strategy is not None and self.strategy.name == self.config.strategy:
+            return self.strategy
+        return registry.get(self.config.strategy)
 
 
 @dataclass

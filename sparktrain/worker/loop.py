@@ -14,7 +14,6 @@ Order of events on each rank:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -26,20 +25,20 @@ import torch
 from torch import nn
 
 from sparktrain import errors
-from sparktrain.checkpoint import RANK_SHARDS, Checkpoint, CheckpointStore
+from sparktrain.checkpoint import PIPELINE_LAYOUT, RANK_SHARDS, Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
-from sparktrain.comm.chunked import broadcast_, chunk_bytes_for
+from sparktrain.comm.chunked import chunk_bytes_for
 from sparktrain.comm.link import link_from_config
 from sparktrain.errors import CheckpointError
 from sparktrain.metrics import MetricsClient
 from sparktrain.modeling import build_loss, build_model, label_dtype, resolve_model_fn
-from sparktrain.result import Record, state_records
-from sparktrain.worker.context import JobSpec, WorkerContext
+from sparktrain.result import Record
+from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
 from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
 from sparktrain.worker.probe import resolve_auto
-from sparktrain.worker.state import byte_view, send_state
+from sparktrain.worker.state import digest, return_state, start_from_rank0
 from sparktrain.worker.sync import StepSync, load_rank_state, make_sync, rank_state
 
 # torch's global RNG is per process; ranks run as threads (in tests, or several tasks in one
@@ -120,33 +119,6 @@ def rendezvous(
     return mesh, infos, train, val
 
 
-def _start_from_rank0(model: nn.Module, mesh: Mesh, chunk_bytes: int) -> int:
-    """Every replica starts from rank 0's parameters and buffers, as DDP does when it
-    wraps a model. Seeding torch's global RNG before the build is not enough: another
-    thread of the same process drawing from that RNG meanwhile gives this rank other
-    initial weights (measured: 44 of 100 thread-harness runs diverged with a thread
-    calling ``torch.rand``; CI saw it once in a full suite).
-
-    A chunked broadcast of each tensor's own bytes down a binomial tree
-    (:func:`~sparktrain.comm.chunked.broadcast_`): bitwise exact for every dtype, no
-    frame larger than ``chunk_bytes`` (so any model size), and no copy of the model —
-    each piece lands in the parameter itself. Returns the bytes this rank received."""
-    tensors = [*model.parameters(), *model.buffers()]
-    views, fixups = [], []
-    for t in tensors:
-        if t.is_contiguous():
-            views.append(byte_view(t))
-        else:  # rare: receive into a contiguous copy of this tensor alone, then copy back
-            tmp = t.detach().contiguous()
-            views.append(byte_view(tmp))
-            fixups.append((t, tmp))
-    received = broadcast_(mesh, views, chunk_bytes)
-    with torch.no_grad():
-        for t, tmp in fixups:
-            t.copy_(tmp)
-    return received
-
-
 def raise_first_error(infos: list[dict[str, Any]]) -> None:
     """Raise, on every rank alike, the first error any rank reported in the all-gather."""
     for rank, info in enumerate(infos):
@@ -185,7 +157,7 @@ def _train(
     # epoch figures are a handful of float64 sums: latency-bound, so always the tree
     reduce_sums = make_allreduce("tree", mesh)
     if sync.optimizer is not None:  # with a parameter server, the server's model rules
-        _start_from_rank0(model, mesh, chunk_bytes_for(mesh.max_frame_bytes))
+        start_from_rank0(model, mesh, chunk_bytes_for(mesh.max_frame_bytes))
     x_all = torch.from_numpy(train.x)
     y_all = torch.from_numpy(train.y).to(label_dtype(cfg.loss))
 
@@ -308,36 +280,14 @@ def _train(
         "comm": mesh.stats.as_dict(),
         **sync.stats(),
         **({"auto": auto} if auto is not None else {}),
-        "param_digest": _digest(params),
+        "param_digest": digest(params),
     }
     records = []
     if ctx.rank == 0:
-        records += _return_state(spec, model, history, metric)
+        meta = {"history": history, "metric_name": metric}
+        records += return_state(spec, 0, model.state_dict(), meta)
     stats["peak_rss_bytes"] = peak_rss_bytes()  # after the state went out: its true peak
     return [Record(ctx.rank, "stats", 0, json.dumps(stats).encode()), *records]
-
-
-def _return_state(
-    spec: JobSpec, model: nn.Module, history: list[dict[str, Any]], metric: str
-) -> list[Record]:
-    """Rank 0's trained state for the driver: streamed to its state receiver when the
-    job has one (any size, no copy; :mod:`sparktrain.worker.state`), else as chunked
-    task results. The ``meta`` record (history, metric) is a task result either way."""
-    if spec.state_address is None:
-        meta: dict[str, Any] = {"history": history, "metric_name": metric}
-        return list(state_records(0, model.state_dict().items(), meta, spec.state_chunk_bytes))
-    sent = send_state(
-        spec.state_address,
-        model,
-        secret=spec.secret,
-        job_id=spec.job_id,
-        attempt=spec.attempt,
-        timeout=spec.config.comm_timeout,
-        chunk_bytes=spec.state_chunk_bytes,
-        security=spec.security,
-    )
-    meta = {"streamed": True, "history": history, "metric_name": metric, "nbytes": sent}
-    return [Record(0, "meta", 0, json.dumps(meta).encode())]
 
 
 def _save(
@@ -371,6 +321,12 @@ def _save(
 def _restore(
     store: CheckpointStore, ctx: WorkerContext, ckpt: Checkpoint, model: nn.Module, sync: StepSync
 ) -> None:
+    if PIPELINE_LAYOUT in ckpt.extra:
+        raise CheckpointError(
+            f"the checkpoint of step {ckpt.step} in {store.uri} was written by a pipeline "
+            f"run ({ckpt.extra[PIPELINE_LAYOUT]['stages']} stages): resume it with the same "
+            "parallelism.pipeline"
+        )
     model.load_state_dict(ckpt.model_state)
     optimizer = sync.optimizer
     if optimizer is not None and ckpt.optimizer_state:
@@ -388,11 +344,3 @@ def _restore(
             shards,
             ctx.world_size,
         )
-
-
-def _digest(params: list[nn.Parameter]) -> str:
-    """A hash of this replica's weights: equal on every rank when replicas stayed in sync."""
-    h = hashlib.sha256()
-    for p in params:
-        h.update(byte_view(p.detach().contiguous()).data)  # the memory itself: no copy
-    return h.hexdigest()[:16]

@@ -1,6 +1,6 @@
 """The stage-start probe behind ``strategy="auto"`` / ``compression="auto"``.
 
-Everything is measured over the mesh's own :class:`~sparktrain.comm.wire.Connection`\\ s,
+Everything is measured over the mesh's own :class:`~sparktrain.comm.connection.Connection`\\ s,
 the ones training then uses, so a shaped link (``link`` profiles) shapes the probe too:
 
 1. **latency** (``alpha``): rank 0 sends a 1-byte token around the ring ``pings`` times
@@ -42,8 +42,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.comm.frames import KIND_DATA
+from sparktrain.comm.mesh import Mesh
 from sparktrain.comm.tree import TreeAllreduce
-from sparktrain.comm.wire import KIND_DATA, Mesh
 from sparktrain.compress.base import BucketState, decode_message, encode_message
 from sparktrain.compress.registry import build
 from sparktrain.costmodel import (

@@ -354,12 +354,5 @@ def _options(cfg: TrainConfig, mesh: Mesh) -> dict[str, Any]:
 
 
 def make_sync(ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> StepSync:
-    """The StepSync for ``config.strategy``."""
-    strategy = ctx.job.config.strategy
-    if strategy in ("ring", "tree"):
-        return AllreduceSync(ctx, model, mesh)
-    if strategy == "ps":
-        from sparktrain.ps.client import ParameterServerSync
-
-        return ParameterServerSync(ctx, model, mesh)
-    raise ConfigError(f"strategy {strategy!r} does not run in a barrier stage")
+    """The StepSync of the job's strategy (its worker half)."""
+    return ctx.job.plugin().worker_sync(ctx, model, mesh)

@@ -71,3 +71,28 @@ def test_layout_must_match_num_workers(spark):
     cfg = fast_config(parallelism_pipeline=2, parallelism_data=2)
     with pytest.raises(ConfigError, match="num_workers"):
         Trainer("sparktrain.models:digits_mlp", cfg, spark=spark).fit(train)
+
+
+def test_a_killed_pipeline_stage_resubmits_and_resumes_from_its_checkpoint(spark, tmp_path, caplog):
+    import logging
+
+    from sparktrain.worker.faults import FaultPlan
+
+    caplog.set_level(logging.INFO, logger="sparktrain")
+    train, test = digits_frames(spark)
+    twin = Trainer(DEEP_MLP, _pipeline_config(epochs=3), model_kwargs=DEEP_KWARGS, spark=spark).fit(
+        train, validation_data=test
+    )
+    cfg = _pipeline_config(epochs=3, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0.5)
+    plan = FaultPlan(rank=1, step=60, marker=str(tmp_path / "fault"), kind="exit")
+    result = Trainer(DEEP_MLP, cfg, model_kwargs=DEEP_KWARGS, spark=spark, fault_plan=plan).fit(
+        train, validation_data=test
+    )
+    s = result.summary
+    assert (tmp_path / "fault").exists()  # the last stage's task really died
+    assert s["restarts"] == 1
+    assert "resubmitting it (restart 1 of 2) from the checkpoint of step" in caplog.text
+    assert [h["epoch"] for h in s["history"]] == [0, 1, 2]
+    # every stage restored its layers, optimizer and RNG: the run it finished is the same run
+    for name, tensor in twin.model.state_dict().items():
+        assert torch.equal(tensor, result.model.state_dict()[name]), name

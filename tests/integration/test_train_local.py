@@ -180,7 +180,7 @@ def test_session_is_still_usable_after_failures(spark):
 
 
 def test_the_stage_meets_in_the_drivers_rendezvous_once(spark, monkeypatch):
-    import sparktrain.trainer as trainer_module
+    import sparktrain.launch.stage as stage_module
     from sparktrain.launch.rendezvous import RendezvousServer
 
     servers: list[RendezvousServer] = []
@@ -190,7 +190,7 @@ def test_the_stage_meets_in_the_drivers_rendezvous_once(spark, monkeypatch):
             super().__init__(*args, **kwargs)
             servers.append(self)
 
-    monkeypatch.setattr(trainer_module, "RendezvousServer", Recorded)
+    monkeypatch.setattr(stage_module, "RendezvousServer", Recorded)
     train, test = digits_frames(spark)
     result = Trainer(DIGITS_MODEL, fast_config(epochs=2), spark=spark).fit(
         train, validation_data=test

@@ -4,7 +4,7 @@ each other.
 No Spark anywhere: a "world" is N threads (or processes) on loopback. Sections:
 
 - ranks as threads, with Spark-like allGather/barrier (:func:`run_ranks`);
-- meshes and connections: one :class:`~sparktrain.comm.wire.Mesh` per rank thread
+- meshes and connections: one :class:`~sparktrain.comm.mesh.Mesh` per rank thread
   (:func:`run_mesh_ranks`), a connected pair (:func:`pair`), a rank in its own process
   (:func:`process_rank`, which multiprocessing's spawn imports by name);
 - the worker loop in threads: random partitions, a train run, the single-process
@@ -37,7 +37,6 @@ from sparktrain.comm import (
     open_listener,
 )
 from sparktrain.config import TrainConfig
-from sparktrain.launch.rounds_worker import Block, RoundSpec
 from sparktrain.models import mlp
 from sparktrain.parallel.partition import partition
 from sparktrain.parallel.pipeline import assemble as assemble_pipeline
@@ -49,6 +48,7 @@ from sparktrain.result import TrainResult, assemble
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.loop import train_partition
+from sparktrain.worker.rounds import Block, RoundSpec
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from sparktrain.errors import CommError, ConfigError, PeerLostError
 try:  # tests/ laid out as packages or as plain directories
     from . import fixtures as h
 except ImportError:
-    import comm_harness as h  # type: ignore[no-redef]
+    import fixtures as h  # type: ignore[no-redef]
 
 LENGTHS = [0, 1, 2, 1001, 5000]  # 5000 float32 > the 1 KiB chunks: many chunks per segment
 TOL: dict[Any, float] = {np.float32: 1e-5, np.float64: 1e-12}  # rtol = atol

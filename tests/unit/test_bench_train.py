@@ -20,9 +20,11 @@ from sparktrain import TrainConfig
 from sparktrain.bench import report as rep
 from sparktrain.bench import train as bt
 from sparktrain.errors import SparkTrainError
-from sparktrain.launch import rounds_worker as rw
 from sparktrain.models import mlp
 from sparktrain.worker.data import PartitionData
+from sparktrain.worker.flat import flatten
+from sparktrain.worker.round_codec import NUM_STATS
+from sparktrain.worker.rounds import Block, RoundSpec, partition_round
 
 
 # ------------------------------------------------------------------ bench train
@@ -278,19 +280,19 @@ def test_sizing_round_reports_row_counts_and_trains_round_zero():
         return PartitionData(x, (x[:, 0] > 0).astype(np.float64), np.full(n, val))
 
     blocks = [
-        rw.Block(0, data(30, False), data(5, True)),
-        rw.Block(1, data(12, False), data(7, True)),
+        Block(0, data(30, False), data(5, True)),
+        Block(1, data(12, False), data(7, True)),
     ]
     cfg = TrainConfig(strategy="tree_aggregate", batch_size=8, lr=0.1, progress=False)
-    sized = rw.RoundSpec("sizing", cfg, pickle.dumps(model), 0, False, size_slots=2)
-    weights = rw.flatten(list(model.parameters()))
-    parts = [rw.partition_round(sized, weights, b, 0) for b in blocks]
+    sized = RoundSpec("sizing", cfg, pickle.dumps(model), 0, False, size_slots=2)
+    weights = flatten(list(model.parameters()))
+    parts = [partition_round(sized, weights, b, 0) for b in blocks]
     stats = parts[0][1] + parts[1][1]
-    assert stats.shape == (rw.NUM_STATS + 4,)
-    assert list(stats[rw.NUM_STATS :]) == [30, 12, 5, 7]
+    assert stats.shape == (NUM_STATS + 4,)
+    assert list(stats[NUM_STATS:]) == [30, 12, 5, 7]
     # the same contribution as round 0 of a spec that knew rounds_per_epoch
     known = dataclasses.replace(sized, job_id="known", rounds_per_epoch=4, size_slots=0)
-    again = [rw.partition_round(known, weights, b, 0) for b in blocks]
+    again = [partition_round(known, weights, b, 0) for b in blocks]
     for (p, _), (q, s) in zip(parts, again, strict=True):
         np.testing.assert_array_equal(p, q)
-        assert s.shape == (rw.NUM_STATS,)
+        assert s.shape == (NUM_STATS,)

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import secrets
+import threading
 
 import numpy as np
 import pytest
@@ -29,9 +30,8 @@ from sparktrain.errors import FrameError, WorkerError
 from sparktrain.launch.state_server import StateReceiver
 from sparktrain.models import embedding_regressor, mlp
 from sparktrain.result import assemble as _assemble
-from sparktrain.worker.loop import _start_from_rank0
 from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
-from sparktrain.worker.state import send_state, tensor_layout
+from sparktrain.worker.state import send_state, start_from_rank0, tensor_layout
 
 from .fixtures import (
     assert_close_params,
@@ -149,7 +149,7 @@ def test_replicas_start_from_rank0_bitwise_in_every_dtype_under_a_tiny_cap():
     def body(rank: int, mesh: Mesh) -> list[bytes]:
         model = _Mixed(rank)
         ptrs = [p.data_ptr() for p in model.parameters()]
-        _start_from_rank0(model, mesh, 1 << 20)
+        start_from_rank0(model, mesh, 1 << 20)
         assert [p.data_ptr() for p in model.parameters()] == ptrs  # in place, no copy
         return _raw(model)
 
@@ -232,7 +232,7 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
     receiver = StateReceiver("127.0.0.1", driver, secret=secret, job_id="j", attempt=2)
     kw = {"secret": secret, "job_id": "j", "attempt": 2, "timeout": 5.0}
     try:
-        assert send_state(receiver.address, sent, chunk_bytes=1000, **kw) > 12000
+        assert send_state(receiver.address, sent.state_dict(), chunk_bytes=1000, **kw) > 12000
         assert receiver.done.is_set()
         for name, t in driver.state_dict().items():
             want = sent.state_dict()[name]
@@ -242,14 +242,14 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
             ), name
         # a second state for the same attempt is refused
         with pytest.raises(WorkerError, match="already received"):
-            send_state(receiver.address, sent, chunk_bytes=1000, **kw)
+            send_state(receiver.address, sent.state_dict(), chunk_bytes=1000, **kw)
     finally:
         receiver.stop()
     before = [t.clone() for t in driver.state_dict().values()]
     receiver = StateReceiver("127.0.0.1", driver, secret=secret, job_id="j", attempt=2)
     try:
         with pytest.raises(WorkerError, match="model_fn must build the same model"):
-            send_state(receiver.address, mlp(4, (8,), 3), chunk_bytes=1000, **kw)
+            send_state(receiver.address, mlp(4, (8,), 3).state_dict(), chunk_bytes=1000, **kw)
         assert not receiver.done.is_set()
     finally:
         receiver.stop()
@@ -258,28 +258,103 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
 
 
 def test_only_rank0_may_return_the_state():
-    from sparktrain.comm import wire
+    from sparktrain.comm.frames import KIND_CONTROL
+    from sparktrain.comm.handshake import DRIVER_RANK, connect
+    from sparktrain.comm.stats import CommStats
 
     secret = secrets.token_bytes(32)
     driver = _Mixed(1)
     receiver = StateReceiver("127.0.0.1", driver, secret=secret, job_id="j", attempt=0)
     try:
-        with wire.connect(
+        with connect(
             receiver.address, secret=secret, job_id="j", attempt=0, my_rank=1,
-            peer_rank=wire.DRIVER_RANK, timeout=5.0, stats=wire.CommStats(),
+            peer_rank=DRIVER_RANK, timeout=5.0, stats=CommStats(),
         ) as conn:  # fmt: skip
             head = {"layout": tensor_layout(_Mixed(0).state_dict()), "chunk_bytes": 1000}
-            conn.send_bytes(json.dumps(head).encode(), wire.KIND_CONTROL)
-            _, raw = conn.recv_bytes(wire.KIND_CONTROL)
+            conn.send_bytes(json.dumps(head).encode(), KIND_CONTROL)
+            _, raw = conn.recv_bytes(KIND_CONTROL)
         assert "only rank 0" in json.loads(raw)["error"]
         assert not receiver.done.is_set()
     finally:
         receiver.stop()
 
 
+def _send_part(address, model, keys, rank, secret):
+    """``rank`` streams the named ``keys`` of ``model`` (its part of the state)."""
+    part = {k: v for k, v in model.state_dict().items() if k in keys}
+    kw = {"secret": secret, "job_id": "j", "attempt": 0, "timeout": 5.0}
+    return send_state(address, part, rank=rank, chunk_bytes=1000, **kw)
+
+
+def test_several_senders_each_stream_their_own_keys_at_once():
+    """Pipeline stages: ranks 0 and 3 each send their part; ``done`` once both are in."""
+    secret = secrets.token_bytes(32)
+    sent, driver = _Mixed(0), _Mixed(1)
+    senders = {0: ["weight", "mask"], 3: ["bf16", "steps", "t"]}
+    receiver = StateReceiver(
+        "127.0.0.1", driver, secret=secret, job_id="j", attempt=0, senders=senders
+    )
+    try:
+        _send_part(receiver.address, sent, senders[3], 3, secret)
+        assert not receiver.done.is_set() and receiver.pending == [0]
+        with pytest.raises(WorkerError, match="from rank 3 was already received"):
+            _send_part(receiver.address, sent, senders[3], 3, secret)
+        got = []
+        thread = threading.Thread(
+            target=lambda: got.append(_send_part(receiver.address, sent, senders[0], 0, secret))
+        )
+        thread.start()
+        thread.join(10)
+        assert receiver.done.is_set() and receiver.pending == []
+        assert receiver.received_bytes == got[0] + sum(
+            sent.state_dict()[k].numel() * sent.state_dict()[k].element_size() for k in senders[3]
+        )
+    finally:
+        receiver.stop()
+    assert _raw(driver) == _raw(sent)
+
+
+def test_a_wrong_rank_or_part_is_refused_before_a_byte_is_written():
+    secret = secrets.token_bytes(32)
+    sent, driver = _Mixed(0), _Mixed(1)
+    before = _raw(driver)
+    senders = {0: ["weight", "mask"], 1: ["bf16", "steps", "t"]}
+    receiver = StateReceiver(
+        "127.0.0.1", driver, secret=secret, job_id="j", attempt=0, senders=senders
+    )
+    try:
+        with pytest.raises(WorkerError, match="only rank 0, 1 return it"):
+            _send_part(receiver.address, sent, senders[1], 2, secret)  # rank 2 sends none
+        with pytest.raises(WorkerError, match="model_fn must build the same model"):
+            _send_part(receiver.address, sent, ["weight"], 0, secret)  # "mask" missing
+        with pytest.raises(WorkerError, match="model_fn must build the same model"):
+            _send_part(receiver.address, sent, senders[1], 0, secret)  # rank 1's keys
+        assert not receiver.done.is_set() and receiver.pending == [0, 1]
+    finally:
+        receiver.stop()
+    assert _raw(driver) == before
+
+
+@pytest.mark.parametrize(
+    ("senders", "match"),
+    [
+        ({0: ["weight", "nope"], 1: ["bf16", "steps", "t", "mask"]}, "no tensor 'nope'"),
+        ({0: ["weight", "mask"], 1: ["mask", "bf16", "steps", "t"]}, "two state senders"),
+        ({0: ["weight", "mask"], 1: ["bf16", "steps"]}, "no state sender"),
+    ],
+)
+def test_senders_must_split_the_model_exactly(senders, match):
+    from sparktrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        StateReceiver("127.0.0.1", _Mixed(1), secret=b"s" * 32, job_id="j", attempt=0,
+                      senders=senders)  # fmt: skip
+
+
 def test_the_weights_mirror_is_fetched_in_pieces():
     from sparktrain.compress.registry import build
-    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, fetch_mirror
+    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
+    from sparktrain.worker.weights_mirror import fetch_mirror
 
     comp = build("int8")
     assert comp is not None

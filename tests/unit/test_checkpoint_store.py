@@ -64,7 +64,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_p
 
 
 def test_the_driver_resumes_from_the_newest_intact_checkpoint(tmp_path):
-    from sparktrain.trainer import _resume_step
+    from sparktrain.launch.stage import resume_step as _resume_step
 
     store = CheckpointStore(str(tmp_path), keep=3)
     for step in (5, 10):
@@ -156,13 +156,13 @@ def test_a_plain_path_is_fine_on_one_host(tmp_path, master):
 
 def test_the_trainer_refuses_a_plain_path_on_a_cluster_before_any_job(tmp_path):
     from sparktrain.config import TrainConfig
-    from sparktrain.trainer import _open_store
+    from sparktrain.launch.stage import open_store
 
     cfg = TrainConfig(checkpoint_dir=str(tmp_path), num_workers=2)
     with pytest.raises(ConfigError, match="local path"):
-        _open_store(cfg, "spark://127.0.0.1:7077")
+        open_store(cfg, "spark://127.0.0.1:7077", executors_write=True)
     (tmp_path / ".tmp-leftover").write_bytes(b"x")
-    assert _open_store(cfg, "local[2]") is not None
+    assert open_store(cfg, "local[2]", executors_write=True) is not None
     assert not (tmp_path / ".tmp-leftover").exists()  # a new run clears all orphans
 
 

@@ -15,9 +15,11 @@ from sparktrain.compress.feedback import MOMENTUM, RESIDUAL, SCALE
 from sparktrain.compress.registry import build
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
-from sparktrain.launch import rounds_worker as rw
-from sparktrain.ps import protocol as P
+from sparktrain.ps import protocol
 from sparktrain.ps.client import shard_shapes
+from sparktrain.worker.flat import flatten
+from sparktrain.worker.round_codec import RAW_BYTES, WIRE_BYTES, CompressedCodec, make_codec
+from sparktrain.worker.rounds import _STATES, partition_round
 
 from .fixtures import (
     FakeBlocks,
@@ -71,13 +73,13 @@ def test_delta_pulls_keep_the_mirror_and_the_copy_bit_identical(spec):
         n = server.ranges[-1][1]
         flat = np.zeros(n, np.float32)
         for c in clients:
-            assert c.pull(-1, flat[c.lo : c.hi]) == P.FULL
+            assert c.pull(-1, flat[c.lo : c.hi]) == protocol.FULL
         rng = np.random.default_rng(0)
         for step in range(6):
             grad = rng.standard_normal(n).astype(np.float32)
             for c, shard in zip(clients, server.shards, strict=True):
                 c.push(step, 4, grad[c.lo : c.hi])
-                assert c.pull(step, flat[c.lo : c.hi]) == P.CDELTA
+                assert c.pull(step, flat[c.lo : c.hi]) == protocol.CDELTA
                 mirror = shard.ranks[0].mirror
                 assert mirror is not None
                 np.testing.assert_array_equal(flat[c.lo : c.hi], mirror)  # bitwise
@@ -171,8 +173,8 @@ def test_momentum_correction_masks_what_was_sent():
 # ---------------------------------------------------------------------- tree_aggregate
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "randomk:0.3", "int8+ef", "topk:0.2", "sign"])
 def test_tree_aggregate_codec_merges_like_decode_then_sum(spec):
-    codec = rw.make_codec(spec)
-    assert isinstance(codec, rw.CompressedCodec)
+    codec = make_codec(spec)
+    assert isinstance(codec, CompressedCodec)
     rng = np.random.default_rng(0)
     vecs = [rng.standard_normal(300).astype(np.float32) for _ in range(3)]
     blobs = [codec.encode(v, BucketState(step=5)) for v in vecs]  # same seed and step
@@ -187,7 +189,7 @@ def test_tree_aggregate_codec_merges_like_decode_then_sum(spec):
         assert merged.dtype == np.float32
     assert all(codec.nbytes(b) < vecs[0].nbytes for b in blobs)
     # delta+ is the weight downloads' business: the uploads take the gradient part
-    assert rw.make_codec("delta+int8").name == "int8"
+    assert make_codec("delta+int8").name == "int8"
 
 
 def test_tree_aggregate_error_feedback_state_survives_a_retry():
@@ -195,18 +197,19 @@ def test_tree_aggregate_error_feedback_state_survives_a_retry():
     blocks = rounds_blocks()
     model = rounds_model()
     spec = rounds_spec(cfg, model, blocks, "ef-retry")
-    weights = rw.flatten(list(model.parameters()))
-    rw.partition_round(spec, weights, blocks[0], 0)
-    first = rw.partition_round(spec, weights, blocks[0], 1)
-    again = rw.partition_round(spec, weights, blocks[0], 1)  # Spark retried the task
+    weights = flatten(list(model.parameters()))
+    partition_round(spec, weights, blocks[0], 0)
+    first = partition_round(spec, weights, blocks[0], 1)
+    again = partition_round(spec, weights, blocks[0], 1)  # Spark retried the task
     np.testing.assert_array_equal(first[0], again[0])
-    assert first[1][rw.WIRE_BYTES] < first[1][rw.RAW_BYTES]
-    rw._STATES.clear()
+    assert first[1][WIRE_BYTES] < first[1][RAW_BYTES]
+    _STATES.clear()
 
 
 @pytest.mark.parametrize("spec", ["fp16", "int8+ef", "topk:0.3+ef", "powersgd:1+ef"])
 def test_tree_aggregate_driver_loop_learns_compressed(spec):
-    from sparktrain.launch.rounds import RoundRunner, _Loop
+    from sparktrain.launch.round_runner import RoundRunner
+    from sparktrain.launch.rounds import _Loop
 
     cfg = rounds_cfg(epochs=6, lr=0.2, compression=spec)
     blocks = rounds_blocks((90, 70))

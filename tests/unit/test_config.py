@@ -15,7 +15,11 @@ def test_defaults_validate():
 @pytest.mark.parametrize(
     ("key", "value", "needle"),
     [
-        ("strategy", "carrier-pigeon", "allowed values: ring, tree, ps, tree_aggregate"),
+        (
+            "strategy",
+            "carrier-pigeon",
+            "registered strategies: ring, tree, auto, ps, tree_aggregate",
+        ),
         ("ps_mode", "eventual", "allowed values: sync, async, ssp"),
         ("local_steps", 0, "local_steps=0 must be an integer >= 1"),
         ("epochs", 0, "epochs=0 must be an integer >= 1"),

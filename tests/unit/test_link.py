@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparktrain.comm import CommStats, Connection, Mesh, RingAllreduce, wire
+from sparktrain.comm import (
+    KIND_CONTROL,
+    CommStats,
+    Connection,
+    Mesh,
+    RingAllreduce,
+)
+from sparktrain.comm.frames import HEADER_BYTES
 from sparktrain.comm.link import (
     DEFAULT_BURST_BYTES,
     MBIT,
@@ -38,11 +45,11 @@ from sparktrain.errors import ConfigError, PeerLostError
 try:  # tests/ laid out as packages or as plain directories
     from . import fixtures as h
 except ImportError:
-    import comm_harness as h  # type: ignore[no-redef]
+    import fixtures as h  # type: ignore[no-redef]
 
 pytestmark = pytest.mark.timeout(60)
 
-HEADER = wire.HEADER_BYTES
+HEADER = HEADER_BYTES
 
 
 def _pair(
@@ -349,8 +356,8 @@ def test_eight_dim_arrays_and_bytes_cross_a_shaped_link() -> None:
         out = np.empty(arr.size, dtype=np.int32)
         server.recv_into(out)
         np.testing.assert_array_equal(out, arr.reshape(-1))
-        server.send_bytes(b"hello", wire.KIND_CONTROL)
-        assert client.recv_bytes(wire.KIND_CONTROL) == (wire.KIND_CONTROL, b"hello")
+        server.send_bytes(b"hello", KIND_CONTROL)
+        assert client.recv_bytes(KIND_CONTROL) == (KIND_CONTROL, b"hello")
     finally:
         client.close()
         server.close()
@@ -545,28 +552,30 @@ def test_tree_aggregate_tasks_pay_the_link_outside_their_compute_time() -> None:
 
     import torch
 
-    from sparktrain.launch import rounds_worker as rw
     from sparktrain.models import mlp
     from sparktrain.worker.data import PartitionData
+    from sparktrain.worker.flat import flatten
+    from sparktrain.worker.round_codec import COMPUTE_S
+    from sparktrain.worker.rounds import Block, RoundSpec, partition_round
 
     torch.manual_seed(0)
     model = mlp(6, (5,), 3)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 6)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.float64)
-    block = rw.Block(
+    block = Block(
         0, PartitionData(x, y, np.zeros(16, bool)), PartitionData(x, y, np.ones(16, bool))
     )
-    weights = rw.flatten(list(model.parameters()))
+    weights = flatten(list(model.parameters()))
     timings = {}
     for rtt_ms in (0.0, 200.0):
         cfg = TrainConfig(
             strategy="tree_aggregate", batch_size=8, progress=False, link_rtt_ms=rtt_ms
         )
-        spec = rw.RoundSpec(f"link-{rtt_ms}", cfg, pickle.dumps(model), 2, True)
+        spec = RoundSpec(f"link-{rtt_ms}", cfg, pickle.dumps(model), 2, True)
         t0 = time.monotonic()
-        payload, stats = rw.partition_round(spec, weights, block, 0)
-        timings[rtt_ms] = (time.monotonic() - t0, float(stats[rw.COMPUTE_S]))
+        payload, stats = partition_round(spec, weights, block, 0)
+        timings[rtt_ms] = (time.monotonic() - t0, float(stats[COMPUTE_S]))
         assert payload is not None
     (plain, _), (shaped, compute) = timings[0.0], timings[200.0]
     print(f"partition round: {plain:.3f} s unshaped, {shaped:.3f} s shaped (compute {compute:.3f})")

@@ -3,16 +3,25 @@ equal single-process training of the same model on the same batches."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 
+from sparktrain.checkpoint import RANK_SHARDS, CheckpointStore
 from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError, DataError, PeerLostError
+from sparktrain.errors import CheckpointError, ConfigError, DataError, PeerLostError
+from sparktrain.launch.state_server import StateReceiver
 from sparktrain.parallel.partition import partition, split_costs
-from sparktrain.parallel.pipeline import check_param_cap, layout
+from sparktrain.parallel.pipeline import assemble, check_param_cap, layout
 from sparktrain.parallel.schedule import gpipe, max_in_flight, one_f_one_b
-from sparktrain.parallel.stage import micro_batches
+from sparktrain.parallel.stage import micro_batches, state_senders
+from sparktrain.worker.faults import FaultPlan, InjectedFaultError
+from sparktrain.worker.loop import train_partition
 
 from .fixtures import (
     PIPE_CLASSES,
@@ -20,9 +29,12 @@ from .fixtures import (
     assert_same_state,
     pipeline_model,
     pipeline_parts,
+    pipeline_records,
     pipeline_reference,
     pipeline_run,
     pipeline_spec,
+    run_ranks,
+    worker_context,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -186,3 +198,173 @@ def test_a_stage_that_dies_mid_step_stops_its_neighbours(monkeypatch):
     spec = pipeline_spec(2, 1, comm_timeout=5.0)
     with pytest.raises((RuntimeError, PeerLostError)):
         pipeline_run(spec, pipeline_parts([30, 30]))
+
+
+# ----------------------------------------------------------------------- start, resume, state
+
+
+def _stats(records) -> list[dict]:
+    return [json.loads(r.data) for r in records if r.kind == "stats"]
+
+
+def _raw_state(model: torch.nn.Module) -> list[bytes]:
+    return [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            for t in model.state_dict().values()]  # fmt: skip
+
+
+def _slow_model() -> torch.nn.Sequential:
+    """``pipeline_model``'s layers, built with a pause after the first: another thread
+    draws from torch's global RNG meanwhile, and the later layers' initial weights differ."""
+    first = pipeline_model()[0]
+    time.sleep(0.02)
+    return torch.nn.Sequential(first, *pipeline_model()[1:])
+
+
+def test_replicas_of_a_stage_start_from_replica0_while_another_thread_draws_random_numbers():
+    """Seeding before the build is not enough when another thread of the process draws
+    from torch's global RNG meanwhile: each stage's replicas take replica 0's weights."""
+    spec = pipeline_spec(2, 3, epochs=1)
+    spec = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model_fn=_slow_model))
+    stop = threading.Event()
+
+    def noise() -> None:
+        while not stop.is_set():
+            torch.rand(8)
+
+    thread = threading.Thread(target=noise, daemon=True)
+    thread.start()
+    try:
+        records = pipeline_records(spec, pipeline_parts([8] * 6))
+    finally:
+        stop.set()
+        thread.join()
+    stats = _stats(records)
+    for stage in range(2):
+        mine = [s for s in stats if s["stage"] == stage]
+        assert len(mine) == 3
+        assert len({s["start_digest"] for s in mine}) == 1, stage
+        assert len({s["param_digest"] for s in mine}) == 1, stage
+
+
+@pytest.mark.parametrize("compression", ["none", "int8+ef"])
+def test_a_pipeline_resumed_from_its_checkpoint_equals_an_unbroken_run(tmp_path, compression):
+    """Killed at step 7 of 12 (stage 1 of replica 1 fails), resumed from the newest
+    checkpoint (every half epoch = every 2 steps): bitwise the weights of an unbroken run.
+    The schedule is deterministic (same micro-batches, same order of every sum), so is
+    the group allreduce; compressor residuals travel in every rank's shard."""
+    common = {
+        "epochs": 3,
+        "batch_size": 5,
+        "checkpoint_every": 0.5,
+        "optimizer_kwargs": {"momentum": 0.9},
+        "compression": compression,
+    }
+    parts = pipeline_parts([9, 8, 11, 7])
+    unbroken = pipeline_run(
+        pipeline_spec(2, 2, checkpoint_dir=str(tmp_path / "a"), **common), parts
+    )
+
+    spec = pipeline_spec(2, 2, checkpoint_dir=str(tmp_path / "b"), **common)
+    plan = FaultPlan(rank=3, step=7, marker=str(tmp_path / "fault"))
+    faulty = dataclasses.replace(spec, job=dataclasses.replace(spec.job, fault=plan))
+    with pytest.raises((InjectedFaultError, PeerLostError)):
+        pipeline_run(faulty, parts)
+    store = CheckpointStore(str(tmp_path / "b"))
+    resume = store.newest_intact()
+    assert resume == 6  # steps 2, 4, 6 were checkpointed before the fault
+    ckpt = store.load(resume)
+    assert ckpt is not None and ckpt.extra[RANK_SHARDS] == 4
+    assert ckpt.extra["pipeline"] == {
+        "stages": 2,
+        "replicas": 2,
+        "bounds": [*spec.partition.bounds],
+    }
+    again = dataclasses.replace(
+        faulty, job=dataclasses.replace(faulty.job, attempt=1, resume_step=resume)
+    )
+    resumed = pipeline_run(again, parts)
+    assert _raw_state(resumed.model) == _raw_state(unbroken.model)
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2]
+    for epoch in (0, 2):  # epoch 0 from the checkpoint, epoch 2 run whole after the resume
+        for key in ("loss", "metric"):
+            assert resumed.history[epoch][key] == unbroken.history[epoch][key], (epoch, key)
+    assert resumed.summary["replicas_in_sync"]
+
+
+def test_a_checkpoint_of_another_split_is_refused_and_its_own_split_resumes(tmp_path):
+    parts = pipeline_parts([9, 8])
+    pipeline_run(pipeline_spec(2, 1, checkpoint_dir=str(tmp_path), epochs=1), parts)
+    spec = pipeline_spec(2, 1, checkpoint_dir=str(tmp_path), epochs=2)
+    ckpt = CheckpointStore(str(tmp_path)).load()
+    assert ckpt is not None
+    saved = ckpt.extra["pipeline"]["bounds"]
+    other = (0, 2, 7) if saved != [0, 2, 7] else (0, 3, 7)
+    job = dataclasses.replace(spec.job, resume_step=ckpt.step)
+    moved = dataclasses.replace(
+        spec, job=job, partition=partition(pipeline_model(), 2, PIPE_WIDTH, bounds=other)
+    )
+    with pytest.raises(CheckpointError, match="same split"):
+        pipeline_records(moved, parts)
+    again = dataclasses.replace(
+        spec, job=job, partition=partition(pipeline_model(), 2, PIPE_WIDTH, bounds=saved)
+    )
+    assert len(pipeline_run(again, parts).history) == 2
+
+
+def test_data_parallel_refuses_to_resume_a_pipeline_checkpoint(tmp_path):
+    parts = pipeline_parts([9, 8])
+    spec = pipeline_spec(2, 1, checkpoint_dir=str(tmp_path), epochs=1)
+    pipeline_run(spec, parts)
+    step = CheckpointStore(str(tmp_path)).latest_step()
+    job = dataclasses.replace(spec.job, resume_step=step)
+
+    def rank_fn(rank, coll):
+        return train_partition(worker_context(rank, 2, coll, job), parts[rank])
+
+    with pytest.raises(CheckpointError, match="written by a pipeline run"):
+        run_ranks(2, rank_fn)
+
+
+def test_partition_with_given_bounds():
+    part = partition(pipeline_model(), 3, PIPE_WIDTH, bounds=(0, 1, 5, 7))
+    assert part.bounds == (0, 1, 5, 7) and part.shapes == (
+        (PIPE_WIDTH,),
+        (16,),
+        (8,),
+        (PIPE_CLASSES,),
+    )
+    for bad in [(0, 3, 3, 7), (0, 2, 7), (1, 3, 5, 7), (0, 3, 5, 8)]:
+        with pytest.raises(ConfigError, match="non-empty stages"):
+            partition(pipeline_model(), 3, PIPE_WIDTH, bounds=bad)
+    with pytest.raises(ConfigError, match="max_param_mb"):
+        partition(pipeline_model(), 3, PIPE_WIDTH, bounds=(0, 1, 5, 7), max_param_bytes=100)
+
+
+def test_stages_stream_their_parts_into_the_drivers_model():
+    """Each stage's replica 0 streams its keys to the one receiver (several senders at
+    once); nothing big is a task result, and the model equals the records' one."""
+    spec = pipeline_spec(3, 2)
+    parts = pipeline_parts([7, 9, 5, 8, 6, 10])
+    want = pipeline_run(spec, parts).model
+    torch.manual_seed(99)
+    driver = pipeline_model()  # other weights than the trained ones
+    senders = state_senders(spec, driver)
+    assert sorted(senders) == [0, 1, 2]  # world rank of each stage's replica 0
+    assert sorted(k for keys in senders.values() for k in keys) == sorted(driver.state_dict())
+    receiver = StateReceiver(
+        "127.0.0.1", driver, secret=spec.job.secret, job_id="p", attempt=0, senders=senders
+    )
+    try:
+        job = dataclasses.replace(spec.job, state_address=receiver.address)
+        streamed = dataclasses.replace(spec, job=job)
+        records = pipeline_records(streamed, parts)
+        assert receiver.done.is_set() and receiver.pending == []
+    finally:
+        receiver.stop()
+    assert not [r for r in records if r.kind == "state"]
+    metas = [json.loads(r.data) for r in records if r.kind == "meta"]
+    assert sorted(m["stage"] for m in metas) == [0, 1, 2] and all(m["streamed"] for m in metas)
+    result = assemble(driver, records, streamed, wall_s=1.0, stage_s=1.0)
+    assert result.model is driver
+    assert _raw_state(driver) == _raw_state(want)
+    assert len(result.history) == spec.job.config.epochs

@@ -16,12 +16,25 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from sparktrain.comm import preauth, wire
+from sparktrain.comm import (
+    DRIVER_RANK,
+    KIND_CONTROL,
+    CommStats,
+    Connection,
+    Mesh,
+    accept,
+    address_of,
+    connect,
+    open_listener,
+    parse_address,
+    preauth,
+)
+from sparktrain.comm.handshake import HELLO_PREFIX
 from sparktrain.comm.service import DriverService
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, HandshakeError
@@ -40,14 +53,16 @@ class Echo(DriverService):
 
     name = "echo"
 
-    def __init__(self) -> None:
-        super().__init__(HOST, secret=SECRET, job_id=JOB, attempt=0)
+    def __init__(self, attempt: int | Callable[[], int] = 0) -> None:
+        super().__init__(HOST, secret=SECRET, job_id=JOB, attempt=attempt)
+        self.handlers: list[threading.Thread] = []  # the threads that served a client
         self.start()
 
-    def handle(self, conn: wire.Connection) -> None:
+    def handle(self, conn: Connection) -> None:
+        self.handlers.append(threading.current_thread())
         with contextlib.closing(conn):
-            _, payload = conn.recv_bytes(wire.KIND_CONTROL)
-            conn.send_bytes(payload, wire.KIND_CONTROL)
+            _, payload = conn.recv_bytes(KIND_CONTROL)
+            conn.send_bytes(payload, KIND_CONTROL)
 
 
 @pytest.fixture
@@ -71,7 +86,7 @@ def strangers() -> Iterator[list[socket.socket]]:
 
 def open_stranger(address: str, source: str, junk: bytes = b"") -> socket.socket:
     """A TCP connection to ``address`` from ``source`` that sends ``junk`` (or nothing)."""
-    host, port = wire.parse_address(address)
+    host, port = parse_address(address)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.settimeout(2.0)
     sock.bind((source, 0))
@@ -112,22 +127,22 @@ def wait_closed(socks: list[socket.socket], within: float) -> list[bool]:
     return done
 
 
-def echo_client(srv: DriverService, timeout: float = 8.0) -> float:
+def echo_client(srv: DriverService, timeout: float = 8.0, *, attempt: int = 0) -> float:
     """Connect as rank 0, round-trip one message; returns the seconds it took."""
     started = time.monotonic()
-    conn = wire.connect(
+    conn = connect(
         srv.address,
         secret=SECRET,
         job_id=JOB,
-        attempt=0,
+        attempt=attempt,
         my_rank=0,
-        peer_rank=wire.DRIVER_RANK,
+        peer_rank=DRIVER_RANK,
         timeout=timeout,
-        stats=wire.CommStats(),
+        stats=CommStats(),
     )
     with contextlib.closing(conn):
-        conn.send_bytes(b"hello", wire.KIND_CONTROL)
-        assert conn.recv_bytes(wire.KIND_CONTROL)[1] == b"hello"
+        conn.send_bytes(b"hello", KIND_CONTROL)
+        assert conn.recv_bytes(KIND_CONTROL)[1] == b"hello"
     return time.monotonic() - started
 
 
@@ -141,21 +156,16 @@ def test_silent_strangers_do_not_delay_a_driver_service_client(
     # today's main handshakes in the accept loop, 10 s each: the client waits for all
     flood(echo.address, strangers, 20)
     for s in flood(echo.address, strangers, 20, first=3):
-        s.sendall(wire.HELLO_PREFIX + b"\x01\x00")  # a partial hello: waits for the rest
+        s.sendall(HELLO_PREFIX + b"\x01\x00")  # a partial hello: waits for the rest
     time.sleep(0.2)  # every stranger accepted before the client dials
     # milliseconds unloaded; a stranger holding it would cost the 3 s pre-auth deadline
     assert echo_client(echo) < preauth.PREAUTH_DEADLINE_S - 0.5
     assert echo._gate.pending == 40
-
-    # a silent stranger costs a selector entry, not a thread; the partial hellos do (the
-    # client's own handshake thread may take a moment to end after its reply)
-    def handshakes() -> int:
-        return sum(t.name == "sparktrain-echo-preauth" for t in threading.enumerate())
-
-    deadline = time.monotonic() + 5.0
-    while handshakes() > 20 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert handshakes() == 20
+    for t in echo.handlers:  # the client's own handshake thread may still be closing
+        t.join(5)
+    # a silent stranger costs a selector entry, not a thread; the partial hellos do
+    handshakes = [t for t in threading.enumerate() if t.name == "sparktrain-echo-preauth"]
+    assert len(handshakes) == 20
 
 
 @pytest.mark.timing
@@ -170,15 +180,15 @@ def test_silent_strangers_do_not_delay_a_parameter_server_client(
         flood(server.addresses[0], strangers, 30, sources=2)
         time.sleep(0.2)
         started = time.monotonic()
-        conn = wire.connect(
+        conn = connect(
             server.addresses[0],
             secret=SECRET,
             job_id=JOB,
             attempt=0,
             my_rank=0,
-            peer_rank=wire.DRIVER_RANK,
+            peer_rank=DRIVER_RANK,
             timeout=8.0,
-            stats=wire.CommStats(),
+            stats=CommStats(),
         )
         conn.close()
         assert time.monotonic() - started < preauth.PREAUTH_DEADLINE_S - 0.5
@@ -192,11 +202,10 @@ def test_silent_strangers_do_not_keep_a_lower_rank_out_of_a_mesh(
 ) -> None:
     # today's main refuses new clients once 2 * world + 8 handshakes are pending,
     # and a pending one holds its slot for the whole comm timeout
-    listeners = [wire.open_listener(HOST) for _ in range(2)]
-    addresses = [wire.address_of(s) for s in listeners]
+    listeners = [open_listener(HOST) for _ in range(2)]
+    addresses = [address_of(s) for s in listeners]
     meshes = [
-        wire.Mesh(r, 2, listeners[r], addresses, SECRET, JOB, attempt=0, timeout=10.0)
-        for r in range(2)
+        Mesh(r, 2, listeners[r], addresses, SECRET, JOB, attempt=0, timeout=10.0) for r in range(2)
     ]
     try:
         flood(addresses[1], strangers, 40, sources=4)
@@ -274,12 +283,39 @@ def test_the_gate_rejects_bad_limits() -> None:
         )
 
 
+class Moving(Echo):
+    """An echo service that lives across stage attempts (as a parameter-server shard)."""
+
+    name = "moving"
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.ticks = 0
+        super().__init__(attempt=lambda: self.current)
+
+    def tick(self) -> None:
+        self.ticks += 1
+
+
+def test_a_service_across_attempts_proves_the_current_attempt_and_ticks() -> None:
+    srv = Moving()
+    try:
+        echo_client(srv)
+        srv.current = 1  # read by every handshake that starts from now on
+        with pytest.raises(HandshakeError):
+            echo_client(srv, attempt=0)
+        echo_client(srv, attempt=1)
+        assert srv.ticks > 0  # the accept loop's housekeeping runs on every turn
+    finally:
+        srv.stop()
+
+
 # ------------------------------------------------------------ the client retries a drop
 
 
 @pytest.mark.parametrize("how", ["reset", "eof"])
 def test_a_dial_dropped_during_the_handshake_is_retried(how: str) -> None:
-    listener = wire.open_listener(HOST, timeout=5.0)
+    listener = open_listener(HOST, timeout=5.0)
     served: list[Any] = []
 
     def server() -> None:
@@ -289,29 +325,29 @@ def test_a_dial_dropped_during_the_handshake_is_retried(how: str) -> None:
             first.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         first.close()
         served.append(
-            wire.accept(
+            accept(
                 listener,
                 secret=SECRET,
                 job_id=JOB,
                 attempt=0,
-                my_rank=wire.DRIVER_RANK,
+                my_rank=DRIVER_RANK,
                 timeout=5.0,
-                stats=wire.CommStats(),
+                stats=CommStats(),
             )
         )
 
     t = threading.Thread(target=server)
     t.start()
     try:
-        conn = wire.connect(
-            wire.address_of(listener),
+        conn = connect(
+            address_of(listener),
             secret=SECRET,
             job_id=JOB,
             attempt=0,
             my_rank=0,
-            peer_rank=wire.DRIVER_RANK,
+            peer_rank=DRIVER_RANK,
             timeout=5.0,
-            stats=wire.CommStats(),
+            stats=CommStats(),
         )
         t.join(5)
         assert served and served[0].peer_rank == 0
@@ -324,19 +360,19 @@ def test_a_dial_dropped_during_the_handshake_is_retried(how: str) -> None:
 
 
 def test_an_authentication_rejection_is_not_retried() -> None:
-    listener = wire.open_listener(HOST, timeout=5.0)
+    listener = open_listener(HOST, timeout=5.0)
     seen: list[str] = []
 
     def server() -> None:
         with contextlib.suppress(HandshakeError):
-            wire.accept(
+            accept(
                 listener,
                 secret=SECRET,
                 job_id=JOB,
                 attempt=0,
-                my_rank=wire.DRIVER_RANK,
+                my_rank=DRIVER_RANK,
                 timeout=2.0,
-                stats=wire.CommStats(),
+                stats=CommStats(),
             )
         seen.append("refused")
         listener.settimeout(1.0)
@@ -349,15 +385,15 @@ def test_an_authentication_rejection_is_not_retried() -> None:
     t.start()
     try:
         with pytest.raises(HandshakeError, match="rejected"):
-            wire.connect(
-                wire.address_of(listener),
+            connect(
+                address_of(listener),
                 secret=secrets.token_bytes(32),
                 job_id=JOB,
                 attempt=0,
                 my_rank=0,
-                peer_rank=wire.DRIVER_RANK,
+                peer_rank=DRIVER_RANK,
                 timeout=5.0,
-                stats=wire.CommStats(),
+                stats=CommStats(),
             )
         t.join(5)
         assert seen == ["refused"]  # one refused handshake, then nobody
@@ -373,4 +409,4 @@ def test_an_authentication_rejection_is_not_retried() -> None:
 def test_an_ipv4_mapped_wildcard_is_refused(host: str) -> None:
     # today's main binds it: on a dual-stack host that is every IPv4 interface
     with pytest.raises(ConfigError, match="wildcard"):
-        wire.open_listener(host)
+        open_listener(host)

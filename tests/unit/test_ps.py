@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from sparktrain.comm.wire import DRIVER_RANK, HEADER_BYTES, CommStats, connect
+from sparktrain.comm.frames import HEADER_BYTES
+from sparktrain.comm.handshake import DRIVER_RANK, connect
+from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError, ConfigError, HandshakeError, PeerLostError
-from sparktrain.ps import protocol as P
+from sparktrain.ps import protocol
 from sparktrain.ps.client import ParameterServerSync, ShardClient, connect_shards
 from sparktrain.ps.layout import shard_ranges
 from sparktrain.ps.server import ParameterServer
@@ -158,8 +160,8 @@ def test_a_duplicate_push_is_acknowledged_and_not_applied_twice():
         client.pull(-1, flat)
         before = flat.copy()
         grad = np.ones_like(flat)
-        assert client.push(0, 3, grad) == P.OK
-        assert client.push(0, 3, grad) == P.DUPLICATE
+        assert client.push(0, 3, grad) == protocol.OK
+        assert client.push(0, 3, grad) == protocol.DUPLICATE
         client.pull(0, flat)
         np.testing.assert_allclose(flat, before - 0.5, rtol=1e-6)  # one SGD step, not two
         s = server.stats()
@@ -184,7 +186,7 @@ def test_a_push_from_an_earlier_stage_attempt_is_rejected():
         with pytest.raises(CommError, match="earlier attempts are rejected"):
             client.push(0, 1, np.ones_like(flat), attempt=0)
         assert server.stats()["rejected"] == 1 and server.stats()["pushes"] == 0
-        assert client.push(0, 1, np.ones_like(flat)) == P.OK  # the connection still works
+        assert client.push(0, 1, np.ones_like(flat)) == protocol.OK  # the connection still works
     finally:
         server.stop()
 
@@ -215,15 +217,18 @@ def test_pulling_an_unchanged_shard_costs_a_header_only():
     try:
         client, flat = _client(server, shard=1)
         part = flat[client.lo : client.hi]
-        assert client.pull(-1, part) == P.FULL
+        assert client.pull(-1, part) == protocol.FULL
         stats = client.conn.stats
         before = stats.as_dict()
-        assert client.pull(-1, part) == P.UNCHANGED
+        assert client.pull(-1, part) == protocol.UNCHANGED
         after = stats.as_dict()
-        assert after["wire_bytes_recv"] - before["wire_bytes_recv"] == HEADER_BYTES + P.REPLY.size
+        assert (
+            after["wire_bytes_recv"] - before["wire_bytes_recv"]
+            == HEADER_BYTES + protocol.REPLY.size
+        )
         # after an update, the delta brings the copy to the server's values exactly
         client.push(0, 2, np.full_like(part, 0.25))
-        assert client.pull(0, part) == P.DELTA
+        assert client.pull(0, part) == protocol.DELTA
         np.testing.assert_array_equal(part, server.parameters()[client.lo : client.hi])
     finally:
         server.stop()
@@ -311,11 +316,11 @@ def test_a_new_stage_attempt_continues_from_the_servers_parameters():
         with pytest.raises(CommError):  # the old attempt's connection was closed
             c0.push(1, 1, np.ones(c0.hi - c0.lo, np.float32))
         fresh, flat1 = _client(server, attempt=1)
-        assert fresh.pull(-1, flat1[fresh.lo : fresh.hi]) == P.FULL
+        assert fresh.pull(-1, flat1[fresh.lo : fresh.hi]) == protocol.FULL
         np.testing.assert_array_equal(flat1[fresh.lo : fresh.hi], trained[fresh.lo : fresh.hi])
         # the global step count continues: step 0 was applied, step 1 is the next one
-        assert fresh.push(0, 1, np.zeros(fresh.hi - fresh.lo, np.float32)) == P.DUPLICATE
-        assert fresh.push(1, 1, np.zeros(fresh.hi - fresh.lo, np.float32)) == P.OK
+        assert fresh.push(0, 1, np.zeros(fresh.hi - fresh.lo, np.float32)) == protocol.DUPLICATE
+        assert fresh.push(1, 1, np.zeros(fresh.hi - fresh.lo, np.float32)) == protocol.OK
         assert server.stats()["failure"] is None
     finally:
         server.stop()

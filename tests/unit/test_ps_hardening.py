@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.comm.wire import HEADER_BYTES, CommStats
+from sparktrain.comm.frames import HEADER_BYTES
+from sparktrain.comm.stats import CommStats
 from sparktrain.config import TrainConfig
 from sparktrain.errors import FrameError
 from sparktrain.models import mlp
-from sparktrain.ps import persist
-from sparktrain.ps import protocol as P
+from sparktrain.ps import persist, protocol
 from sparktrain.ps.client import connect_shards
 from sparktrain.ps.server import ParameterServer, start_parameter_server
 from sparktrain.result import assemble as _assemble
@@ -93,7 +93,7 @@ def test_a_push_and_a_pull_travel_in_chunks_of_the_servers_size():
         chunks = -(-n * 4 // CAP)
         flat = np.zeros(n, np.float32)
         frames = shard.stats.frames_sent
-        assert client.pull(-1, flat) == P.FULL
+        assert client.pull(-1, flat) == protocol.FULL
         # reply header + chunks; the shard counts its last frame once sendall returned,
         # which may be just after the client has read it
         _settles(lambda: shard.stats.frames_sent - frames, 1 + chunks)
@@ -101,9 +101,9 @@ def test_a_push_and_a_pull_travel_in_chunks_of_the_servers_size():
         assert client.chunk_bytes == CAP  # named by the shard in its reply
         received = shard.stats.frames_recv
         grad = np.linspace(-1, 1, n, dtype=np.float32)
-        assert client.push(0, 2, grad) == P.OK
+        assert client.push(0, 2, grad) == protocol.OK
         assert shard.stats.frames_recv - received == 1 + chunks  # push header + chunks
-        assert client.pull(0, flat) == P.DELTA
+        assert client.pull(0, flat) == protocol.DELTA
         np.testing.assert_array_equal(flat, server.parameters())  # the mirror stays exact
         np.testing.assert_allclose(flat, _wide_flat(cfg) - 0.5 * grad, rtol=1e-6, atol=1e-6)
         s = server.stats()
@@ -206,19 +206,19 @@ def test_a_rank_whose_connection_is_reset_reconnects_and_no_push_is_applied_twic
         send = conn.send_bytes
 
         def reset_instead_of_ack(payload: bytes, kind: int) -> None:
-            if kind == P.KIND_ACK:
+            if kind == protocol.KIND_ACK:
                 _reset(conn)
                 raise OSError("reset by the test")
             send(payload, kind)
 
         conn.send_bytes = reset_instead_of_ack  # type: ignore[method-assign]
-        assert c1.push(0, 1, grad) == P.OK
-        assert c0.push(0, 1, grad) == P.DUPLICATE  # applied before the reset: not again
+        assert c1.push(0, 1, grad) == protocol.OK
+        assert c0.push(0, 1, grad) == protocol.DUPLICATE  # applied before the reset: not again
         assert c0.reconnects == 1 and shard._conns[0] is not conn
         for step in range(3):
             if step:
-                assert c0.push(step, 1, grad) == P.OK
-                assert c1.push(step, 1, grad) == P.OK
+                assert c0.push(step, 1, grad) == protocol.OK
+                assert c1.push(step, 1, grad) == protocol.OK
             for c, flat in zip((c0, c1), flats, strict=True):
                 c.pull(step, flat)
             if step == 1:  # a reset between requests: the next one reconnects
@@ -244,23 +244,23 @@ def test_a_pull_waiting_when_the_connection_resets_is_answered_on_the_new_one():
         for c, flat in zip((c0, c1), flats, strict=True):
             c.pull(-1, flat)
         rng = np.random.default_rng(0)
-        assert c0.push(0, 1, rng.standard_normal(flats[0].size).astype(np.float32)) == P.OK
+        assert c0.push(0, 1, rng.standard_normal(flats[0].size).astype(np.float32)) == protocol.OK
         got: list[object] = []
         waiting = threading.Thread(target=lambda: got.append(c0.pull(0, flats[0])))
         waiting.start()
         time.sleep(0.3)  # rank 0's pull is waiting for rank 1's step 0
         _reset(shard._conns[0])
         time.sleep(0.2)  # the client saw the reset and waits again on a new connection
-        assert c1.push(0, 1, rng.standard_normal(flats[0].size).astype(np.float32)) == P.OK
+        assert c1.push(0, 1, rng.standard_normal(flats[0].size).astype(np.float32)) == protocol.OK
         c1.pull(0, flats[1])
         waiting.join(10)
-        assert got == [P.FULL] and c0.reconnects == 1
+        assert got == [protocol.FULL] and c0.reconnects == 1
         for step in range(1, 4):  # compressed deltas from here on: mirrors must match
             for c in (c0, c1):
                 grad = rng.standard_normal(flats[0].size).astype(np.float32)
-                assert c.push(step, 1, grad) == P.OK
+                assert c.push(step, 1, grad) == protocol.OK
             for c, flat in zip((c0, c1), flats, strict=True):
-                assert c.pull(step, flat) == P.CDELTA
+                assert c.pull(step, flat) == protocol.CDELTA
         for rank in (0, 1):
             np.testing.assert_array_equal(flats[rank], shard.ranks[rank].mirror)
         s = server.stats()
@@ -277,9 +277,9 @@ def test_a_new_stage_attempt_continues_the_step_count_and_resent_steps_are_dupli
         (c0,), (c1,) = _clients(server, 0), _clients(server, 1)
         grad = np.full(c0.hi - c0.lo, 0.125, np.float32)
         for step in range(5):
-            assert c0.push(step, 1, grad) == P.OK
+            assert c0.push(step, 1, grad) == protocol.OK
         for step in range(3):
-            assert c1.push(step, 1, grad) == P.OK
+            assert c1.push(step, 1, grad) == protocol.OK
         assert server.completed_step() == 3
         server.begin_attempt(1)
         assert server.completed_step() == 3  # the ledger survives the new attempt
@@ -292,8 +292,16 @@ def test_a_new_stage_attempt_continues_the_step_count_and_resent_steps_are_dupli
             for r in (0, 1)
         )  # fmt: skip
         try:
-            assert [d0.push(s, 1, grad) for s in (3, 4, 5)] == [P.DUPLICATE, P.DUPLICATE, P.OK]
-            assert [d1.push(s, 1, grad) for s in (3, 4, 5)] == [P.OK, P.OK, P.OK]
+            assert [d0.push(s, 1, grad) for s in (3, 4, 5)] == [
+                protocol.DUPLICATE,
+                protocol.DUPLICATE,
+                protocol.OK,
+            ]
+            assert [d1.push(s, 1, grad) for s in (3, 4, 5)] == [
+                protocol.OK,
+                protocol.OK,
+                protocol.OK,
+            ]
         finally:
             d0.close()
             d1.close()

@@ -10,7 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from sparktrain.comm import wire
+from sparktrain.comm.frames import KIND_CONTROL
+from sparktrain.comm.handshake import DRIVER_RANK, connect
+from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError, HandshakeError
 from sparktrain.launch.rendezvous import RendezvousServer, all_gather
 
@@ -81,17 +83,17 @@ def test_missing_peers_end_in_a_comm_error_within_the_timeout(server: Rendezvous
 
 def test_a_dead_task_never_joins_a_round(server: RendezvousServer) -> None:
     # rank 0 of a stage that was then killed: sent its message, closed its socket
-    conn = wire.connect(
+    conn = connect(
         server.address,
         secret=SECRET,
         job_id="job",
         attempt=0,
         my_rank=0,
-        peer_rank=wire.DRIVER_RANK,
+        peer_rank=DRIVER_RANK,
         timeout=5,
-        stats=wire.CommStats(),
+        stats=CommStats(),
     )
-    conn.send_bytes(json.dumps({"message": "stale"}).encode(), wire.KIND_CONTROL)
+    conn.send_bytes(json.dumps({"message": "stale"}).encode(), KIND_CONTROL)
     time.sleep(0.2)
     conn.close()
     time.sleep(0.2)

@@ -13,9 +13,24 @@ import pytest
 import torch
 
 from sparktrain import TrainConfig
-from sparktrain.launch import rounds_worker as rw
-from sparktrain.launch.rounds import RoundRunner, _Loop
-from sparktrain.launch.rounds_worker import Block, RoundSpec
+from sparktrain.launch.round_runner import RoundRunner
+from sparktrain.launch.rounds import _Loop
+from sparktrain.worker.flat import assign, assign_grads, flatten, flatten_grads
+from sparktrain.worker.round_codec import (
+    COMPUTE_S,
+    EVAL_ROWS,
+    LOSS_SUM,
+    NUM_STATS,
+    RAW_BYTES,
+    SAMPLES,
+    WIRE_BYTES,
+    CompressedCodec,
+    Contribution,
+    IdentityCodec,
+    make_codec,
+    merge,
+)
+from sparktrain.worker.rounds import _STATES, Block, RoundSpec, partition_round
 
 from .fixtures import (
     ROUNDS_WIDTH,
@@ -39,58 +54,58 @@ def _batch_indices(cfg: TrainConfig, block: Block, epoch: int) -> list[np.ndarra
 def test_flatten_and_assign_round_trip() -> None:
     model = rounds_model()
     params = list(model.parameters())
-    vec = rw.flatten(params)
+    vec = flatten(params)
     assert vec.dtype == np.float32 and vec.size == sum(p.numel() for p in params)
     expected = np.concatenate([p.detach().numpy().ravel() for p in params])
     np.testing.assert_array_equal(vec, expected)
     other = list(rounds_model(seed=1).parameters())
-    rw.assign(other, vec)
+    assign(other, vec)
     for a, b in zip(params, other, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ValueError, match="flat vector has 3 values"):
-        rw.assign(other, np.zeros(3, np.float32))
+        assign(other, np.zeros(3, np.float32))
 
 
 def test_grads_round_trip_and_missing_grads_are_zero() -> None:
     params = list(rounds_model().parameters())
     params[0].grad = torch.ones_like(params[0])
-    vec = rw.flatten_grads(params)
+    vec = flatten_grads(params)
     n0 = params[0].numel()
     assert (vec[:n0] == 1).all() and (vec[n0:] == 0).all()
     vec[:] = np.arange(vec.size, dtype=np.float32)
-    rw.assign_grads(params, vec)
-    np.testing.assert_array_equal(rw.flatten_grads(params), vec)
+    assign_grads(params, vec)
+    np.testing.assert_array_equal(flatten_grads(params), vec)
 
 
 # ------------------------------------------------------------------ merge (combOp)
 def test_merge_sums_payloads_and_stats_in_any_tree_order() -> None:
     rng = np.random.default_rng(0)
-    codec = rw.IdentityCodec()
-    parts: list[rw.Contribution] = []
+    codec = IdentityCodec()
+    parts: list[Contribution] = []
     for _ in range(7):
-        stats = rng.random(rw.NUM_STATS)
+        stats = rng.random(NUM_STATS)
         parts.append((rng.standard_normal(11).astype(np.float32), stats))
     ref_vec = np.sum([p[0] for p in parts], axis=0, dtype=np.float64)
     ref_stats = np.sum([p[1] for p in parts], axis=0)
-    ref_stats[rw.COMPUTE_S] = max(p[1][rw.COMPUTE_S] for p in parts)
+    ref_stats[COMPUTE_S] = max(p[1][COMPUTE_S] for p in parts)
 
-    def fresh() -> list[rw.Contribution]:  # merge reuses its first argument
+    def fresh() -> list[Contribution]:  # merge reuses its first argument
         return [(v.copy(), s.copy()) for v, s in parts]
 
-    left = functools.reduce(lambda a, b: rw.merge(a, b, codec), fresh(), None)
+    left = functools.reduce(lambda a, b: merge(a, b, codec), fresh(), None)
     p = fresh()  # a depth-2 tree: ((0 1 2) (3 4) (5 6)), with a None zero in between
     level = [
-        rw.merge(rw.merge(rw.merge(None, p[0], codec), p[1], codec), p[2], codec),
-        rw.merge(p[3], p[4], codec),
-        rw.merge(p[5], rw.merge(p[6], None, codec), codec),
+        merge(merge(merge(None, p[0], codec), p[1], codec), p[2], codec),
+        merge(p[3], p[4], codec),
+        merge(p[5], merge(p[6], None, codec), codec),
     ]
-    tree = rw.merge(rw.merge(level[0], level[1], codec), level[2], codec)
+    tree = merge(merge(level[0], level[1], codec), level[2], codec)
     for got in (left, tree):
         assert got is not None
         np.testing.assert_allclose(got[0], ref_vec, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(got[1], ref_stats, rtol=1e-12)
     # an evaluation-only contribution has no payload
-    only_stats = rw.merge((None, np.ones(rw.NUM_STATS)), (None, np.ones(rw.NUM_STATS)), codec)
+    only_stats = merge((None, np.ones(NUM_STATS)), (None, np.ones(NUM_STATS)), codec)
     assert only_stats is not None and only_stats[0] is None and only_stats[1][0] == 2
 
 
@@ -100,11 +115,11 @@ def test_synchronous_round_is_the_gradient_of_the_global_mean_loss() -> None:
     blocks = rounds_blocks((37, 20))  # 20 rows: partition 1 runs out after 3 batches
     model = rounds_model()
     spec = rounds_spec(cfg, model, blocks, "sync")
-    weights = rw.flatten(list(model.parameters()))
+    weights = flatten(list(model.parameters()))
     codec = spec.codec
     for round_index in (0, 3, 4 + 5):  # epoch 0 rounds 0 and 3 (p1 empty), epoch 1 round 4
-        parts = [rw.partition_round(spec, weights, b, round_index) for b in blocks]
-        total = functools.reduce(lambda a, b: rw.merge(a, b, codec), parts, None)
+        parts = [partition_round(spec, weights, b, round_index) for b in blocks]
+        total = functools.reduce(lambda a, b: merge(a, b, codec), parts, None)
         assert total is not None
         vec, stats = codec.decode(total[0]), total[1]
         # reference: one torch backward over the union of the round's batches
@@ -119,11 +134,11 @@ def test_synchronous_round_is_the_gradient_of_the_global_mean_loss() -> None:
         ref_model = copy.deepcopy(model)
         loss = torch.nn.functional.cross_entropy(ref_model(x), y)
         loss.backward()
-        ref = rw.flatten_grads(list(ref_model.parameters()))
-        assert stats[rw.SAMPLES] == len(y)
-        np.testing.assert_allclose(vec / stats[rw.SAMPLES], ref, rtol=1e-5, atol=1e-6)
-        assert stats[rw.LOSS_SUM] / stats[rw.SAMPLES] == pytest.approx(loss.item(), rel=1e-5)
-        assert stats[rw.RAW_BYTES] == stats[rw.WIRE_BYTES] == 4 * vec.size * len(xs)
+        ref = flatten_grads(list(ref_model.parameters()))
+        assert stats[SAMPLES] == len(y)
+        np.testing.assert_allclose(vec / stats[SAMPLES], ref, rtol=1e-5, atol=1e-6)
+        assert stats[LOSS_SUM] / stats[SAMPLES] == pytest.approx(loss.item(), rel=1e-5)
+        assert stats[RAW_BYTES] == stats[WIRE_BYTES] == 4 * vec.size * len(xs)
 
 
 def test_local_sgd_round_averages_deltas_weighted_by_samples() -> None:
@@ -132,9 +147,9 @@ def test_local_sgd_round_averages_deltas_weighted_by_samples() -> None:
     model = rounds_model()
     spec = rounds_spec(cfg, model, blocks, "local")
     assert spec.rounds_per_epoch == 2  # ceil(37 / 24)
-    weights = rw.flatten(list(model.parameters()))
+    weights = flatten(list(model.parameters()))
     round_index = 1  # partition 0: batches 3..4 (8 + 5 rows); partition 1: none left
-    parts = [rw.partition_round(spec, weights, b, round_index) for b in blocks]
+    parts = [partition_round(spec, weights, b, round_index) for b in blocks]
     deltas, counts = [], []
     for b in blocks:  # reference: k SGD steps on a copy, with fresh momentum
         ref = copy.deepcopy(model)
@@ -148,17 +163,17 @@ def test_local_sgd_round_averages_deltas_weighted_by_samples() -> None:
             ).backward()
             opt.step()
             n += len(idx)
-        deltas.append(rw.flatten(list(ref.parameters())) - weights)
+        deltas.append(flatten(list(ref.parameters())) - weights)
         counts.append(n)
     assert counts == [13, 0]
-    assert parts[1][0] is None and parts[1][1][rw.SAMPLES] == 0  # ran out: sends nothing
+    assert parts[1][0] is None and parts[1][1][SAMPLES] == 0  # ran out: sends nothing
     payload, stats = parts[0]
-    assert stats[rw.SAMPLES] == 13
+    assert stats[SAMPLES] == 13
     np.testing.assert_allclose(payload, deltas[0] * 13, rtol=1e-5, atol=1e-6)
-    total = functools.reduce(lambda a, b: rw.merge(a, b, spec.codec), parts, None)
+    total = functools.reduce(lambda a, b: merge(a, b, spec.codec), parts, None)
     assert total is not None
     expected = sum(d * n for d, n in zip(deltas, counts, strict=True)) / sum(counts)
-    np.testing.assert_allclose(total[0] / total[1][rw.SAMPLES], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(total[0] / total[1][SAMPLES], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_recomputed_round_is_identical() -> None:
@@ -168,14 +183,14 @@ def test_a_recomputed_round_is_identical() -> None:
     blocks = rounds_blocks()
     model = rounds_model()
     spec = rounds_spec(cfg, model, blocks, "retry")
-    weights = rw.flatten(list(model.parameters()))
-    first = rw.partition_round(spec, weights, blocks[0], 1, evaluate_first=True)
-    rw.partition_round(spec, weights + 1, blocks[1], 0)  # disturb the cached model
-    rw._STATES.clear()
-    again = rw.partition_round(spec, weights, blocks[0], 1, evaluate_first=True)
+    weights = flatten(list(model.parameters()))
+    first = partition_round(spec, weights, blocks[0], 1, evaluate_first=True)
+    partition_round(spec, weights + 1, blocks[1], 0)  # disturb the cached model
+    _STATES.clear()
+    again = partition_round(spec, weights, blocks[0], 1, evaluate_first=True)
     np.testing.assert_array_equal(first[0], again[0])
-    np.testing.assert_array_equal(first[1][: rw.COMPUTE_S], again[1][: rw.COMPUTE_S])
-    assert first[1][rw.EVAL_ROWS] == 10
+    np.testing.assert_array_equal(first[1][:COMPUTE_S], again[1][:COMPUTE_S])
+    assert first[1][EVAL_ROWS] == 10
 
 
 def test_task_hook_runs_first() -> None:
@@ -185,7 +200,7 @@ def test_task_hook_runs_first() -> None:
     model = rounds_model()
     spec = rounds_spec(cfg, model, blocks, "hook")
     spec = RoundSpec(**{**spec.__dict__, "task_hook": lambda p, r: seen.append((p, r))})
-    rw.partition_round(spec, rw.flatten(list(model.parameters())), blocks[1], 2)
+    partition_round(spec, flatten(list(model.parameters())), blocks[1], 2)
     assert seen == [(1, 2)]
 
 
@@ -236,7 +251,7 @@ def test_delta_powersgd_is_refused_on_the_driver() -> None:
         run_rounds(
             PreparedData(None, None, ROUNDS_WIDTH), rounds_model(), cfg, num_outputs=3, started=0.0
         )
-    assert isinstance(rw.make_codec("delta+int8+ef"), rw.CompressedCodec)  # uploads: int8+ef
+    assert isinstance(make_codec("delta+int8+ef"), CompressedCodec)  # uploads: int8+ef
 
 
 # ------------------------------------------------------------------ compressed downloads
@@ -251,18 +266,15 @@ class _ForgetfulBlocks(FakeBlocks):
     def treeAggregate(self, zero: Any, seq: Any, comb: Any, depth: int = 2) -> Any:
         self.calls += 1
         if self.forget and self.calls % self.forget == 0:
-            rw._STATES.clear()
+            _STATES.clear()
         return super().treeAggregate(zero, seq, comb, depth)
 
 
 def _delta_run(spec_text: str, forget: int) -> tuple[list[dict[str, Any]], _Loop, Any]:
     import secrets
 
-    from sparktrain.launch.weights_server import (
-        DownloadEncoder,
-        WeightsServer,
-        download_compressor,
-    )
+    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
+    from sparktrain.worker.round_codec import download_compressor
 
     cfg = rounds_cfg(epochs=5, lr=0.2, compression=spec_text)
     blocks = rounds_blocks((90, 70))
@@ -276,7 +288,7 @@ def _delta_run(spec_text: str, forget: int) -> tuple[list[dict[str, Any]], _Loop
         spec = RoundSpec(
             **{**spec.__dict__, "job_id": "dl", "weights_address": server.address, "secret": secret}
         )
-        rw._STATES.clear()
+        _STATES.clear()
         runner = RoundRunner(
             FakeContext(),  # type: ignore[arg-type]
             _ForgetfulBlocks(blocks, forget),  # type: ignore[arg-type]
@@ -285,7 +297,7 @@ def _delta_run(spec_text: str, forget: int) -> tuple[list[dict[str, Any]], _Loop
         )
         loop = _Loop(model, cfg, runner, lambda m: None, NoVolume(), 160, 2, True)  # type: ignore[arg-type]
         loop.train()
-        held = rw._STATES["dl"].mirror
+        held = _STATES["dl"].mirror
         return loop.history, loop, (server, held, model)
     finally:
         server.stop()
@@ -302,7 +314,7 @@ def test_compressed_downloads_learn_and_every_copy_of_the_mirror_is_the_same(
     assert server.fetches == 0  # the one "worker" always held the previous mirror
     # the final evaluation sent the exact weights: the metric is the driver model's own
     seq, mirror = held
-    np.testing.assert_array_equal(mirror, rw.flatten(list(model.parameters())))
+    np.testing.assert_array_equal(mirror, flatten(list(model.parameters())))
     assert seq == loop.runner.rounds - 1
     assert loop.down_wire < 0.6 * loop.down_raw  # the downloads shrank
     # a run in which "new workers" fetch the mirror from the driver is bitwise the same
@@ -317,7 +329,8 @@ def test_the_weights_server_serves_only_the_current_mirror_to_the_job() -> None:
 
     from sparktrain.compress.registry import build
     from sparktrain.errors import CommError, HandshakeError
-    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer, fetch_mirror
+    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
+    from sparktrain.worker.weights_mirror import fetch_mirror
 
     comp = build("int8")
     assert comp is not None

@@ -16,7 +16,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparktrain.comm import wire
+from sparktrain.comm.frames import KIND_METRICS
+from sparktrain.comm.handshake import accept
+from sparktrain.comm.listen import address_of, open_listener, parse_address
+from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError
 from sparktrain.worker import sync as sync_module
 from sparktrain.worker.context import WorkerContext
@@ -54,25 +57,23 @@ def test_arbitrary_bytes_after_the_handshake_raise_only_our_errors(junk, via):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(junk=st.binary(min_size=0, max_size=200))
 def test_arbitrary_bytes_instead_of_a_handshake_are_refused(junk):
-    listener = wire.open_listener("127.0.0.1")
+    listener = open_listener("127.0.0.1")
     try:
         with socket.create_connection(
-            socket.getaddrinfo(*wire.parse_address(wire.address_of(listener)), socket.AF_INET)[0][
-                4
-            ],
+            socket.getaddrinfo(*parse_address(address_of(listener)), socket.AF_INET)[0][4],
             timeout=2,
         ) as raw:
             raw.sendall(junk)
             raw.shutdown(socket.SHUT_WR)
             with pytest.raises(CommError):
-                wire.accept(
+                accept(
                     listener,
                     secret=h.SECRET,
                     job_id=h.JOB,
                     attempt=0,
                     my_rank=0,
                     timeout=1.0,
-                    stats=wire.CommStats(),
+                    stats=CommStats(),
                 )
     finally:
         listener.close()
@@ -91,9 +92,9 @@ def test_a_pickle_gadget_on_the_wire_stays_bytes(tmp_path):
     gadget = pickle.dumps(_Gadget(str(marker)))
     client, server = h.pair(2.0)
     try:
-        client.send_bytes(gadget, wire.KIND_METRICS)
+        client.send_bytes(gadget, KIND_METRICS)
         kind, payload = server.recv_bytes()
-        assert payload == gadget and kind == wire.KIND_METRICS
+        assert payload == gadget and kind == KIND_METRICS
         client._sock.sendall(gadget)  # and as a raw stream where a header should be
         with pytest.raises(CommError):
             server.recv_bytes()

@@ -18,13 +18,14 @@ import torch.nn.functional as F
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
-from sparktrain.launch import rounds_worker as rw
-from sparktrain.launch.rounds_worker import Block, RoundSpec
 from sparktrain.modeling import build_loss, check_weighted_loss
 from sparktrain.models import mlp
 from sparktrain.result import assemble as _assemble
 from sparktrain.worker.context import JobSpec
 from sparktrain.worker.data import PartitionData
+from sparktrain.worker.flat import flatten
+from sparktrain.worker.round_codec import SAMPLES, merge
+from sparktrain.worker.rounds import Block, RoundSpec, partition_round
 
 from .fixtures import pipeline_records, train_in_threads
 
@@ -195,14 +196,14 @@ def _epoch_gradient(batch_size: int, sizes: list[int], job: str) -> tuple[np.nda
     torch.manual_seed(0)
     model = mlp(WIDTH, (8,), CLASSES)
     spec = _round_spec(cfg, model, blocks, job)
-    weights = rw.flatten(list(model.parameters()))
+    weights = flatten(list(model.parameters()))
     total = None
     for r in range(spec.rounds_per_epoch):
         for b in blocks:
-            total = rw.merge(total, rw.partition_round(spec, weights, b, r), spec.codec)
+            total = merge(total, partition_round(spec, weights, b, r), spec.codec)
     assert total is not None
-    got = spec.codec.decode(total[0]) / total[1][rw.SAMPLES]
-    assert total[1][rw.SAMPLES] == sum(sizes)
+    got = spec.codec.decode(total[0]) / total[1][SAMPLES]
+    assert total[1][SAMPLES] == sum(sizes)
     ref = np.concatenate([g.numpy().ravel() for g in _reference_grad(model, parts)])
     return got, ref
 

@@ -23,10 +23,12 @@ from sparktrain.comm import (
     accept,
     address_of,
     connect,
+    handshake,
     open_listener,
     parse_address,
-    wire,
 )
+from sparktrain.comm.frames import FRAME_HEADER, HEADER_BYTES, MAX_NDIM
+from sparktrain.comm.handshake import PROTOCOL_VERSION, AcceptTimeout
 from sparktrain.errors import (
     CommError,
     ConfigError,
@@ -38,7 +40,7 @@ from sparktrain.errors import (
 try:  # tests/ laid out as packages or as plain directories
     from . import fixtures as h
 except ImportError:
-    import comm_harness as h  # type: ignore[no-redef]
+    import fixtures as h  # type: ignore[no-redef]
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -58,8 +60,8 @@ def _raw_header(
     seq: int = 0,
     magic: bytes = b"STF1",
 ) -> bytes:
-    dims = list(shape) + [0] * (wire.MAX_NDIM - len(shape))
-    return wire._HEADER.pack(magic, kind, code, len(shape), 0, seq, length, *dims)
+    dims = list(shape) + [0] * (MAX_NDIM - len(shape))
+    return FRAME_HEADER.pack(magic, kind, code, len(shape), 0, seq, length, *dims)
 
 
 # ----------------------------------------------------------------------------- listeners
@@ -198,7 +200,7 @@ def test_garbage_client_rejected_promptly() -> None:
         assert "not a sparktrain hello" in str(exc)
         assert elapsed < 5.0  # promptly, not at the timeout
         # A plausible hello followed by a wrong proof.
-        hello = wire._HELLO.pack(b"STH1", wire.PROTOCOL_VERSION, 0, 0, os.urandom(32))
+        hello = handshake._HELLO.pack(b"STH1", PROTOCOL_VERSION, 0, 0, os.urandom(32))
         exc, elapsed = _raw_client(listener, hello + os.urandom(32), timeout=10.0)
         assert "rejected" in str(exc)
         assert elapsed < 5.0
@@ -249,7 +251,7 @@ def test_accept_with_nobody_connecting() -> None:
     )
     try:
         started = time.monotonic()
-        with pytest.raises(wire.AcceptTimeout):
+        with pytest.raises(AcceptTimeout):
             accept(listener, timeout=30.0, **kw)  # the listener's shorter timeout wins
         assert time.monotonic() - started < 10.0
         assert listener.gettimeout() == 0.2
@@ -296,7 +298,7 @@ def test_array_round_trips() -> None:
         assert client.stats.raw_bytes_sent == raw  # KIND_DATA only
         assert server.stats.raw_bytes_sent == 0  # KIND_CONTROL is not counted as raw
         assert client.stats.frames_sent == server.stats.frames_recv == len(ARRAYS)
-        wire_bytes = raw + len(ARRAYS) * wire.HEADER_BYTES
+        wire_bytes = raw + len(ARRAYS) * HEADER_BYTES
         assert client.stats.wire_bytes_sent == server.stats.wire_bytes_recv
         assert server.stats.wire_bytes_sent == client.stats.wire_bytes_recv
         assert client.stats.wire_bytes_sent > wire_bytes  # plus the handshake
@@ -404,7 +406,7 @@ def test_bad_magic_and_malformed_headers() -> None:
         (_raw_header(magic=b"HTTP"), "magic"),
         (_raw_header(code=200), "dtype code"),
         (_raw_header(shape=(5,), length=16), "does not match"),
-        (b"GET / HTTP/1.1\r\n" + b"x" * wire.HEADER_BYTES, "magic"),
+        (b"GET / HTTP/1.1\r\n" + b"x" * HEADER_BYTES, "magic"),
     ]
     for frames, match in cases:
         exc, elapsed, _ = _attack(frames, lambda c: c.recv_into(np.empty(4, np.float32)))

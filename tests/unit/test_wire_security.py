@@ -12,21 +12,28 @@ import numpy as np
 import pytest
 
 from sparktrain.comm import (
+    KIND_ABORT,
+    KIND_CONTROL,
+    KIND_DATA,
     CommStats,
     Connection,
     Mesh,
+    accept,
     address_of,
+    connect,
+    handshake,
     make_allreduce,
     open_listener,
-    wire,
+    parse_address,
 )
+from sparktrain.comm.frames import FLAG_STAMPED, FRAME_HEADER, HEADER_BYTES, MAX_NDIM
 from sparktrain.comm.security import TAG_BYTES, LockedTlsSocket, WireSecurity
 from sparktrain.errors import FrameError, HandshakeError, PeerLostError
 
 try:  # tests/ laid out as packages or as plain directories
     from . import fixtures as h
 except ImportError:
-    import comm_harness as h  # type: ignore[no-redef]
+    import fixtures as h  # type: ignore[no-redef]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,9 +55,9 @@ def _pair(security: WireSecurity | None, timeout: float = 2.0) -> tuple[Connecti
 
 
 def _header(seq: int, length: int = 16, flags: int = 0, stamp: int = 0) -> bytes:
-    dims = [length // 4] + [0] * (wire.MAX_NDIM - 1)
+    dims = [length // 4] + [0] * (MAX_NDIM - 1)
     dims[-1] = stamp
-    return wire._HEADER.pack(b"STF1", wire.KIND_DATA, 10, 1, flags, seq, length, *dims)
+    return FRAME_HEADER.pack(b"STF1", KIND_DATA, 10, 1, flags, seq, length, *dims)
 
 
 # ----------------------------------------------------------------------------- frame MAC
@@ -60,7 +67,7 @@ def _tamper_proxy(target: str, flip_at: int) -> tuple[socket.socket, threading.T
     """A listener that relays one client to ``target``, flipping the byte at offset
     ``flip_at`` of the client-to-server stream (an on-path attacker)."""
     listener = open_listener(h.HOST)
-    host, port = wire.parse_address(target)
+    host, port = parse_address(target)
 
     def relay(src: socket.socket, dst: socket.socket, flip: int | None) -> None:
         seen = 0
@@ -98,13 +105,13 @@ def test_a_frame_altered_in_transit_is_rejected() -> None:
     server_listener = open_listener(h.HOST)
     # client -> server bytes: hello, handshake MAC, then the first frame (sealed header,
     # payload); flip a payload bit.
-    flip_at = wire._HELLO.size + 32 + wire.HEADER_BYTES + TAG_BYTES + 5
+    flip_at = handshake._HELLO.size + 32 + HEADER_BYTES + TAG_BYTES + 5
     proxy, relay = _tamper_proxy(address_of(server_listener), flip_at)
     got: list[Any] = []
 
     def serve() -> None:
         try:
-            conn = wire.accept(
+            conn = accept(
                 server_listener,
                 secret=h.SECRET,
                 job_id=h.JOB,
@@ -122,7 +129,7 @@ def test_a_frame_altered_in_transit_is_rejected() -> None:
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    client = wire.connect(
+    client = connect(
         address_of(proxy),
         secret=h.SECRET,
         job_id=h.JOB,
@@ -169,7 +176,7 @@ def test_a_frame_sealed_for_another_connection_is_rejected() -> None:
     b_client, b_server = _pair(MAC)
     try:
         payload = memoryview(np.zeros(4, np.float32).tobytes())
-        sealed = bytes(a_client._frame_header(wire.KIND_DATA, 10, (4,), 16, 0, 0, payload))
+        sealed = bytes(a_client._frame_header(KIND_DATA, 10, (4,), 16, 0, 0, payload))
         b_client._sock.sendall(sealed + payload)
         with pytest.raises(FrameError, match="MAC"):
             b_server.recv_into(np.empty(4, np.float32))
@@ -181,8 +188,8 @@ def test_a_frame_sealed_for_another_connection_is_rejected() -> None:
 def test_a_forged_abort_notice_names_no_rank() -> None:
     client, server = _pair(MAC)
     try:
-        dims = [7 + 2] + [0] * (wire.MAX_NDIM - 1)
-        header = wire._HEADER.pack(b"STF1", wire.KIND_ABORT, 0, 1, 0, 0, 0, *dims)
+        dims = [7 + 2] + [0] * (MAX_NDIM - 1)
+        header = FRAME_HEADER.pack(b"STF1", KIND_ABORT, 0, 1, 0, 0, 0, *dims)
         client._sock.sendall(header + bytes(TAG_BYTES))
         with pytest.raises(FrameError, match="MAC"):
             server.recv_bytes()
@@ -199,10 +206,10 @@ def test_mac_connection_round_trips_and_abort_notice() -> None:
         out = np.empty(15, np.float32)
         server.recv_into(out)
         assert np.array_equal(out, arr.reshape(-1))
-        server.send_bytes(b'{"ok": 1}', wire.KIND_CONTROL)
-        client.send_bytes(b"", wire.KIND_CONTROL)
-        assert client.recv_bytes(wire.KIND_CONTROL) == (wire.KIND_CONTROL, b'{"ok": 1}')
-        assert server.recv_bytes() == (wire.KIND_CONTROL, b"")
+        server.send_bytes(b'{"ok": 1}', KIND_CONTROL)
+        client.send_bytes(b"", KIND_CONTROL)
+        assert client.recv_bytes(KIND_CONTROL) == (KIND_CONTROL, b'{"ok": 1}')
+        assert server.recv_bytes() == (KIND_CONTROL, b"")
         assert client.stats.wire_bytes_sent > 0
         assert client.notify_abort(7)
         with pytest.raises(PeerLostError, match="lost contact with rank 7"):
@@ -236,8 +243,8 @@ def test_tls_connection_end_to_end(tls: WireSecurity) -> None:
         server.recv_into(out)
         sender.join(10)
         assert np.array_equal(out, big)
-        server.send_bytes(b"pong", wire.KIND_CONTROL)
-        assert client.recv_bytes() == (wire.KIND_CONTROL, b"pong")
+        server.send_bytes(b"pong", KIND_CONTROL)
+        assert client.recv_bytes() == (KIND_CONTROL, b"pong")
         assert not server.peer_gone()
         client.close()
         deadline = time.monotonic() + 5
@@ -294,7 +301,7 @@ def test_a_stamped_frame_on_an_unshaped_connection_is_delivered_at_once() -> Non
     client, server = _pair(None, timeout=10.0)
     try:
         stamp = time.time_ns() + 5_000_000_000  # "deliver in 5 s"
-        frame = _header(seq=0, flags=wire._FLAG_STAMPED, stamp=stamp)
+        frame = _header(seq=0, flags=FLAG_STAMPED, stamp=stamp)
         client._sock.sendall(frame + np.ones(4, np.float32).tobytes())
         started = time.monotonic()
         out = np.empty(4, np.float32)

@@ -2,9 +2,9 @@
 
 Nothing here imports pyspark. A task sees a :class:`RoundSpec` (plain values plus two
 broadcast handles, or anything with a ``.value``), its cached :class:`Block` and the
-round number, and returns a *contribution* that ``RDD.treeAggregate`` sums:
-
-``(payload, stats)`` where ``payload`` is the encoded flat float32 vector
+round number, and returns a *contribution* (:mod:`sparktrain.worker.round_codec`) that
+``RDD.treeAggregate`` sums: ``(payload, stats)`` where ``payload`` is the encoded flat
+float32 vector
 
 * ``local_steps == 1``: ``n_p * g_p``, the partition's mean-loss gradient over its
   ``n_p`` samples of the round times ``n_p`` (the ring's rule, see ``worker/buckets.py``):
@@ -15,21 +15,14 @@ round number, and returns a *contribution* that ``RDD.treeAggregate`` sums:
   sample-weighted mean delta (FedAvg),
 
 and ``stats`` a float64 vector ``[samples, loss sum, eval total, eval rows, raw bytes,
-encoded bytes, compute s]`` (all add up but the last, which is a max). The job's first
-round also sizes the data (``RoundSpec.size_slots = P``): partition ``p`` writes its train
-and validation row counts into slots ``NUM_STATS + p`` and ``NUM_STATS + P + p``, so the
-sum holds every partition's sizes and no separate Spark job is needed to learn them.
+encoded bytes, compute s, received bytes]``. The job's first round also sizes the data
+(``RoundSpec.size_slots = P``): partition ``p`` writes its train and validation row
+counts into slots ``NUM_STATS + p`` and ``NUM_STATS + P + p``, so the sum holds every
+partition's sizes and no separate Spark job is needed to learn them.
 
 The model is built once per Python worker process and job (a module-level cache keyed by
-the job id); every round only copies the broadcast weights into it.
-
-Compression (``config.compression``, :class:`CompressedCodec`): the partition encodes its
-vector into one :func:`~sparktrain.compress.base.encode_message` buffer (what Spark ships
-as the task result or shuffle block); combOp merges two payloads — part by part, still
-compressed, when the compressor's single-round payloads are summable (fp16, bf16,
-randomk with the round's shared seed), else by decoding into a dense float32 vector (a
-merged int8/top-k/sign/PowerSGD payload is no longer a payload of that compressor); the
-driver decodes the result. ``seed`` and the round number are the same on every partition.
+the job id); every round only copies the broadcast weights into it. ``seed`` and the
+round number are the same on every partition, so compressors' random choices are shared.
 
 Error feedback in tree_aggregate: the residual of partition ``p`` after round ``r`` is
 kept in the Python worker that ran it, by ``(p, r)``; round ``r`` starts from the state
@@ -44,9 +37,9 @@ import copy
 import pickle
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,246 +47,31 @@ from torch import nn
 
 from sparktrain.comm.link import emulate_task_transfer
 from sparktrain.comm.security import WireSecurity
-from sparktrain.compress.base import (
-    BucketState,
-    Compressor,
-    add_bf16,
-    decode_message,
-    encode_message,
-)
+from sparktrain.compress.base import BucketState
 from sparktrain.compress.feedback import SCALE
-from sparktrain.compress.registry import build, split_spec
 from sparktrain.config import TrainConfig
-from sparktrain.launch.weights_server import (
-    Download,
-    apply_delta,
-    download_compressor,
-    fetch_mirror,
-)
 from sparktrain.modeling import build_loss, build_optimizer, label_dtype
 from sparktrain.worker.data import PartitionData, epoch_batches
 from sparktrain.worker.evaluate import evaluate, target_like
-
-# Slots of a contribution's stats vector (DOWN_BYTES: weight bytes the task received).
-SAMPLES, LOSS_SUM, EVAL_TOTAL, EVAL_ROWS, RAW_BYTES, WIRE_BYTES, COMPUTE_S, DOWN_BYTES = range(8)
-NUM_STATS = 8
-
-Contribution = tuple[Any, np.ndarray]  # (encoded payload or None, stats)
-
-
-# ---------------------------------------------------------------------- payload codec
-class PayloadCodec(Protocol):
-    """How a contribution's vector travels through treeAggregate (task results and
-    shuffle blocks). The compression issue plugs a compressor in here: ``encode`` runs
-    in the task after the partition's vector is computed, ``merge`` in every combOp."""
-
-    name: str
-    compressed: bool
-
-    def encode(self, vec: np.ndarray, state: BucketState | None = None) -> Any: ...
-
-    def decode(self, payload: Any) -> np.ndarray: ...
-
-    def merge(self, a: Any, b: Any) -> Any: ...
-
-    def nbytes(self, payload: Any) -> int: ...
-
-
-class IdentityCodec:
-    """``compression="none"``: the raw float32 vector; merge is an in-place sum."""
-
-    name = "none"
-    compressed = False
-
-    def encode(self, vec: np.ndarray, state: BucketState | None = None) -> np.ndarray:
-        return vec
-
-    def decode(self, payload: Any) -> np.ndarray:
-        return np.asarray(payload)
-
-    def merge(self, a: Any, b: Any) -> Any:
-        out = np.asarray(a)
-        out += np.asarray(b)  # Spark lets combOp reuse its first argument
-        return out
-
-    def nbytes(self, payload: Any) -> int:
-        return int(np.asarray(payload).nbytes)
-
-
-def _parts_summable(comp: Compressor) -> bool:
-    """Do two single-round payloads with equal ctx sum part by part (fp16, bf16, randomk)?"""
-    from sparktrain.compress.cast import BFloat16, Half, Identity
-    from sparktrain.compress.feedback import ErrorFeedback
-    from sparktrain.compress.topk import RandomK
-
-    while isinstance(comp, ErrorFeedback):
-        comp = comp.inner
-    return isinstance(comp, Half | BFloat16 | RandomK | Identity)
-
-
-class CompressedCodec:
-    """A compressor on the treeAggregate path. A payload is either a compressed message
-    (1-D uint8, straight from a partition or merged part by part) or, once two
-    non-summable payloads were merged, a dense float32 vector."""
-
-    compressed = True
-
-    def __init__(self, comp: Compressor) -> None:
-        self.comp = comp
-        self.name = comp.spec
-        self.summable = _parts_summable(comp)
-
-    def encode(self, vec: np.ndarray, state: BucketState | None = None) -> np.ndarray:
-        state = state if state is not None else BucketState()
-        payload, ctx = self.comp.compress(torch.from_numpy(vec), state)
-        return encode_message(payload, ctx, 0.0)
-
-    @staticmethod
-    def _is_message(payload: Any) -> bool:
-        return isinstance(payload, np.ndarray) and payload.dtype == np.uint8
-
-    def decode(self, payload: Any) -> np.ndarray:
-        if not self._is_message(payload):
-            return np.asarray(payload, dtype=np.float32)
-        parts, ctx, _ = decode_message(payload)
-        return self.comp.decompress(parts, ctx).numpy()
-
-    def merge(self, a: Any, b: Any) -> Any:
-        if self._is_message(a) and self._is_message(b) and self.summable:
-            merged = self._merge_parts(a, b)
-            if merged is not None:
-                return merged
-        dense = self.decode(a)  # decoded: a fresh array; dense: reused, as Spark allows
-        if not dense.flags.writeable:
-            dense = dense.copy()
-        if self._is_message(b):
-            parts, ctx, _ = decode_message(b, dense.size)
-            self.comp.add_into(torch.from_numpy(dense), parts, ctx)
-        else:
-            dense += np.asarray(b, dtype=np.float32)
-        return dense
-
-    def _merge_parts(self, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
-        """``a + b`` still compressed, or None when their ctx differ (then: dense)."""
-        out = np.array(a, copy=True)  # a may be read-only or shared
-        pa, ca, _ = decode_message(out)
-        pb, cb, _ = decode_message(b)
-        if ca != cb or [(p.dtype, p.size) for p in pa] != [(p.dtype, p.size) for p in pb]:
-            return None
-        for x, y in zip(pa, pb, strict=True):
-            if x.dtype == np.int16:  # bfloat16 bits
-                add_bf16(x, y, x)
-            else:
-                np.add(x, y, out=x)
-        return out
-
-    def nbytes(self, payload: Any) -> int:
-        return int(np.asarray(payload).nbytes)
-
-
-def make_codec(compression: str | Mapping[str, str]) -> PayloadCodec:
-    """The upload codec for a ``compression`` spec: its gradient part (a ``delta+``
-    prefix compresses the weight downloads, :mod:`sparktrain.launch.weights_server`); a
-    per-layer table is refused: a contribution is one flat vector."""
-    if not isinstance(compression, str):
-        raise ValueError(
-            "tree_aggregate compresses each partition's flat vector with one spec; give one "
-            "spec such as 'int8+ef' instead of a per-layer table"
-        )
-    parts = split_spec(compression)
-    comp = build(parts.gradient)  # delta+: the weight downloads' part (weights_server.py)
-    return IdentityCodec() if comp is None else CompressedCodec(comp)
-
-
-# ---------------------------------------------------------------------- flat vectors
-def num_elements(params: Sequence[torch.Tensor]) -> int:
-    return sum(p.numel() for p in params)
-
-
-def flatten(params: Sequence[torch.Tensor], out: np.ndarray | None = None) -> np.ndarray:
-    """Parameters (in order) as one contiguous float32 vector."""
-    if out is None:
-        out = np.empty(num_elements(params), dtype=np.float32)
-    flat = torch.from_numpy(out)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        flat[offset : offset + n].copy_(p.detach().reshape(-1))
-        offset += n
-    return out
-
-
-def assign(params: Sequence[torch.Tensor], vec: np.ndarray) -> None:
-    """Copy a flat vector (from :func:`flatten`) back into the parameters."""
-    if vec.size != num_elements(params):
-        raise ValueError(
-            f"flat vector has {vec.size} values, the parameters {num_elements(params)}"
-        )
-    flat = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
-
-
-def flatten_grads(params: Sequence[torch.Tensor], out: np.ndarray | None = None) -> np.ndarray:
-    """Gradients as one float32 vector (zeros where a parameter has no gradient)."""
-    if out is None:
-        out = np.empty(num_elements(params), dtype=np.float32)
-    flat = torch.from_numpy(out)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        if p.grad is None:
-            flat[offset : offset + n].zero_()
-        else:
-            flat[offset : offset + n].copy_(p.grad.reshape(-1))
-        offset += n
-    return out
-
-
-def assign_grads(params: Sequence[nn.Parameter], vec: np.ndarray) -> None:
-    """Set every parameter's ``.grad`` from a flat vector."""
-    flat = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
-    offset = 0
-    for p in params:
-        n = p.numel()
-        g = flat[offset : offset + n].view_as(p)
-        if p.grad is None:
-            p.grad = g.clone()
-        else:
-            p.grad.copy_(g)
-        offset += n
-
-
-# ---------------------------------------------------------------------- contributions
-def zero_stats(size_slots: int = 0) -> np.ndarray:
-    """An empty stats vector (plus ``2 * size_slots`` row-count slots in a sizing round)."""
-    return np.zeros(NUM_STATS + 2 * size_slots, dtype=np.float64)
-
-
-def merge(
-    a: Contribution | None, b: Contribution | None, codec: PayloadCodec
-) -> Contribution | None:
-    """treeAggregate's combOp: sum payloads and stats (compute time: max). ``None`` is the
-    zero value, so no zero vector is ever shipped with the closure."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    pa, sa = a
-    pb, sb = b
-    if pa is None:
-        payload = pb
-    elif pb is None:
-        payload = pa
-    else:
-        payload = codec.merge(pa, pb)
-    stats = sa + sb
-    stats[COMPUTE_S] = max(sa[COMPUTE_S], sb[COMPUTE_S])
-    return payload, stats
+from sparktrain.worker.flat import assign, flatten, flatten_grads, num_elements
+from sparktrain.worker.round_codec import (
+    COMPUTE_S,
+    DOWN_BYTES,
+    EVAL_ROWS,
+    EVAL_TOTAL,
+    LOSS_SUM,
+    NUM_STATS,
+    RAW_BYTES,
+    SAMPLES,
+    WIRE_BYTES,
+    Contribution,
+    PayloadCodec,
+    download_compressor,
+    make_codec,
+    merge,
+    zero_stats,
+)
+from sparktrain.worker.weights_mirror import Download, apply_delta, fetch_mirror
 
 
 @dataclass
@@ -405,7 +183,7 @@ def worker_state(spec: RoundSpec) -> _WorkerState:
 def receive_weights(spec: RoundSpec, download: Download, partition: int) -> tuple[np.ndarray, int]:
     """A ``delta+`` round's weights in this Python worker, and the bytes the task had to
     receive for them: the delta on the mirror this worker holds from the previous round,
-    else the round's full mirror fetched from the driver (weights_server.py)."""
+    else the round's full mirror fetched from the driver (:mod:`.weights_mirror`)."""
     state = worker_state(spec)
     with state.lock:
         held = state.mirror
@@ -518,17 +296,6 @@ def make_seq_op(
         return merge(acc, mine, codec)
 
     return seq_op
-
-
-def make_comb_op(
-    codec: PayloadCodec,
-) -> Callable[[Contribution | None, Contribution | None], Contribution | None]:
-    """treeAggregate's combOp."""
-
-    def comb_op(a: Contribution | None, b: Contribution | None) -> Contribution | None:
-        return merge(a, b, codec)
-
-    return comb_op
 
 
 def _batch(state: _WorkerState, data: PartitionData, idx: np.ndarray, loss: Any) -> torch.Tensor:

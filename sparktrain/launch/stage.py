@@ -1,0 +1,335 @@
+"""The stage runner: the one attempt loop of every barrier-stage job.
+
+Data-parallel strategies (ring, tree, auto, ps, plug-ins) and pipelines all run through
+:func:`run_stage`: per attempt it starts a metrics channel, a rendezvous and a state
+receiver (each naming the attempt, so a straggler of an earlier attempt cannot report
+into this one), sets a job group, watches for free slots on a cluster, launches one
+barrier stage over the prepared data (:func:`launch`) and, when a task fails, resubmits
+the stage up to ``max_restarts`` times from where the strategy's driver half says it
+resumes. Data and config errors are final.
+
+:func:`train_data_parallel` is a barrier strategy's whole fit: the job spec, the
+checkpoint store, the strategy's driver half, the stage, the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sparktrain.checkpoint import CheckpointStore, check_shared, open_for_run
+from sparktrain.comm.security import WireSecurity
+from sparktrain.config import TrainConfig
+from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerError
+from sparktrain.launch.barrier import TaskEntry, launch
+from sparktrain.launch.prepare import PreparedData
+from sparktrain.launch.rendezvous import RendezvousServer
+from sparktrain.launch.resources import SlotWatchdog, check_can_launch, is_local, task_cpus
+from sparktrain.launch.state_server import StateReceiver
+from sparktrain.metrics import MetricsServer, ProgressDisplay
+from sparktrain.result import Record, TrainResult, assemble
+from sparktrain.worker.context import JobSpec
+from sparktrain.worker.faults import FaultPlan
+from sparktrain.worker.loop import train_partition
+from sparktrain.worker.memory import peak_rss_bytes
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
+    from torch import nn
+
+    from sparktrain.strategies.base import DriverHalf, Strategy
+
+log = logging.getLogger(__name__)
+
+# What SparkContext.setJobGroup sets in the calling thread (restored after a stage).
+_JOB_GROUP_PROPERTIES = (
+    "spark.jobGroup.id",
+    "spark.job.description",
+    "spark.job.interruptOnCancel",
+)
+
+
+@dataclass
+class FitJob:
+    """Everything the driver resolved for one fit, before any strategy runs: the
+    session's context, the prepared data, the driver's model (rank 0's trained state is
+    written into it) and how to build it on the executors."""
+
+    sc: SparkContext
+    prepared: PreparedData
+    model: nn.Module
+    model_fn: Any
+    model_kwargs: dict[str, Any]
+    config: TrainConfig
+    num_outputs: int
+    started: float
+    fault: FaultPlan | None = None
+
+    def job_spec(self, strategy: Strategy | None) -> JobSpec:
+        """A new job's spec for attempt 0 (a fresh job id and secret)."""
+        cfg = self.config
+        return JobSpec(
+            job_id=uuid.uuid4().hex[:12],
+            attempt=0,
+            secret=secrets.token_bytes(32),
+            config=cfg,
+            model_fn=self.model_fn,
+            model_kwargs=self.model_kwargs,
+            feature_width=self.prepared.feature_width,
+            num_outputs=self.num_outputs,
+            threads=cfg.threads_per_worker or task_cpus(self.sc),
+            fault=self.fault,
+            security=WireSecurity.for_job(cfg.encryption, cfg.frame_integrity),
+            strategy=strategy,
+        )
+
+
+@dataclass
+class DriverJob:
+    """What a strategy's driver half is started with."""
+
+    model: nn.Module
+    config: TrainConfig
+    host: str
+    spec: JobSpec
+    display: ProgressDisplay
+    store: CheckpointStore | None
+
+
+@dataclass
+class StageOutcome:
+    """The records of the attempt that finished, and what it took to get there."""
+
+    records: list[Record]
+    restarts: int
+    steps_redone: int
+    stage_s: float
+
+
+def driver_host(sc: SparkContext) -> str:
+    """The address the driver's services listen on (the executors dial it)."""
+    return str(sc.getConf().get("spark.driver.host", "127.0.0.1"))
+
+
+def open_store(cfg: TrainConfig, master: str, *, executors_write: bool) -> CheckpointStore | None:
+    """The run's checkpoint store (None without ``checkpoint_dir``). When the ranks write
+    and read it, the directory must be one every executor's host shares; a new run
+    first clears temporary files a killed writer left."""
+    if not cfg.checkpoint_dir:
+        return None
+    if executors_write:
+        check_shared(cfg.checkpoint_dir, master)
+    return open_for_run(cfg.checkpoint_dir, cfg.keep_checkpoints, resume=cfg.resume)
+
+
+def resume_step(store: CheckpointStore | None, resume: bool) -> int | None:
+    """The newest intact checkpoint's step when resuming, else None (start from scratch);
+    a truncated or incomplete newer one is skipped (the store logs which)."""
+    if store is None or not resume:
+        return None
+    step = store.newest_intact()
+    if step is None:
+        log.info("no checkpoint in %s yet: starting from scratch", store.uri)
+    return step
+
+
+def train_data_parallel(job: FitJob, strategy: Strategy) -> TrainResult:
+    """A barrier strategy's fit: every task runs the built-in loop on its partition."""
+    cfg = job.config
+
+    def finish(records: list[Record], stage_s: float) -> TrainResult:
+        return assemble(
+            job.model, records, cfg, wall_s=time.perf_counter() - job.started, stage_s=stage_s
+        )
+
+    result = train_in_stage(job, strategy, entry=train_partition, assemble_result=finish)
+    if "auto" in result.summary:
+        auto = result.summary["auto"]
+        log.info("auto chose %s + %s: %s", auto["strategy"], auto["compression"], auto["reason"])
+    return result
+
+
+def train_in_stage(
+    job: FitJob,
+    strategy: Strategy,
+    *,
+    entry: TaskEntry,
+    assemble_result: Callable[[list[Record], float], TrainResult],
+    spec: JobSpec | None = None,
+    senders: Mapping[int, Collection[str]] | None = None,
+    describe: str = "",
+) -> TrainResult:
+    """Open the checkpoint store, start the strategy's driver half, run the stage
+    (:func:`run_stage`), stop the services and assemble the result. ``spec`` is the
+    job's spec when the entry already holds it (else a new one)."""
+    cfg = job.config
+    spec = spec or job.job_spec(strategy)
+    store = open_store(
+        cfg, str(job.sc.master), executors_write=strategy.executors_write_checkpoints
+    )
+    display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
+    host = driver_host(job.sc)
+    log.info("job %s: %s on %d workers%s", spec.job_id, cfg.strategy, cfg.num_workers, describe)
+    try:
+        driver = strategy.driver(DriverJob(job.model, cfg, host, spec, display, store))
+        try:
+            outcome = run_stage(
+                job.sc,
+                job.prepared,
+                driver.job_spec(spec),
+                driver,
+                display,
+                entry=entry,
+                model=job.model,
+                senders=senders,
+            )
+        finally:
+            driver.stop()
+    finally:
+        display.close()
+    result = assemble_result(outcome.records, outcome.stage_s)
+    result.summary.update(restarts=outcome.restarts, steps_redone=outcome.steps_redone)
+    result.summary["driver_peak_rss_bytes"] = peak_rss_bytes()
+    driver.finish(result)
+    return result
+
+
+def run_stage(
+    sc: SparkContext,
+    prepared: PreparedData,
+    base: JobSpec,
+    driver: DriverHalf,
+    display: ProgressDisplay,
+    *,
+    entry: TaskEntry,
+    model: nn.Module | None,
+    senders: Mapping[int, Collection[str]] | None = None,
+) -> StageOutcome:
+    """The attempt loop: launch, and on a worker or wire failure resubmit the stage
+    (``max_restarts`` times at most) from where ``driver`` says it resumes."""
+    cfg = base.config
+    step, history = driver.first_resume()
+    launched = time.perf_counter()
+    restarts = steps_redone = 0
+    for attempt in itertools.count():
+        driver.begin_attempt(attempt)
+        spec = dataclasses.replace(base, attempt=attempt, resume_step=step, resume_history=history)
+        try:
+            records = _attempt(sc, prepared, spec, display, entry, model, senders)
+            return StageOutcome(records, restarts, steps_redone, time.perf_counter() - launched)
+        except (WorkerError, CommError) as exc:  # data and config errors are final
+            if attempt >= cfg.max_restarts:
+                raise
+            reached = display.last_global_step
+            step, history = driver.resume_after_failure()
+            steps_redone += max(0, reached - (step or 0))
+            restarts += 1
+            log.warning(
+                "the training stage failed (%s); resubmitting it (restart %d of %d) %s",
+                exc,
+                restarts,
+                cfg.max_restarts,
+                driver.resume_source(step),
+            )
+            check_can_launch(sc, cfg.num_workers)  # a lost executor may leave too few
+    raise AssertionError("unreachable")  # itertools.count() never ends
+
+
+def _attempt(
+    sc: SparkContext,
+    prepared: PreparedData,
+    spec: JobSpec,
+    display: ProgressDisplay,
+    entry: TaskEntry,
+    model: nn.Module | None,
+    senders: Mapping[int, Collection[str]] | None,
+) -> list[Record]:
+    """One barrier stage with its own progress channel, rendezvous and state receiver.
+    With ``model``, the ranks stream their trained state straight into it
+    (:mod:`sparktrain.launch.state_server`), not as task results."""
+    host = driver_host(sc)
+    services: list[Any] = []
+    try:
+        receiver = None
+        if model is not None:
+            receiver = StateReceiver(
+                host,
+                model,
+                secret=spec.secret,
+                job_id=spec.job_id,
+                attempt=spec.attempt,
+                security=spec.security,
+                **({"senders": senders} if senders is not None else {}),
+            )
+            services.append(receiver)
+        server = MetricsServer(
+            host,
+            secret=spec.secret,
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            on_message=display,
+            security=spec.security,
+        )
+        services.append(server)
+        meeting = RendezvousServer(
+            host,
+            secret=spec.secret,
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            world_size=spec.config.num_workers,
+            security=spec.security,
+        )
+        services.append(meeting)
+        spec = dataclasses.replace(
+            spec,
+            metrics_address=server.address,
+            rendezvous_address=meeting.address,
+            state_address=receiver.address if receiver is not None else None,
+        )
+        with _job_group(sc, spec) as watchdog:
+            try:
+                records = launch(prepared, spec, entry)
+            except SparkTrainError as exc:
+                if watchdog is not None and watchdog.reason:  # cancelled: could never start
+                    raise ResourceError(watchdog.reason) from exc
+                raise
+        if receiver is not None and not receiver.done.is_set():
+            raise WorkerError(
+                f"the trained state did not reach the driver ({receiver.error}); "
+                "this is a bug, please report it"
+            )
+        return records
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+
+class _job_group:
+    """The stage's job group (cancellable as one; named in the UI), and on a cluster a
+    watchdog that cancels it when the stage can never get its slots."""
+
+    def __init__(self, sc: SparkContext, spec: JobSpec) -> None:
+        self.sc, self.spec = sc, spec
+        self.group = f"sparktrain-{spec.job_id}-{spec.attempt}"
+
+    def __enter__(self) -> SlotWatchdog | None:
+        sc = self.sc
+        self.saved = {k: sc.getLocalProperty(k) for k in _JOB_GROUP_PROPERTIES}
+        sc.setJobGroup(self.group, f"sparktrain {self.spec.config.strategy}: training stage", True)
+        self.watchdog = (
+            None if is_local(sc) else SlotWatchdog(sc, self.spec.config.num_workers, self.group)
+        )
+        return self.watchdog
+
+    def __exit__(self, *exc: object) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        for key, value in self.saved.items():
+            self.sc.setLocalProperty(key, value)  # type: ignore[arg-type]

@@ -1,0 +1,105 @@
+"""The barrier allreduce strategies: ``ring``, ``tree`` and ``auto``.
+
+Every rank holds the whole model and averages gradients with the others each step
+(:class:`~sparktrain.worker.sync.AllreduceSync`: buckets, overlap with backward,
+compression per bucket). ``ring`` is bandwidth-optimal (:mod:`sparktrain.comm.ring`),
+``tree`` latency-optimal for small messages (:mod:`sparktrain.comm.tree`); ``auto``
+probes the links at stage start and picks one of them and a compressor
+(:mod:`sparktrain.worker.probe`). They keep no driver-side services: a restart resumes
+from the ranks' checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from sparktrain import costmodel
+from sparktrain.errors import ConfigError
+from sparktrain.strategies.base import Strategy
+from sparktrain.strategies.registry import register
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from sparktrain.comm import Mesh
+    from sparktrain.config import TrainConfig
+    from sparktrain.costmodel import CompressorCost
+    from sparktrain.worker.context import WorkerContext
+    from sparktrain.worker.sync import StepSync
+
+
+class Allreduce(Strategy):
+    """Gradients averaged by a collective between the barrier tasks."""
+
+    per_layer_compression = True
+    pipeline_replicas = True
+    auto_compression = True
+    collective: ClassVar[str]
+
+    def worker_sync(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> StepSync:
+        from sparktrain.worker.sync import AllreduceSync
+
+        return AllreduceSync(ctx, model, mesh)
+
+    def comm_s(
+        self,
+        nbytes: float,
+        world: int,
+        alpha: float,
+        beta: float,
+        *,
+        compressor: CompressorCost | None = None,
+        buckets: int = 1,
+    ) -> float:
+        return costmodel.comm_s(
+            self.collective, nbytes, world, alpha, beta, compressor=compressor, buckets=buckets
+        )
+
+
+class Ring(Allreduce):
+    """Bandwidth-optimal ring allreduce (reduce-scatter + all-gather)."""
+
+    name = "ring"
+    collective = "ring"
+
+
+class Tree(Allreduce):
+    """Recursive-doubling tree allreduce, for small, latency-bound gradients."""
+
+    name = "tree"
+    collective = "tree"
+
+
+class Auto(Allreduce):
+    """Ring or tree and a compressor, chosen inside the stage from measured links."""
+
+    name = "auto"
+    pipeline_replicas = False
+
+    def validate(self, cfg: TrainConfig) -> None:
+        if cfg.parallelism_pipeline > 1:
+            raise ConfigError(
+                "strategy/compression 'auto' do not combine with parallelism.pipeline > 1: "
+                "give strategy='ring' and a compression spec"
+            )
+        super().validate(cfg)
+
+    def comm_s(
+        self,
+        nbytes: float,
+        world: int,
+        alpha: float,
+        beta: float,
+        *,
+        compressor: CompressorCost | None = None,
+        buckets: int = 1,
+    ) -> float:
+        """What the choice would predict: the faster of ring and tree."""
+        return min(
+            costmodel.comm_s(s, nbytes, world, alpha, beta, compressor=compressor, buckets=buckets)
+            for s in costmodel.AUTO_STRATEGIES
+        )
+
+
+for _strategy in (Ring(), Tree(), Auto()):
+    register(_strategy)

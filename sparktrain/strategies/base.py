@@ -1,0 +1,177 @@
+"""The two halves of a strategy.
+
+The **driver half** runs on the driver (or the Spark Connect client): it validates the
+strategy's own options, says how the strategy launches (:attr:`Strategy.launcher`),
+starts and stops its driver-side services and says where a restarted stage resumes
+(:meth:`Strategy.driver` returns a :class:`DriverHalf`). The **worker half** runs in
+every task: :meth:`Strategy.worker_sync` builds the rank's
+:class:`~sparktrain.worker.sync.StepSync`. :meth:`Strategy.comm_s` gives the cost model
+its per-step term.
+
+A strategy object travels to the executors inside the job's
+:class:`~sparktrain.worker.context.JobSpec`, pickled by reference to its class: it
+holds no state, and its module imports no pyspark at module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from sparktrain.compress.registry import split_spec
+from sparktrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from sparktrain.comm import Mesh
+    from sparktrain.config import TrainConfig
+    from sparktrain.costmodel import CompressorCost
+    from sparktrain.launch.stage import DriverJob, FitJob
+    from sparktrain.result import TrainResult
+    from sparktrain.worker.context import JobSpec, WorkerContext
+    from sparktrain.worker.sync import StepSync
+
+
+class DriverHalf:
+    """A strategy's driver-side services for one job, across all its attempts.
+
+    The stage runner calls :meth:`job_spec` once, then :meth:`begin_attempt` before every
+    attempt and :meth:`resume_after_failure` after a failed one, :meth:`stop` when the
+    stage is over (also on failure) and :meth:`finish` with the assembled result. This
+    base class has no services and resumes from the run's checkpoint store.
+    """
+
+    def __init__(self, job: DriverJob) -> None:
+        self.job = job
+
+    def job_spec(self, spec: JobSpec) -> JobSpec:
+        """The spec every attempt starts from (e.g. with the services' addresses)."""
+        return spec
+
+    def first_resume(self) -> tuple[int | None, tuple[dict[str, Any], ...]]:
+        """(step, history) the first attempt resumes from; (None, ()) = from scratch."""
+        from sparktrain.launch.stage import resume_step
+
+        return resume_step(self.job.store, self.job.config.resume), ()
+
+    def begin_attempt(self, attempt: int) -> None:
+        """Before attempt ``attempt`` (0, 1, ...) is launched."""
+
+    def resume_after_failure(self) -> tuple[int | None, tuple[dict[str, Any], ...]]:
+        """(step, history) the next attempt resumes from after a failed one."""
+        from sparktrain.launch.stage import resume_step
+
+        return resume_step(self.job.store, True), ()
+
+    def resume_source(self, step: int | None) -> str:
+        """Where a resubmitted stage continues from, for the log."""
+        if step is not None:
+            return f"from the checkpoint of step {step}"
+        hint = "" if self.job.store is not None else " (set checkpoint_dir to keep progress)"
+        return "from scratch: no checkpoint to resume from" + hint
+
+    def stop(self) -> None:
+        """Stop every service; idempotent."""
+
+    def finish(self, result: TrainResult) -> None:
+        """Add the strategy's own figures to ``result`` (after :meth:`stop`)."""
+
+
+class Strategy:
+    """A gradient-aggregation strategy: subclass, set :attr:`name`, implement
+    :meth:`worker_sync` (barrier strategies) and :func:`~sparktrain.strategies.register`
+    an instance."""
+
+    name: ClassVar[str]
+    launcher: ClassVar[Literal["barrier", "rounds"]] = "barrier"
+    """``barrier``: one barrier stage run by :mod:`sparktrain.launch.stage` (needs a free
+    slot per worker); ``rounds``: ordinary Spark jobs, see :meth:`launch`."""
+    per_layer_compression: ClassVar[bool] = False
+    """Does ``compression`` take a per-layer table (gradients bucketed by layer)?"""
+    takes_delta: ClassVar[bool] = False
+    """Does a ``delta+`` spec make sense (repeated sends of a value the receiver holds)?"""
+    executors_write_checkpoints: ClassVar[bool] = True
+    """Do the ranks write the checkpoints (then ``checkpoint_dir`` must be shared storage
+    on a cluster), or the driver half (False)?"""
+    pipeline_replicas: ClassVar[bool] = False
+    """Can the replicas of a pipeline stage average their gradients with it?"""
+    auto_compression: ClassVar[bool] = False
+    """Can ``compression="auto"`` be chosen inside its stage (the link probe)?"""
+
+    # ----------------------------------------------------------------- driver half
+    def validate(self, cfg: TrainConfig) -> None:
+        """Refuse options this strategy cannot run with, saying what to do instead.
+        The base class checks the compression spec against the class attributes."""
+        if cfg.parallelism_pipeline > 1 and cfg.compression == "auto":
+            raise ConfigError(
+                "strategy/compression 'auto' do not combine with parallelism.pipeline > 1: "
+                "give strategy='ring' and a compression spec"
+            )
+        if cfg.compression == "auto" and not self.auto_compression:
+            raise ConfigError(
+                f"compression='auto' is chosen inside the barrier stage for the ring or tree "
+                f"allreduce; with strategy={self.name!r} give a compressor (e.g. 'fp16', "
+                "'topk:0.01+ef') or 'none', or use strategy='auto'"
+            )
+        table = isinstance(cfg.compression, Mapping)
+        if table and not (self.per_layer_compression and cfg.parallelism_pipeline <= 1):
+            raise ConfigError(
+                "compression is a per-layer table, which only strategy='ring' or 'tree' (without "
+                f"a pipeline) accepts; strategy={self.name!r} compresses whole parameter shards "
+                "or payloads, not layers: give one spec string, e.g. compression='int8+ef'"
+            )
+        specs = (
+            list(cfg.compression.values())
+            if isinstance(cfg.compression, Mapping)
+            else [cfg.compression]
+        )
+        for spec in specs:
+            if spec != "auto" and split_spec(spec).delta and not self.takes_delta:
+                raise ConfigError(
+                    f"compression={spec!r}: delta encodes repeated sends of a value the "
+                    "receiver already holds (parameter-server pulls, tree_aggregate's weight "
+                    f"downloads); {self.name} exchanges fresh gradients, so drop 'delta+' "
+                    "(e.g. use 'int8+ef')"
+                )
+        if cfg.parallelism_pipeline > 1 and not self.pipeline_replicas:
+            raise ConfigError(
+                f"strategy={cfg.strategy!r} does not combine with parallelism.pipeline > 1: the "
+                "replicas of a stage average gradients with the ring; use strategy='ring'"
+            )
+
+    def opens_sockets(self, cfg: TrainConfig) -> bool:
+        """Does a job of this strategy open sparktrain's own sockets (the encryption gate
+        asks)? Every barrier stage does: rendezvous, metrics, state, gradients."""
+        return True
+
+    def driver(self, job: DriverJob) -> DriverHalf:
+        """Start this strategy's driver-side services for ``job``."""
+        return DriverHalf(job)
+
+    def launch(self, job: FitJob) -> TrainResult:
+        """Train: for a barrier strategy, one barrier stage through the stage runner."""
+        from sparktrain.launch.stage import train_data_parallel
+
+        return train_data_parallel(job, self)
+
+    # ----------------------------------------------------------------- worker half
+    def worker_sync(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> StepSync:
+        """The step sync rank ``ctx.rank`` trains with (runs in the task)."""
+        raise ConfigError(f"strategy {self.name!r} does not run in a barrier stage")
+
+    # ----------------------------------------------------------------- cost model
+    def comm_s(
+        self,
+        nbytes: float,
+        world: int,
+        alpha: float,
+        beta: float,
+        *,
+        compressor: CompressorCost | None = None,
+        buckets: int = 1,
+    ) -> float:
+        """Predicted seconds of one step's exchange of ``nbytes`` of fp32 gradients in
+        ``buckets`` collectives, optionally through ``compressor`` (the alpha-beta model
+        of :mod:`sparktrain.costmodel`)."""
+        raise NotImplementedError(f"strategy {self.name!r} has no cost model")

@@ -1,0 +1,79 @@
+"""The strategy registry: names to :class:`~sparktrain.strategies.base.Strategy` objects.
+
+It sits at the bottom of the house (it imports only the errors): the config checks a
+strategy's name here, and executors find a strategy's worker half here. The built-in
+strategies are imported on first use by their module path, so naming them costs no
+torch import; a plug-in registers itself when its module is imported (for executors:
+ship that module with ``SparkContext.addPyFile`` or install it, since a job's strategy
+object is unpickled there by reference to its module).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import TYPE_CHECKING
+
+from sparktrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sparktrain.strategies.base import Strategy
+
+_BUILTIN = {
+    "ring": "sparktrain.strategies.allreduce",
+    "tree": "sparktrain.strategies.allreduce",
+    "auto": "sparktrain.strategies.allreduce",
+    "ps": "sparktrain.strategies.ps",
+    "tree_aggregate": "sparktrain.strategies.tree_aggregate",
+}
+_REGISTERED: dict[str, Strategy] = {}
+_LOCK = threading.Lock()
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Make ``strategy`` available as ``TrainConfig(strategy=strategy.name)``.
+
+    Registering the same class again (a module imported twice, a reused Python worker)
+    is a no-op; another class under a taken name is refused.
+    """
+    name = getattr(strategy, "name", None)
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ConfigError(
+            f"a strategy needs a `name` that is an identifier (e.g. 'allgather_mean'), "
+            f"got {name!r} on {type(strategy).__name__}"
+        )
+    with _LOCK:
+        known = _REGISTERED.get(name)
+        if known is not None and type(known).__qualname__ != type(strategy).__qualname__:
+            raise ConfigError(
+                f"strategy {name!r} is already registered by {type(known).__module__}."
+                f"{type(known).__qualname__}: give yours another name"
+            )
+        _REGISTERED[name] = strategy
+    return strategy
+
+
+def get(name: str) -> Strategy:
+    """The strategy registered as ``name``; the error lists every name there is."""
+    found = _REGISTERED.get(name)
+    if found is None and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])  # registers its strategies
+        found = _REGISTERED.get(name)
+    if found is None:
+        raise ConfigError(
+            f"strategy={name!r} is not registered; registered strategies: "
+            f"{', '.join(names())}. Did you forget to import the module that calls "
+            "sparktrain.strategies.register() (and ship it to the executors with "
+            "SparkContext.addPyFile)?"
+        )
+    return found
+
+
+def names() -> list[str]:
+    """Every strategy name there is: the built-ins, then plug-ins in registration order."""
+    return [*_BUILTIN, *(n for n in _REGISTERED if n not in _BUILTIN)]
+
+
+def is_known(name: object) -> bool:
+    """Is ``name`` a built-in or registered strategy (without importing any)?"""
+    return isinstance(name, str) and (name in _BUILTIN or name in _REGISTERED)
