@@ -19,12 +19,7 @@ import torch
 from torch import nn
 
 from sparktrain import strategies
-from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError, DataError
-from sparktrain.launch.prepare import prepare
-from sparktrain.launch.resources import check_can_launch, check_transport_security
-from sparktrain.launch.stage import FitJob
-from sparktrain.modeling import (
+from sparktrain.builders import (
     ModelFn,
     build_loss,
     build_model,
@@ -32,6 +27,11 @@ from sparktrain.modeling import (
     check_weighted_loss,
     resolve_model_fn,
 )
+from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError, DataError
+from sparktrain.launch.prepare import prepare
+from sparktrain.launch.resources import check_can_launch, check_transport_security
+from sparktrain.launch.stage import FitJob
 from sparktrain.parallel.pipeline import check_param_cap, run_pipeline
 from sparktrain.result import TrainResult
 from sparktrain.worker.faults import FaultPlan

@@ -5,7 +5,7 @@ Sample weights (``weight_col``, DataFrames only): one aggregation job checks the
 (no nulls, NaN, infinities or negative values, not all zero) and finds the mean weight
 ``w̄`` over the training rows; the workers receive ``w / w̄`` in the
 :data:`~sparktrain.worker.data.WEIGHT` column. With weights of mean 1, each batch's loss
-``sum w_i l_i / n`` (``modeling.Loss``) makes the training set's gradient exactly that of
+``sum w_i l_i / n`` (``builders.Loss``) makes the training set's gradient exactly that of
 the weighted mean loss ``sum w_i l_i / sum w_i``, while every step's sample-count averaged
 gradient stays an unbiased estimate of it; the gradient machinery is unchanged.
 ``validation_data`` needs no weight column: validation metrics are unweighted. With

@@ -81,6 +81,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.builders import build_optimizer
 from sparktrain.checkpoint import Checkpoint, open_for_run
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
@@ -91,7 +92,6 @@ from sparktrain.launch.round_runner import RoundRunner, cache_blocks
 from sparktrain.launch.spark_volume import SparkVolume
 from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
 from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
-from sparktrain.modeling import build_optimizer
 from sparktrain.result import TrainResult
 from sparktrain.worker.data import steps_for
 from sparktrain.worker.evaluate import finish_metric, metric_name

@@ -8,7 +8,7 @@ says what to change — before any barrier stage starts.
 
 ``weightCol`` (optional) names a numeric column of sample weights ``>= 0``: the training
 objective is then the weighted mean loss ``sum w_i l_i / sum w_i``, as in MLlib's weighted
-estimators (see :class:`sparktrain.modeling.Loss` and ``launch/prepare.py`` for how the
+estimators (see :class:`sparktrain.builders.Loss` and ``launch/prepare.py`` for how the
 workers compute it exactly). The reported training loss is weighted too; the validation
 metric (``validationFraction``) and the model's outputs are not affected by weights.
 """

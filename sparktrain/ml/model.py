@@ -26,6 +26,7 @@ from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 from torch import nn
 
+from sparktrain.builders import build_model, import_callable
 from sparktrain.errors import ConfigError, DataError
 from sparktrain.ml.params import _TorchClassifierParams, _TorchParams, _TorchRegressorParams
 from sparktrain.ml.persistence import (
@@ -33,7 +34,6 @@ from sparktrain.ml.persistence import (
     TorchModelWriter,
     state_from_bytes,
 )
-from sparktrain.modeling import build_model, import_callable
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

@@ -51,13 +51,13 @@ import torch
 from torch import nn
 
 from sparktrain import errors
+from sparktrain.builders import build_loss, build_optimizer, label_dtype, resolve_model_fn
 from sparktrain.checkpoint import CheckpointStore
 from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
 from sparktrain.comm.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
 from sparktrain.comm.frames import KIND_DATA
 from sparktrain.config import single_spec
 from sparktrain.metrics import MetricsClient
-from sparktrain.modeling import build_loss, build_optimizer, label_dtype, resolve_model_fn
 from sparktrain.parallel.checkpoints import StageCheckpoints, StagePart, stage_state
 from sparktrain.parallel.group import GroupGradientSync, GroupMesh, group_allreduce
 from sparktrain.parallel.partition import Partition, as_sequential

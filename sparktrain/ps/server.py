@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.builders import build_optimizer
 from sparktrain.comm.connection import Connection
 from sparktrain.comm.frames import HEADER_BYTES, KIND_DATA, MAX_FRAME_BYTES_DEFAULT
 from sparktrain.comm.link import link_from_config
@@ -58,7 +59,6 @@ from sparktrain.comm.service import DriverService
 from sparktrain.comm.stats import CommStats
 from sparktrain.config import TrainConfig, single_spec
 from sparktrain.errors import CommError, ConfigError, FrameError
-from sparktrain.modeling import build_optimizer
 from sparktrain.ps import protocol
 from sparktrain.ps.consistency import AsyncLedger, SyncLedger, lr_scale, make_ledger
 from sparktrain.ps.layout import (

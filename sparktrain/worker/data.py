@@ -7,7 +7,7 @@ its partition once and keeps it for all epochs.
 Sample weights (``weight_col``) travel as an optional float64 column :data:`WEIGHT` next
 to the features and labels. The driver has already validated them and divided them by
 their mean over the training rows (``launch/prepare.py``), so a worker only multiplies
-per-sample losses by them (see ``modeling.Loss``).
+per-sample losses by them (see ``builders.Loss``).
 """
 
 from __future__ import annotations

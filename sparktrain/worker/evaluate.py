@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparktrain.modeling import is_classification
+from sparktrain.builders import is_classification
 from sparktrain.worker.data import PartitionData
 
 # Validation runs in slices so that memory stays bounded on large partitions.

@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from sparktrain import errors
+from sparktrain.builders import build_loss, build_model, label_dtype, resolve_model_fn
 from sparktrain.checkpoint import PIPELINE_LAYOUT, RANK_SHARDS, Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
 from sparktrain.comm.chunked import chunk_bytes_for
 from sparktrain.comm.link import link_from_config
 from sparktrain.errors import CheckpointError
 from sparktrain.metrics import MetricsClient
-from sparktrain.modeling import build_loss, build_model, label_dtype, resolve_model_fn
 from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for

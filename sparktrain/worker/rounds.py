@@ -45,12 +45,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparktrain.builders import build_loss, build_optimizer, label_dtype
 from sparktrain.comm.link import emulate_task_transfer
 from sparktrain.comm.security import WireSecurity
 from sparktrain.compress.base import BucketState
 from sparktrain.compress.feedback import SCALE
 from sparktrain.config import TrainConfig
-from sparktrain.modeling import build_loss, build_optimizer, label_dtype
 from sparktrain.worker.data import PartitionData, epoch_batches
 from sparktrain.worker.evaluate import evaluate, target_like
 from sparktrain.worker.flat import assign, flatten, flatten_grads, num_elements
@@ -302,7 +302,7 @@ def _batch(state: _WorkerState, data: PartitionData, idx: np.ndarray, loss: Any)
     x = torch.from_numpy(data.x[idx])
     y = torch.from_numpy(data.y[idx]).to(label_dtype(loss))
     out = state.model(x)
-    # weighted data: sum w_i l_i / n with driver-normalised weights (modeling.Loss)
+    # weighted data: sum w_i l_i / n with driver-normalised weights (builders.Loss)
     result: torch.Tensor = state.loss_fn(out, target_like(y, out), data.weights_at(idx))
     return result
 

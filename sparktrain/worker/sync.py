@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from sparktrain.builders import build_optimizer
 from sparktrain.comm import Mesh, RingAllreduce, TreeAllreduce, make_allreduce
 from sparktrain.comm.chunked import PiecewiseAllreduce
 from sparktrain.comm.ring import DEFAULT_CHUNK_BYTES
@@ -38,7 +39,6 @@ from sparktrain.compress.policy import resolve_policy
 from sparktrain.compress.registry import build as build_compressor
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
-from sparktrain.modeling import build_optimizer
 from sparktrain.result import by_spec
 from sparktrain.worker.buckets import NONE, GradientBuckets, GradientReadiness
 from sparktrain.worker.context import WorkerContext

@@ -28,7 +28,7 @@ TOY_MODULE = textwrap.dedent(
     import torch
 
     from sparktrain.comm.ring import ring_allgather
-    from sparktrain.modeling import build_optimizer
+    from sparktrain.builders import build_optimizer
     from sparktrain.strategies import register
     from sparktrain.strategies.base import Strategy
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from sparktrain import Trainer
+from sparktrain.builders import build_model, resolve_model_fn
 from sparktrain.cli import main as cli_main
 from sparktrain.errors import DataError
 from sparktrain.launch.prepare import prepare
 from sparktrain.launch.round_runner import RoundRunner, cache_blocks
 from sparktrain.launch.rounds import run_rounds
 from sparktrain.launch.spark_volume import SparkVolume
-from sparktrain.modeling import build_model, resolve_model_fn
 from sparktrain.worker.rounds import RoundSpec
 
 from .fixtures import (

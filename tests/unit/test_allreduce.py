@@ -17,10 +17,7 @@ from sparktrain.comm.ring import RingAllreduce, ring_raw_bytes_sent, ring_segmen
 from sparktrain.comm.tree import TreeAllreduce
 from sparktrain.errors import CommError, ConfigError, PeerLostError
 
-try:  # tests/ laid out as packages or as plain directories
-    from . import fixtures as h
-except ImportError:
-    import fixtures as h  # type: ignore[no-redef]
+from . import fixtures
 
 LENGTHS = [0, 1, 2, 1001, 5000]  # 5000 float32 > the 1 KiB chunks: many chunks per segment
 TOL: dict[Any, float] = {np.float32: 1e-5, np.float64: 1e-12}  # rtol = atol
@@ -64,8 +61,8 @@ def test_matches_numpy_reference(algo: str, world: int, dtype: Any) -> None:
             outs[n] = buf
         return outs
 
-    results = h.run_mesh_ranks(world, body)
-    h.raise_first(results)
+    results = fixtures.run_mesh_ranks(world, body)
+    fixtures.raise_first(results)
     for n in LENGTHS:
         _check([r[n] for r in results], datasets[n], dtype)
 
@@ -90,8 +87,8 @@ def test_large_buffers_use_the_sender_thread(algo: str, world: int, length: int)
         assert again.tobytes() == buf.tobytes()
         return buf
 
-    results = h.run_mesh_ranks(world, body)
-    h.raise_first(results)
+    results = fixtures.run_mesh_ranks(world, body)
+    fixtures.raise_first(results)
     _check(results, data, np.float32)
 
 
@@ -110,8 +107,8 @@ def test_repeated_calls_on_one_mesh(algo: str) -> None:
             outs.append(buf)
         return outs
 
-    results = h.run_mesh_ranks(world, body)
-    h.raise_first(results)
+    results = fixtures.run_mesh_ranks(world, body)
+    fixtures.raise_first(results)
     for i in range(calls):
         _check([r[i] for r in results], data[i], np.float64)
 
@@ -129,8 +126,8 @@ def test_ring_and_tree_share_a_mesh() -> None:
             outs.append(buf)
         return outs
 
-    results = h.run_mesh_ranks(4, body)
-    h.raise_first(results)
+    results = fixtures.run_mesh_ranks(4, body)
+    fixtures.raise_first(results)
     for i in range(3):
         _check([r[i] for r in results], data, np.float32)
 
@@ -142,7 +139,7 @@ def test_processes_world_3() -> None:
     pipes, procs = [], []
     for rank in range(world):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=h.process_rank, args=(rank, world, child), daemon=True)
+        proc = ctx.Process(target=fixtures.process_rank, args=(rank, world, child), daemon=True)
         proc.start()
         pipes.append(parent)
         procs.append(proc)
@@ -197,7 +194,7 @@ def test_peer_dying_mid_way_is_named(algo: str, world: int) -> None:
             return exc, time.monotonic() - started
         return "no error"
 
-    results = h.run_mesh_ranks(world, body, timeout=timeout)
+    results = fixtures.run_mesh_ranks(world, body, timeout=timeout)
     for rank, result in enumerate(results):
         if rank == dead:
             assert result == "died"
@@ -239,7 +236,7 @@ def test_peer_dying_during_a_large_ring_allreduce() -> None:
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
-    results = h.run_mesh_ranks(world, body, timeout=2.0)
+    results = fixtures.run_mesh_ranks(world, body, timeout=2.0)
     t.join(15)
     for rank in (0, 1):
         assert isinstance(results[rank], tuple), f"rank {rank}: {results[rank]!r}"
@@ -256,7 +253,7 @@ def test_peer_that_never_shows_up(algo: str, listening: bool) -> None:
     # Rank 2's address was gathered, but its task never builds a mesh: either its
     # listener is gone (connection refused) or it listens but never answers.
     world, missing = 3, 2
-    listeners, addresses = h.open_listeners(world)
+    listeners, addresses = fixtures.open_listeners(world)
     if not listening:
         listeners[missing].close()
 
@@ -268,7 +265,7 @@ def test_peer_that_never_shows_up(algo: str, listening: bool) -> None:
             return exc, time.monotonic() - started
         return "no error"
 
-    results = h.run_mesh_ranks(
+    results = fixtures.run_mesh_ranks(
         world, body, timeout=2.0, listeners=(listeners, addresses), ranks=[0, 1]
     )
     listeners[missing].close()
@@ -295,7 +292,7 @@ def test_failed_mesh_keeps_raising_the_first_error() -> None:
                 errors.append(exc)
         return errors
 
-    results = h.run_mesh_ranks(2, body, timeout=2.0)
+    results = fixtures.run_mesh_ranks(2, body, timeout=2.0)
     first, second = results[0]
     assert first is second and first.rank == 1
     assert results[0] and isinstance(results[0][0], PeerLostError)
@@ -315,8 +312,8 @@ def test_ring_byte_counts(world: int, length: int) -> None:
         after = mesh.stats.as_dict()
         return {k: after[k] - before[k] for k in after}
 
-    results = h.run_mesh_ranks(world, body)
-    h.raise_first(results)
+    results = fixtures.run_mesh_ranks(world, body)
+    fixtures.raise_first(results)
     for rank, delta in enumerate(results):
         expected = ring_raw_bytes_sent(length, world, rank, 4)
         assert delta["raw_bytes_sent"] == expected
@@ -341,12 +338,14 @@ def test_ring_segments_cover_the_buffer() -> None:
 
 @pytest.mark.timeout(60)
 def test_shared_stats_object() -> None:
-    listeners, addresses = h.open_listeners(2)
+    listeners, addresses = fixtures.open_listeners(2)
     shared = CommStats()
     results: list[Any] = [None, None]
 
     def body(rank: int) -> None:
-        with Mesh(rank, 2, listeners[rank], addresses, h.SECRET, h.JOB, 0, 5.0, shared) as m:
+        with Mesh(
+            rank, 2, listeners[rank], addresses, fixtures.SECRET, fixtures.JOB, 0, 5.0, shared
+        ) as m:
             make_allreduce("tree", m).allreduce_(np.ones(100))
             results[rank] = m.stats
 
@@ -366,7 +365,7 @@ def test_shared_stats_object() -> None:
 def test_registry_and_errors() -> None:
     assert set(ALLREDUCE_ALGOS) == {"ring", "tree"}
     listener = open_listener("127.0.0.1")
-    with Mesh(0, 1, listener, ["127.0.0.1:1"], h.SECRET, h.JOB, 0, 1.0) as mesh:
+    with Mesh(0, 1, listener, ["127.0.0.1:1"], fixtures.SECRET, fixtures.JOB, 0, 1.0) as mesh:
         with pytest.raises(ConfigError, match="ring, tree"):
             make_allreduce("butterfly", mesh)
         with pytest.raises(ConfigError, match="chunk_size"):
@@ -388,15 +387,15 @@ def test_mesh_rejects_bad_arguments() -> None:
     try:
         addrs = ["127.0.0.1:1", "127.0.0.1:2"]
         with pytest.raises(ConfigError):
-            Mesh(2, 2, listener, addrs, h.SECRET, h.JOB, 0, 1.0)
+            Mesh(2, 2, listener, addrs, fixtures.SECRET, fixtures.JOB, 0, 1.0)
         with pytest.raises(ConfigError):
-            Mesh(0, 3, listener, addrs, h.SECRET, h.JOB, 0, 1.0)
+            Mesh(0, 3, listener, addrs, fixtures.SECRET, fixtures.JOB, 0, 1.0)
         with pytest.raises(ConfigError):
-            Mesh(0, 2, listener, addrs, b"short", h.JOB, 0, 1.0)
+            Mesh(0, 2, listener, addrs, b"short", fixtures.JOB, 0, 1.0)
         with pytest.raises(ConfigError):
-            Mesh(0, 2, listener, ["nonsense", "127.0.0.1:2"], h.SECRET, h.JOB, 0, 1.0)
+            Mesh(0, 2, listener, ["nonsense", "127.0.0.1:2"], fixtures.SECRET, fixtures.JOB, 0, 1.0)
         with pytest.raises(ConfigError):
-            Mesh(0, 2, listener, addrs, h.SECRET, h.JOB, 0, 0.0)
+            Mesh(0, 2, listener, addrs, fixtures.SECRET, fixtures.JOB, 0, 0.0)
     finally:
         listener.close()
 
@@ -414,13 +413,15 @@ def test_connections_in_any_order_do_not_deadlock() -> None:
         assert mesh.connection(peers[0]) is mesh.connection(peers[0])
         return peers
 
-    results = h.run_mesh_ranks(world, body)
-    h.raise_first(results)
+    results = fixtures.run_mesh_ranks(world, body)
+    fixtures.raise_first(results)
 
 
 def test_close_is_idempotent() -> None:
     listener = open_listener("127.0.0.1")
-    mesh = Mesh(1, 2, listener, ["127.0.0.1:1", "127.0.0.1:2"], h.SECRET, h.JOB, 0, 1.0)
+    mesh = Mesh(
+        1, 2, listener, ["127.0.0.1:1", "127.0.0.1:2"], fixtures.SECRET, fixtures.JOB, 0, 1.0
+    )
     mesh.close()
     mesh.close()
     with pytest.raises(CommError):

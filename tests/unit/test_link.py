@@ -42,10 +42,7 @@ from sparktrain.comm.link import (
 from sparktrain.config import LINK_PROFILES, TrainConfig
 from sparktrain.errors import ConfigError, PeerLostError
 
-try:  # tests/ laid out as packages or as plain directories
-    from . import fixtures as h
-except ImportError:
-    import fixtures as h  # type: ignore[no-redef]
+from . import fixtures
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,7 +53,7 @@ def _pair(
     client_link: LinkProfile | None, server_link: LinkProfile | None = None, timeout: float = 5.0
 ) -> tuple[Connection, Connection]:
     """(client, server) over real loopback; each side shapes its own sends."""
-    client, server = h.pair(
+    client, server = fixtures.pair(
         timeout, client_kw={"link": client_link}, server_kw={"link": server_link}
     )
     assert isinstance(client, Connection), client
@@ -428,8 +425,8 @@ def test_ring_allreduce_over_an_emulated_link() -> None:
         ring.allreduce_(buf)
         return buf, time.monotonic() - t0
 
-    results = h.run_mesh_ranks(world, body, timeout=10.0, link=link)
-    h.raise_first(results)
+    results = fixtures.run_mesh_ranks(world, body, timeout=10.0, link=link)
+    fixtures.raise_first(results)
     expected = np.sum(inputs, axis=0, dtype=np.float32)
     for buf, _ in results:
         np.testing.assert_allclose(buf, expected, rtol=1e-5, atol=1e-5)

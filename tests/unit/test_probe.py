@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from sparktrain.builders import build_loss
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
-from sparktrain.modeling import build_loss
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.probe import (
     measure_compressors,

@@ -25,7 +25,7 @@ from sparktrain.worker import sync as sync_module
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.loop import train_partition
 
-from . import fixtures as h
+from . import fixtures
 from .fixtures import loop_spec, random_parts, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(120)
 @given(junk=st.binary(min_size=0, max_size=300), via=st.sampled_from(["bytes", "array"]))
 @pytest.mark.timing
 def test_arbitrary_bytes_after_the_handshake_raise_only_our_errors(junk, via):
-    client, server = h.pair(10.0)
+    client, server = fixtures.pair(10.0)
     try:
         client._sock.sendall(junk)
         client._sock.shutdown(socket.SHUT_WR)  # then end of stream: the decoder must stop
@@ -68,8 +68,8 @@ def test_arbitrary_bytes_instead_of_a_handshake_are_refused(junk):
             with pytest.raises(CommError):
                 accept(
                     listener,
-                    secret=h.SECRET,
-                    job_id=h.JOB,
+                    secret=fixtures.SECRET,
+                    job_id=fixtures.JOB,
                     attempt=0,
                     my_rank=0,
                     timeout=1.0,
@@ -90,7 +90,7 @@ class _Gadget:
 def test_a_pickle_gadget_on_the_wire_stays_bytes(tmp_path):
     marker = tmp_path / "pwned"
     gadget = pickle.dumps(_Gadget(str(marker)))
-    client, server = h.pair(2.0)
+    client, server = fixtures.pair(2.0)
     try:
         client.send_bytes(gadget, KIND_METRICS)
         kind, payload = server.recv_bytes()

@@ -16,7 +16,7 @@ from sparktrain.comm import Mesh, make_allreduce
 from sparktrain.comm.tree import TreeAllreduce
 from sparktrain.errors import PeerLostError
 
-from . import fixtures as h
+from . import fixtures
 
 TIMEOUT = 1.0
 
@@ -47,7 +47,7 @@ def _run_with_a_hung_rank(world: int, hung: int, op: str) -> list[Any]:
         return "no error"
 
     lock, done = threading.Lock(), [0]
-    results = h.run_mesh_ranks(world, body, timeout=TIMEOUT, join_timeout=30.0)
+    results = fixtures.run_mesh_ranks(world, body, timeout=TIMEOUT, join_timeout=30.0)
     release.set()
     return results
 

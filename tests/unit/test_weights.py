@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sparktrain.builders import build_loss, check_weighted_loss
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
-from sparktrain.modeling import build_loss, check_weighted_loss
 from sparktrain.models import mlp
 from sparktrain.result import assemble as _assemble
 from sparktrain.worker.context import JobSpec

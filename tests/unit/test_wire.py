@@ -37,16 +37,13 @@ from sparktrain.errors import (
     PeerLostError,
 )
 
-try:  # tests/ laid out as packages or as plain directories
-    from . import fixtures as h
-except ImportError:
-    import fixtures as h  # type: ignore[no-redef]
+from . import fixtures
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _ok_pair(timeout: float = 2.0, **kw: Any) -> tuple[Connection, Connection]:
-    client, server = h.pair(timeout, **kw)
+    client, server = fixtures.pair(timeout, **kw)
     assert isinstance(client, Connection), client
     assert isinstance(server, Connection), server
     return client, server
@@ -151,7 +148,7 @@ def test_driver_rank_handshake() -> None:
 @pytest.mark.timing
 def test_wrong_credentials_rejected_on_both_sides(client_kw: dict[str, Any]) -> None:
     started = time.monotonic()
-    client, server = h.pair(10.0, client_kw=client_kw)
+    client, server = fixtures.pair(10.0, client_kw=client_kw)
     assert isinstance(client, HandshakeError), client
     assert isinstance(server, HandshakeError), server
     assert "rejected" in str(client)
@@ -159,13 +156,13 @@ def test_wrong_credentials_rejected_on_both_sides(client_kw: dict[str, Any]) -> 
 
 
 def test_unexpected_rank_rejected() -> None:
-    client, server = h.pair(2.0, server_kw={"expect_rank": 5})
+    client, server = fixtures.pair(2.0, server_kw={"expect_rank": 5})
     assert isinstance(client, HandshakeError), client
     assert isinstance(server, HandshakeError), server
 
 
 def test_client_detects_wrong_server_rank() -> None:
-    client, server = h.pair(2.0, client_kw={"peer_rank": 3})
+    client, server = fixtures.pair(2.0, client_kw={"peer_rank": 3})
     assert isinstance(client, HandshakeError) and "rank 1, not rank 3" in str(client)
     assert isinstance(server, HandshakeError)  # the client hung up mid-handshake
 
@@ -180,8 +177,8 @@ def _raw_client(listener: socket.socket, payload: bytes | None, timeout: float) 
         with pytest.raises(HandshakeError) as info:
             accept(
                 listener,
-                secret=h.SECRET,
-                job_id=h.JOB,
+                secret=fixtures.SECRET,
+                job_id=fixtures.JOB,
                 attempt=0,
                 my_rank=1,
                 timeout=timeout,
@@ -225,7 +222,12 @@ def test_silent_server_and_no_server() -> None:
     # A listener nobody accepts on: TCP connects, the handshake gets no answer.
     listener = open_listener("127.0.0.1")
     kw: dict[str, Any] = dict(
-        secret=h.SECRET, job_id=h.JOB, attempt=0, my_rank=0, peer_rank=4, stats=CommStats()
+        secret=fixtures.SECRET,
+        job_id=fixtures.JOB,
+        attempt=0,
+        my_rank=0,
+        peer_rank=4,
+        stats=CommStats(),
     )
     try:
         started = time.monotonic()
@@ -247,7 +249,7 @@ def test_silent_server_and_no_server() -> None:
 def test_accept_with_nobody_connecting() -> None:
     listener = open_listener("127.0.0.1", timeout=0.2)
     kw: dict[str, Any] = dict(
-        secret=h.SECRET, job_id=h.JOB, attempt=0, my_rank=1, stats=CommStats()
+        secret=fixtures.SECRET, job_id=fixtures.JOB, attempt=0, my_rank=1, stats=CommStats()
     )
     try:
         started = time.monotonic()

@@ -30,10 +30,7 @@ from sparktrain.comm.frames import FLAG_STAMPED, FRAME_HEADER, HEADER_BYTES, MAX
 from sparktrain.comm.security import TAG_BYTES, LockedTlsSocket, WireSecurity
 from sparktrain.errors import FrameError, HandshakeError, PeerLostError
 
-try:  # tests/ laid out as packages or as plain directories
-    from . import fixtures as h
-except ImportError:
-    import fixtures as h  # type: ignore[no-redef]
+from . import fixtures
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +43,7 @@ def tls() -> WireSecurity:
 
 
 def _pair(security: WireSecurity | None, timeout: float = 2.0) -> tuple[Connection, Connection]:
-    client, server = h.pair(
+    client, server = fixtures.pair(
         timeout, client_kw={"security": security}, server_kw={"security": security}
     )
     assert isinstance(client, Connection), client
@@ -66,7 +63,7 @@ def _header(seq: int, length: int = 16, flags: int = 0, stamp: int = 0) -> bytes
 def _tamper_proxy(target: str, flip_at: int) -> tuple[socket.socket, threading.Thread]:
     """A listener that relays one client to ``target``, flipping the byte at offset
     ``flip_at`` of the client-to-server stream (an on-path attacker)."""
-    listener = open_listener(h.HOST)
+    listener = open_listener(fixtures.HOST)
     host, port = parse_address(target)
 
     def relay(src: socket.socket, dst: socket.socket, flip: int | None) -> None:
@@ -102,7 +99,7 @@ def _tamper_proxy(target: str, flip_at: int) -> tuple[socket.socket, threading.T
 
 
 def test_a_frame_altered_in_transit_is_rejected() -> None:
-    server_listener = open_listener(h.HOST)
+    server_listener = open_listener(fixtures.HOST)
     # client -> server bytes: hello, handshake MAC, then the first frame (sealed header,
     # payload); flip a payload bit.
     flip_at = handshake._HELLO.size + 32 + HEADER_BYTES + TAG_BYTES + 5
@@ -113,8 +110,8 @@ def test_a_frame_altered_in_transit_is_rejected() -> None:
         try:
             conn = accept(
                 server_listener,
-                secret=h.SECRET,
-                job_id=h.JOB,
+                secret=fixtures.SECRET,
+                job_id=fixtures.JOB,
                 attempt=0,
                 my_rank=1,
                 timeout=5.0,
@@ -131,8 +128,8 @@ def test_a_frame_altered_in_transit_is_rejected() -> None:
     t.start()
     client = connect(
         address_of(proxy),
-        secret=h.SECRET,
-        job_id=h.JOB,
+        secret=fixtures.SECRET,
+        job_id=fixtures.JOB,
         attempt=0,
         my_rank=0,
         peer_rank=1,
@@ -220,10 +217,10 @@ def test_mac_connection_round_trips_and_abort_notice() -> None:
 
 
 def test_mismatched_security_is_refused_with_a_clear_error(tls: WireSecurity) -> None:
-    client, server = h.pair(2.0, client_kw={"security": MAC}, server_kw={"security": None})
+    client, server = fixtures.pair(2.0, client_kw={"security": MAC}, server_kw={"security": None})
     assert isinstance(client, HandshakeError) and "frame_integrity" in str(client), client
     assert isinstance(server, HandshakeError)
-    client, server = h.pair(2.0, client_kw={"security": tls}, server_kw={"security": MAC})
+    client, server = fixtures.pair(2.0, client_kw={"security": tls}, server_kw={"security": MAC})
     assert isinstance(client, HandshakeError | PeerLostError), client
     assert isinstance(server, HandshakeError) and "TLS" in str(server), server
 
@@ -258,7 +255,7 @@ def test_tls_connection_end_to_end(tls: WireSecurity) -> None:
 
 def test_tls_client_refuses_a_certificate_with_another_fingerprint(tls: WireSecurity) -> None:
     other = WireSecurity.for_job("tls")  # another job's certificate on the server
-    client, server = h.pair(2.0, client_kw={"security": tls}, server_kw={"security": other})
+    client, server = fixtures.pair(2.0, client_kw={"security": tls}, server_kw={"security": other})
     assert isinstance(client, HandshakeError) and "fingerprint" in str(client), client
     assert isinstance(server, HandshakeError), server
 
@@ -266,13 +263,21 @@ def test_tls_client_refuses_a_certificate_with_another_fingerprint(tls: WireSecu
 @pytest.mark.parametrize("mode", ["tls", "mac"])
 def test_mesh_ring_allreduce_over_tls_and_mac(mode: str, tls: WireSecurity) -> None:
     security = tls if mode == "tls" else MAC
-    listeners, addresses = h.open_listeners(2)
+    listeners, addresses = fixtures.open_listeners(2)
     results: list[Any] = [None, None]
 
     def body(rank: int) -> None:
         try:
             with Mesh(
-                rank, 2, listeners[rank], addresses, h.SECRET, h.JOB, 0, 5.0, security=security
+                rank,
+                2,
+                listeners[rank],
+                addresses,
+                fixtures.SECRET,
+                fixtures.JOB,
+                0,
+                5.0,
+                security=security,
             ) as mesh:
                 # Both ranks send to and receive from each other at once, from two
                 # threads on one connection: OpenSSL needs those calls serialised.
