@@ -10,7 +10,6 @@ and hand the fit to the strategy (or the pipeline); the result comes back in the
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -40,18 +39,10 @@ if TYPE_CHECKING:
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
-log = logging.getLogger(__name__)
-
-# What SparkContext.setJobGroup sets in the calling thread (restored after a stage).
-_JOB_GROUP_PROPERTIES = (
-    "spark.jobGroup.id",
-    "spark.job.description",
-    "spark.job.interruptOnCancel",
-)
-
 
 class Trainer:
-    """Data-parallel training of a torch model over a Spark DataFrame or RDD.
+    """Training of a torch model over a Spark DataFrame or RDD: data parallel through the
+    configured strategy, or pipeline parallel with ``parallelism.pipeline > 1``.
 
     Parameters
     ----------

@@ -14,13 +14,14 @@ checkpoint store, the strategy's driver half, the stage, the result.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -209,7 +210,7 @@ def run_stage(
     display: ProgressDisplay,
     *,
     entry: TaskEntry,
-    model: nn.Module | None,
+    model: nn.Module,
     senders: Mapping[int, Collection[str]] | None = None,
 ) -> StageOutcome:
     """The attempt loop: launch, and on a worker or wire failure resubmit the stage
@@ -248,50 +249,33 @@ def _attempt(
     spec: JobSpec,
     display: ProgressDisplay,
     entry: TaskEntry,
-    model: nn.Module | None,
+    model: nn.Module,
     senders: Mapping[int, Collection[str]] | None,
 ) -> list[Record]:
-    """One barrier stage with its own progress channel, rendezvous and state receiver.
-    With ``model``, the ranks stream their trained state straight into it
+    """One barrier stage with its own progress channel, rendezvous and state receiver:
+    the ranks stream their trained state straight into ``model``
     (:mod:`sparktrain.launch.state_server`), not as task results."""
     host = driver_host(sc)
+    # every service authenticates this job's tasks of this attempt only
+    job: dict[str, Any] = {
+        "secret": spec.secret,
+        "job_id": spec.job_id,
+        "attempt": spec.attempt,
+        "security": spec.security,
+    }
     services: list[Any] = []
     try:
-        receiver = None
-        if model is not None:
-            receiver = StateReceiver(
-                host,
-                model,
-                secret=spec.secret,
-                job_id=spec.job_id,
-                attempt=spec.attempt,
-                security=spec.security,
-                **({"senders": senders} if senders is not None else {}),
-            )
-            services.append(receiver)
-        server = MetricsServer(
-            host,
-            secret=spec.secret,
-            job_id=spec.job_id,
-            attempt=spec.attempt,
-            on_message=display,
-            security=spec.security,
-        )
+        receiver = StateReceiver(host, model, senders=senders, **job)
+        services.append(receiver)
+        server = MetricsServer(host, on_message=display, **job)
         services.append(server)
-        meeting = RendezvousServer(
-            host,
-            secret=spec.secret,
-            job_id=spec.job_id,
-            attempt=spec.attempt,
-            world_size=spec.config.num_workers,
-            security=spec.security,
-        )
+        meeting = RendezvousServer(host, world_size=spec.config.num_workers, **job)
         services.append(meeting)
         spec = dataclasses.replace(
             spec,
             metrics_address=server.address,
             rendezvous_address=meeting.address,
-            state_address=receiver.address if receiver is not None else None,
+            state_address=receiver.address,
         )
         with _job_group(sc, spec) as watchdog:
             try:
@@ -300,7 +284,7 @@ def _attempt(
                 if watchdog is not None and watchdog.reason:  # cancelled: could never start
                     raise ResourceError(watchdog.reason) from exc
                 raise
-        if receiver is not None and not receiver.done.is_set():
+        if not receiver.done.is_set():
             raise WorkerError(
                 f"the trained state did not reach the driver ({receiver.error}); "
                 "this is a bug, please report it"
@@ -311,25 +295,19 @@ def _attempt(
             service.stop()
 
 
-class _job_group:
+@contextlib.contextmanager
+def _job_group(sc: SparkContext, spec: JobSpec) -> Iterator[SlotWatchdog | None]:
     """The stage's job group (cancellable as one; named in the UI), and on a cluster a
-    watchdog that cancels it when the stage can never get its slots."""
-
-    def __init__(self, sc: SparkContext, spec: JobSpec) -> None:
-        self.sc, self.spec = sc, spec
-        self.group = f"sparktrain-{spec.job_id}-{spec.attempt}"
-
-    def __enter__(self) -> SlotWatchdog | None:
-        sc = self.sc
-        self.saved = {k: sc.getLocalProperty(k) for k in _JOB_GROUP_PROPERTIES}
-        sc.setJobGroup(self.group, f"sparktrain {self.spec.config.strategy}: training stage", True)
-        self.watchdog = (
-            None if is_local(sc) else SlotWatchdog(sc, self.spec.config.num_workers, self.group)
-        )
-        return self.watchdog
-
-    def __exit__(self, *exc: object) -> None:
-        if self.watchdog is not None:
-            self.watchdog.stop()
-        for key, value in self.saved.items():
-            self.sc.setLocalProperty(key, value)  # type: ignore[arg-type]
+    watchdog that cancels it when the stage can never get its slots; the caller's
+    thread-local job properties are restored afterwards."""
+    group = f"sparktrain-{spec.job_id}-{spec.attempt}"
+    saved = {k: sc.getLocalProperty(k) for k in _JOB_GROUP_PROPERTIES}
+    sc.setJobGroup(group, f"sparktrain {spec.config.strategy}: training stage", True)
+    watchdog = None if is_local(sc) else SlotWatchdog(sc, spec.config.num_workers, group)
+    try:
+        yield watchdog
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        for key, value in saved.items():
+            sc.setLocalProperty(key, value)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from the ranks' checkpoints.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from sparktrain import costmodel
 from sparktrain.errors import ConfigError
@@ -34,40 +34,25 @@ class Allreduce(Strategy):
     per_layer_compression = True
     pipeline_replicas = True
     auto_compression = True
-    collective: ClassVar[str]
 
     def worker_sync(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> StepSync:
         from sparktrain.worker.sync import AllreduceSync
 
         return AllreduceSync(ctx, model, mesh)
 
-    def comm_s(
-        self,
-        nbytes: float,
-        world: int,
-        alpha: float,
-        beta: float,
-        *,
-        compressor: CompressorCost | None = None,
-        buckets: int = 1,
-    ) -> float:
-        return costmodel.comm_s(
-            self.collective, nbytes, world, alpha, beta, compressor=compressor, buckets=buckets
-        )
-
 
 class Ring(Allreduce):
     """Bandwidth-optimal ring allreduce (reduce-scatter + all-gather)."""
 
     name = "ring"
-    collective = "ring"
+    cost_model = "ring"
 
 
 class Tree(Allreduce):
     """Recursive-doubling tree allreduce, for small, latency-bound gradients."""
 
     name = "tree"
-    collective = "tree"
+    cost_model = "tree"
 
 
 class Auto(Allreduce):

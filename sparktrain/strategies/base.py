@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from sparktrain import costmodel
 from sparktrain.compress.registry import split_spec
 from sparktrain.errors import ConfigError
 
@@ -98,6 +99,8 @@ class Strategy:
     """Can the replicas of a pipeline stage average their gradients with it?"""
     auto_compression: ClassVar[bool] = False
     """Can ``compression="auto"`` be chosen inside its stage (the link probe)?"""
+    cost_model: ClassVar[str | None] = None
+    """Its exchange in :func:`sparktrain.costmodel.comm_s` (``ring``, ``tree``, ``ps``)."""
 
     # ----------------------------------------------------------------- driver half
     def validate(self, cfg: TrainConfig) -> None:
@@ -174,4 +177,8 @@ class Strategy:
         """Predicted seconds of one step's exchange of ``nbytes`` of fp32 gradients in
         ``buckets`` collectives, optionally through ``compressor`` (the alpha-beta model
         of :mod:`sparktrain.costmodel`)."""
-        raise NotImplementedError(f"strategy {self.name!r} has no cost model")
+        if self.cost_model is None:
+            raise NotImplementedError(f"strategy {self.name!r} has no cost model")
+        return costmodel.comm_s(
+            self.cost_model, nbytes, world, alpha, beta, compressor=compressor, buckets=buckets
+        )

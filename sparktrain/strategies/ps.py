@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from sparktrain import costmodel
 from sparktrain.config import single_spec
 from sparktrain.strategies.base import DriverHalf, Strategy
 from sparktrain.strategies.registry import register
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
 
     from sparktrain.comm import Mesh
     from sparktrain.config import TrainConfig
-    from sparktrain.costmodel import CompressorCost
     from sparktrain.launch.stage import DriverJob
     from sparktrain.result import TrainResult
     from sparktrain.worker.context import JobSpec, WorkerContext
@@ -36,6 +34,7 @@ class ParameterServer(Strategy):
     """Workers push gradients to, and pull parameters from, shards in the driver."""
 
     name = "ps"
+    cost_model = "ps"
     takes_delta = True  # pulls send deltas on what the worker already holds
     executors_write_checkpoints = False  # the server checkpoints from the driver
 
@@ -52,20 +51,6 @@ class ParameterServer(Strategy):
         from sparktrain.ps.client import ParameterServerSync
 
         return ParameterServerSync(ctx, model, mesh)
-
-    def comm_s(
-        self,
-        nbytes: float,
-        world: int,
-        alpha: float,
-        beta: float,
-        *,
-        compressor: CompressorCost | None = None,
-        buckets: int = 1,
-    ) -> float:
-        return costmodel.comm_s(
-            "ps", nbytes, world, alpha, beta, compressor=compressor, buckets=buckets
-        )
 
 
 class _ServerHalf(DriverHalf):
