@@ -124,11 +124,8 @@ class Strategy:
                 f"a pipeline) accepts; strategy={self.name!r} compresses whole parameter shards "
                 "or payloads, not layers: give one spec string, e.g. compression='int8+ef'"
             )
-        specs = (
-            list(cfg.compression.values())
-            if isinstance(cfg.compression, Mapping)
-            else [cfg.compression]
-        )
+        compression = cfg.compression
+        specs = list(compression.values()) if isinstance(compression, Mapping) else [compression]
         for spec in specs:
             if spec != "auto" and split_spec(spec).delta and not self.takes_delta:
                 raise ConfigError(
