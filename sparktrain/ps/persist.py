@@ -181,6 +181,10 @@ class ServerCheckpointer:
         if self.server.completed_step() // every <= self.saved_step // every:
             return None
         state = self.server.state()
+        if state["mode"] == "sync" and len({int(s["version"]) for s in state["shards"]}) > 1:
+            # the shards are copied one after another: a later shard may already hold the
+            # next step. Such a cut is no checkpoint of any one step: take it next poll.
+            return None
         step = completed_step(state)
         history = self.history_before(step)
         if step // every <= self.saved_step // every or len(history) < step // spe:

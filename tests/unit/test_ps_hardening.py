@@ -364,6 +364,38 @@ def test_a_new_server_resumes_from_the_checkpoint_and_applies_no_step_twice(tmp_
     assert s["ps"]["duplicates"] == 0
 
 
+class _TornServer:
+    """A sync server whose snapshot caught shard 1 a step ahead of shard 0: the shards
+    are copied one after another while the ranks go on pushing."""
+
+    def __init__(self, versions: list[int]) -> None:
+        self.versions = versions
+
+    def completed_step(self) -> int:
+        return min(self.versions)
+
+    def state(self) -> dict:
+        shard = {"values": torch.zeros(2), "optimizer": {}, "applied": [], "last_steps": [],
+                 "rank_applied": [], "staleness": {}}  # fmt: skip
+        return {
+            "mode": "sync", "world_size": 2, "ranges": [[0, 2], [2, 4]],
+            "shards": [{**shard, "version": v} for v in self.versions],
+        }  # fmt: skip
+
+
+@pytest.mark.timeout(30)
+def test_a_torn_sync_snapshot_is_not_saved_and_the_next_poll_takes_an_even_one(tmp_path):
+    cfg = ps_cfg(ps_shards=2, checkpoint_dir=str(tmp_path), checkpoint_every=1.0)
+    store = persist.server_store(cfg)
+    assert store is not None
+    server = _TornServer([4, 5])
+    history = tuple({"epoch": e, "loss": 1.0} for e in range(3))
+    saver = persist.ServerCheckpointer(server, store, 1.0, lambda: 2, lambda at: history)  # type: ignore[arg-type]
+    assert saver.maybe_save() is None and store.steps() == []
+    server.versions = [5, 5]  # the next poll finds both shards at one step
+    assert saver.maybe_save() == 5 and store.steps() == [5]
+
+
 @pytest.mark.timeout(30)
 def test_a_checkpoint_of_another_layout_is_refused(tmp_path):
     cfg = ps_cfg(ps_shards=2, checkpoint_dir=str(tmp_path))
