@@ -10,6 +10,7 @@
     sparktrain bench pipeline --stages 2 4 --micro-batches 8 --json PATH
     sparktrain bench scaling --worlds 1 2 4 --links none 5g --out docs/results
     sparktrain bench overlap --strategies ring ps --out docs/results
+    sparktrain bench data --out docs/results
 
 A training config is a TrainConfig (top-level keys) plus a ``[job]`` table that says what
 to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`` and
@@ -99,6 +100,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "pipeline": ("pipeline", "GPipe vs 1F1B: step time, activation memory"),
     "scaling": ("scaling", "worlds 1, 2, 4 measured; alpha-beta predictions to 1024 workers"),
     "overlap": ("overlap", "step time with overlap on/off, ring and ps"),
+    "data": (
+        "data",
+        "data path: worker memory and samples/s, in RAM vs spilled, prefetch on/off, "
+        "vs a Petastorm/pyarrow peer",
+    ),
 }
 # what a benchmark may import that only the `bench` extra installs
 BENCH_EXTRA_MODULES = ("matplotlib", "sklearn")

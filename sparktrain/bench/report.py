@@ -207,6 +207,12 @@ def _overlap(data: Any) -> str:
     return str(overlap.table(data["records"]))
 
 
+def _data(data: Any) -> str:
+    from sparktrain.bench import data as data_bench
+
+    return data_bench.table(data)
+
+
 def _scaling(data: Any) -> str:
     parts = []
     if data.get("oversubscription"):
@@ -405,6 +411,11 @@ SECTIONS: tuple[Section, ...] = (
         "auto_vs_fixed", "auto against every fixed strategy and compressor",
         "sparktrain bench scaling --auto --links none 5g --out docs/results",
         "auto_vs_fixed.json", _auto,
+    ),
+    Section(
+        "bench_data", "Data path: partitions bigger than the worker's budget",
+        "sparktrain bench data --out docs/results",
+        "bench_data.json", _data, ("bench_data.png",),
     ),
 )  # fmt: skip
 
