@@ -88,6 +88,15 @@ class TrainConfig:
         full batches in later epochs, as the order is reshuffled). Steps of one to a few
         samples are high-variance; aggressive compressors such as
         ``sign:chunk=32+ef:momentum=0.9`` can diverge on them.
+    data_memory_mb:
+        Memory, in MiB, a worker may hold its partition's rows in (default 512). A larger
+        partition is written once to a memory-mapped Arrow IPC file under the executor's
+        local dir (``spark.local.dir``) and read from there every epoch: the same batches,
+        the same weights, a flat worker memory (see docs/data.md). ``0`` spills every row.
+        Applies to ring, tree and ps; pipelines and tree_aggregate keep their rows in memory.
+    prefetch_batches:
+        Mini-batches a background thread gathers ahead of the one training (default 2;
+        ``0``: gather in the training thread). Changes timing, never values.
     progress, metrics_jsonl:
         Show a live progress bar on the driver; append per-epoch metrics to this file.
     ps_mode, staleness, ps_shards, staleness_lr:
@@ -153,6 +162,8 @@ class TrainConfig:
     validation_fraction: float = 0.0
     shuffle: bool = True
     drop_last: bool = False
+    data_memory_mb: float = 512.0
+    prefetch_batches: int = 2
     threads_per_worker: int = 0
     progress: bool = True
     metrics_jsonl: str = ""
@@ -234,6 +245,16 @@ class TrainConfig:
         _positive("lr", self.lr)
         _positive("comm_timeout", self.comm_timeout)
         _positive("bucket_mb", self.bucket_mb)
+        if (
+            not isinstance(self.data_memory_mb, int | float)
+            or isinstance(self.data_memory_mb, bool)
+            or not 0 <= self.data_memory_mb < float("inf")
+        ):
+            raise ConfigError(
+                f"data_memory_mb={self.data_memory_mb!r} must be a number of MiB >= 0, e.g. "
+                "512 (0 spills every row to local disk)"
+            )
+        _at_least("prefetch_batches", self.prefetch_batches, 0)
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(
                 f"validation_fraction={self.validation_fraction!r} is out of range: "

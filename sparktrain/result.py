@@ -180,11 +180,25 @@ def stage_summary(
         "replicas_in_sync": replicas_in_sync,
         # each rank's process peak (VmHWM; ranks sharing a process report one figure)
         "peak_rss_bytes_per_worker": [s.get("peak_rss_bytes", 0) for s in stats],
+        **data_summary(stats),
         "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
         "config": cfg.to_dict(),
         # strategy/compression "auto": what the stage-start probe chose and why
         **({"auto": stats[0]["auto"]} if "auto" in stats[0] else {}),
         **sync_summary(stats),
+    }
+
+
+def data_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the ranks held their rows and what waiting for batches cost (docs/data.md)."""
+    paths = {s.get("data_path", "memory") for s in stats}
+    return {
+        "data_path": "spilled" if "spilled" in paths else "memory",
+        "data_spilled_bytes": sum(int(s.get("spilled_bytes", 0)) for s in stats),
+        "data_wait_s": max(float(s.get("data_wait_s", 0.0)) for s in stats),
+        # the largest anonymous memory sampled per rank: heap and arrays, not the page
+        # cache that backs a spilled partition's memory map
+        "peak_anon_bytes_per_worker": [int(s.get("peak_anon_bytes", 0)) for s in stats],
     }
 
 

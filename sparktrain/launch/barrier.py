@@ -21,7 +21,9 @@ from sparktrain.launch import rendezvous
 from sparktrain.launch.prepare import PreparedData
 from sparktrain.result import Record
 from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import PartitionData, from_arrow, from_rows
+from sparktrain.worker.data import PartitionData, SpillPlan, from_arrow, from_rows
+from sparktrain.worker.memory import reset_peak_anon
+from sparktrain.worker.spill import spill_path, sweep_orphans
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +127,28 @@ def _arrow_task(
     spec: JobSpec, entry: TaskEntry, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     ctx = worker_context(spec)
-    records = entry(ctx, from_arrow(batches, spec.feature_width, ctx.rank))
+    reset_peak_anon()
+    data = from_arrow(batches, spec.feature_width, ctx.rank, spill_plan(spec, ctx.rank))
+    try:
+        records = entry(ctx, data)
+    finally:
+        data.close()  # the spill file goes with the task, on failure too
     yield pa.RecordBatch.from_pylist(
         [{"rank": r.rank, "kind": r.kind, "seq": r.seq, "data": r.data} for r in records],
         schema=OUTPUT_SCHEMA,
+    )
+
+
+def spill_plan(spec: JobSpec, rank: int) -> SpillPlan | None:
+    """Where this task's rows spill past ``data_memory_mb``; first sweeps the spill files
+    of killed workers. ``None`` for pipelines, which keep their rows in memory."""
+    cfg = spec.config
+    if cfg.parallelism_pipeline > 1:
+        return None
+    sweep_orphans()
+    return SpillPlan(
+        budget_bytes=int(cfg.data_memory_mb * (1 << 20)),
+        path=spill_path(spec.job_id, rank, spec.attempt),
     )
 
 

@@ -181,6 +181,10 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         """Sets the value of :py:attr:`validationFraction`."""
         return self._set(validationFraction=value)
 
+    def setDataMemoryInMB(self, value: float) -> Self:
+        """Sets the value of :py:attr:`dataMemoryInMB`."""
+        return self._set(dataMemoryInMB=value)
+
     # ------------------------------------------------------------------ persistence
     @classmethod
     def read(cls) -> DefaultParamsReader[Self]:
@@ -240,6 +244,9 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         Seeds initialisation, shuffling and the validation split.
     validationFraction : float
         Share of each partition held out to report a validation metric per epoch.
+    dataMemoryInMB : float
+        MiB a worker may hold its partition's rows in (512); a larger partition spills to
+        a memory-mapped file under ``spark.local.dir`` (see docs/data.md).
 
     Examples
     --------
@@ -287,6 +294,7 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         psMode: str = "sync",
         seed: int = 0,
         validationFraction: float = 0.0,
+        dataMemoryInMB: float = 512.0,
     ) -> None:
         super().__init__()
         self._set(**self._input_kwargs)
@@ -315,6 +323,7 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         psMode: str = "sync",
         seed: int = 0,
         validationFraction: float = 0.0,
+        dataMemoryInMB: float = 512.0,
     ) -> Self:
         """Sets params for this TorchClassifier (only the ones passed)."""
         return self._set(**self._input_kwargs)
@@ -403,6 +412,7 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         psMode: str = "sync",
         seed: int = 0,
         validationFraction: float = 0.0,
+        dataMemoryInMB: float = 512.0,
     ) -> None:
         super().__init__()
         self._set(**self._input_kwargs)
@@ -429,6 +439,7 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         psMode: str = "sync",
         seed: int = 0,
         validationFraction: float = 0.0,
+        dataMemoryInMB: float = 512.0,
     ) -> Self:
         """Sets params for this TorchRegressor (only the ones passed)."""
         return self._set(**self._input_kwargs)

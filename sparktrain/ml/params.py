@@ -15,6 +15,7 @@ training knob, and :meth:`_TorchParams._train_config` maps the params onto it::
     learningRate -> lr            maxEpochs -> epochs          batchSize -> batch_size
     numWorkers   -> num_workers   psMode    -> ps_mode         validationFraction ->
     optimizerKwargs -> optimizer_kwargs (JSON)                     validation_fraction
+    dataMemoryInMB -> data_memory_mb
     loss, optimizer, strategy, compression, seed -> the keys of the same name
 """
 
@@ -406,6 +407,26 @@ class HasValidationFraction(Params):
         return self.getOrDefault(self.validationFraction)
 
 
+class HasDataMemoryInMB(Params):
+    """Mixin for param dataMemoryInMB: each worker's memory for its partition's rows."""
+
+    dataMemoryInMB: Param[float] = Param(
+        Params._dummy(),
+        "dataMemoryInMB",
+        "MiB a worker may hold its partition's rows in; a larger partition spills once to "
+        "a memory-mapped file under spark.local.dir (0 spills every row)",
+        typeConverter=TypeConverters.toFloat,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(dataMemoryInMB=_DEFAULTS.data_memory_mb)
+
+    def getDataMemoryInMB(self) -> float:
+        """Gets the value of dataMemoryInMB or its default."""
+        return self.getOrDefault(self.dataMemoryInMB)
+
+
 # ---------------------------------------------------------------------- shared sets
 class _TorchParams(
     HasFeaturesCol,
@@ -426,6 +447,7 @@ class _TorchParams(
     HasCompression,
     HasPsMode,
     HasValidationFraction,
+    HasDataMemoryInMB,
 ):
     """Params shared by :class:`TorchEstimator` and :class:`TorchModel`."""
 
@@ -450,6 +472,7 @@ class _TorchParams(
             ps_mode=self.getPsMode(),
             seed=self.getSeed(),
             validation_fraction=self.getValidationFraction(),
+            data_memory_mb=self.getDataMemoryInMB(),
         )
 
 

@@ -12,8 +12,10 @@ per-sample losses by them (see ``builders.Loss``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +23,11 @@ import pyarrow.compute as pc
 import torch
 
 from sparktrain.errors import DataError
+from sparktrain.worker.features import Features
+from sparktrain.worker.memory import sample_anon
+from sparktrain.worker.spill import SpillWriter
+
+log = logging.getLogger(__name__)
 
 # Column names the launcher gives the data it hands to the workers.
 FEATURES = "features"
@@ -29,28 +36,64 @@ IS_VALIDATION = "is_validation"
 WEIGHT = "weight"
 
 
-@dataclass
 class PartitionData:
-    """One worker's rows: features ``x`` (n, width) float32, labels ``y`` (n,) float64,
-    which rows are validation rows, and optionally the rows' normalised sample weights
-    ``w`` (n,) float64 (``None``: unweighted, every weight 1)."""
+    """One worker's rows: features (:class:`Features`, in memory or memory-mapped from a
+    spill file; ``x`` reads them as one matrix), labels ``y`` (n,) float64, which rows
+    are validation rows, and optionally the rows' normalised sample weights ``w`` (n,)
+    float64 (``None``: unweighted, every weight 1). Labels, flags and weights (17 bytes a
+    row) always stay in memory.
 
-    x: np.ndarray
-    y: np.ndarray
-    is_val: np.ndarray
-    w: np.ndarray | None = None
+    A partition that owns a spill file removes it on :meth:`close`; its subsets
+    (:meth:`select`, :meth:`split`) share the file and do not.
+    """
+
+    def __init__(
+        self,
+        x: np.ndarray | Features,
+        y: np.ndarray,
+        is_val: np.ndarray,
+        w: np.ndarray | None = None,
+    ) -> None:
+        self.features = x if isinstance(x, Features) else Features.in_memory(x)
+        self.y = y
+        self.is_val = is_val
+        self.w = w
+
+    @property
+    def x(self) -> np.ndarray:
+        """Every feature row as one ``(n, width)`` float32 matrix in memory."""
+        return self.features.array()
 
     @property
     def size(self) -> int:
-        return int(self.x.shape[0])
+        return int(self.y.shape[0])
+
+    @property
+    def path(self) -> str:
+        """``"spilled"`` when the features live in a memory-mapped spill file, else
+        ``"memory"`` (the summary's ``data_path``)."""
+        return "spilled" if self.features.spilled else "memory"
+
+    @property
+    def spilled_bytes(self) -> int:
+        return self.features.spilled_bytes
+
+    def gather(self, idx: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """The feature rows ``idx`` as a new float32 tensor (a mini-batch)."""
+        rows = idx.numpy() if isinstance(idx, torch.Tensor) else idx
+        return torch.from_numpy(self.features.take(rows))
+
+    def close(self) -> None:
+        """Remove the spill file behind the features, if this partition owns one."""
+        self.features.close()
 
     def select(self, mask: np.ndarray) -> PartitionData:
         w = None if self.w is None else self.w[mask]
-        return PartitionData(self.x[mask], self.y[mask], self.is_val[mask], w)
+        return PartitionData(self.features.subset(mask), self.y[mask], self.is_val[mask], w)
 
     @staticmethod
     def concat(parts: list[PartitionData], width: int) -> PartitionData:
-        """The rows of ``parts`` in order (weighted when the parts are)."""
+        """The rows of ``parts`` in order, in memory (weighted when the parts are)."""
         if not parts:
             return PartitionData(
                 np.zeros((0, width), np.float32), np.zeros(0, np.float64), np.zeros(0, bool)
@@ -86,6 +129,8 @@ class PartitionData:
         """(train, validation): rows tagged as validation, or else a seeded random
         ``validation_fraction`` of this partition."""
         if self.is_val.any() or validation_fraction <= 0:
+            if not self.is_val.any():  # nothing held out: the train rows are all rows
+                return self, self.select(self.is_val)
             return self.select(~self.is_val), self.select(self.is_val)
         rng = np.random.default_rng([seed, rank, 7919])
         held_out = rng.random(self.size) < validation_fraction
@@ -113,55 +158,149 @@ def split_labels_weights(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | Non
     return y, np.ascontiguousarray(w)
 
 
-def from_arrow(batches: Iterable[pa.RecordBatch], width: int, rank: int) -> PartitionData:
-    """Concatenate a partition's Arrow batches into numpy, checking width and values."""
-    xs: list[np.ndarray] = []
-    ys: list[np.ndarray] = []
-    vs: list[np.ndarray] = []
-    ws: list[np.ndarray] = []
-    for batch in batches:
-        if batch.num_rows == 0:
-            continue
-        feats = batch.column(FEATURES)
-        if feats.null_count:
+@dataclass(frozen=True)
+class SpillPlan:
+    """Where and when a partition spills: after ``budget_bytes`` of rows held in memory,
+    to ``path`` (see :mod:`sparktrain.worker.spill`)."""
+
+    budget_bytes: int
+    path: Path
+
+
+class _Ingest:
+    """Collects a partition's rows chunk by chunk, in memory until the plan's budget is
+    exceeded, then (everything held, and every later chunk) into the spill file."""
+
+    def __init__(self, width: int, rank: int, plan: SpillPlan | None) -> None:
+        self.width, self.rank, self.plan = width, rank, plan
+        self.xs: list[np.ndarray] = []
+        self.ys: list[np.ndarray] = []
+        self.vs: list[np.ndarray] = []
+        self.ws: list[np.ndarray] = []
+        self.held_bytes = 0
+        self.bad_rows = 0
+        self.writer: SpillWriter | None = None
+
+    def add(self, x: np.ndarray, y: np.ndarray, v: np.ndarray, w: np.ndarray | None) -> None:
+        sample_anon()  # the incoming Arrow batch and its converted rows are both alive
+        self.bad_rows += int(np.count_nonzero(~np.isfinite(x).all(axis=1)))
+        self.ys.append(y)
+        self.vs.append(v)
+        if w is not None:
+            self.ws.append(w)
+        self.held_bytes += x.nbytes + y.nbytes + v.nbytes + (0 if w is None else w.nbytes)
+        if self.writer is not None:
+            self.writer.write(x)
+            return
+        self.xs.append(x)
+        if self.plan is not None and self.held_bytes > self.plan.budget_bytes:
+            self.writer = SpillWriter(self.plan.path, self.width)
+            for held in self.xs:
+                self.writer.write(held)
+            self.xs = []
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+
+    def finish(self) -> PartitionData:
+        rank = self.rank
+        if self.bad_rows:
             raise DataError(
-                f"rank {rank}: {feats.null_count} rows have a null features value; "
-                "drop or impute them before training"
+                f"rank {rank}: {self.bad_rows} rows have NaN or infinite features; clean or "
+                "impute them (e.g. pyspark.ml.feature.Imputer) before training"
             )
-        lengths = pc.list_value_length(feats).to_numpy(zero_copy_only=False)
-        if lengths.min() != width or lengths.max() != width:
-            bad = int(lengths[lengths != width][0])
-            raise DataError(
-                f"rank {rank}: a features row has {bad} values but the model expects {width}; "
-                "every row must have the same width (check the features column or model_fn)"
-            )
-        values = feats.flatten().to_numpy(zero_copy_only=False)
-        xs.append(values.astype(np.float32, copy=False).reshape(batch.num_rows, width))
-        label = batch.column(LABEL)
-        if label.null_count:
-            raise DataError(
-                f"rank {rank}: {label.null_count} rows have a null label; drop them before training"
-            )
-        ys.append(label.to_numpy(zero_copy_only=False).astype(np.float64, copy=False))
-        if IS_VALIDATION in batch.schema.names:
-            vs.append(batch.column(IS_VALIDATION).to_numpy(zero_copy_only=False).astype(bool))
-        else:
-            vs.append(np.zeros(batch.num_rows, dtype=bool))
-        if WEIGHT in batch.schema.names:
-            weight = batch.column(WEIGHT)
-            if weight.null_count:
+        if self.ws and len(self.ws) != len(self.ys):
+            raise DataError(f"rank {rank}: some Arrow batches lack the {WEIGHT!r} column")
+        y = _joined(self.ys, np.float64)
+        if not np.isfinite(y).all():
+            raise DataError(f"rank {rank}: labels contain NaN or infinity; drop those rows first")
+        w = None
+        if self.ws:
+            w = _joined(self.ws, np.float64)
+            # the driver checked the raw column; this guards data that bypassed prepare()
+            if not (np.isfinite(w).all() and (w >= 0).all()):
                 raise DataError(
-                    f"rank {rank}: {weight.null_count} rows have a null weight; drop them or "
-                    "fill the weight column before training"
+                    f"rank {rank}: sample weights must be finite and >= 0; clean the weight column"
                 )
-            ws.append(weight.to_numpy(zero_copy_only=False).astype(np.float64, copy=False))
-    if ws and len(ws) != len(xs):
-        raise DataError(f"rank {rank}: some Arrow batches lack the {WEIGHT!r} column")
-    return _finish(xs, ys, vs, width, rank, ws or None)
+        v = _joined(self.vs, bool)
+        if self.writer is not None:
+            features = self.writer.finish()
+            log.info(
+                "rank %d: partition of %d rows spilled to %s (%d bytes)",
+                rank, len(y), self.writer.path, features.spilled_bytes,
+            )  # fmt: skip
+        else:
+            features = Features(self.xs, self.width)
+        sample_anon()
+        return PartitionData(features, y, v, w)
+
+
+def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def from_arrow(
+    batches: Iterable[pa.RecordBatch], width: int, rank: int, spill: SpillPlan | None = None
+) -> PartitionData:
+    """A partition's Arrow batches as :class:`PartitionData`, checking width and values;
+    with a ``spill`` plan, rows beyond its budget go to a memory-mapped spill file."""
+    ingest = _Ingest(width, rank, spill)
+    try:
+        for batch in batches:
+            if batch.num_rows:
+                ingest.add(*_arrow_columns(batch, width, rank))
+        return ingest.finish()
+    except BaseException:
+        ingest.abort()
+        raise
+
+
+def _arrow_columns(
+    batch: pa.RecordBatch, width: int, rank: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    feats = batch.column(FEATURES)
+    if feats.null_count:
+        raise DataError(
+            f"rank {rank}: {feats.null_count} rows have a null features value; "
+            "drop or impute them before training"
+        )
+    lengths = pc.list_value_length(feats).to_numpy(zero_copy_only=False)
+    if lengths.min() != width or lengths.max() != width:
+        bad = int(lengths[lengths != width][0])
+        raise DataError(
+            f"rank {rank}: a features row has {bad} values but the model expects {width}; "
+            "every row must have the same width (check the features column or model_fn)"
+        )
+    values = feats.flatten().to_numpy(zero_copy_only=False)
+    x = values.astype(np.float32, copy=False).reshape(batch.num_rows, width)
+    label = batch.column(LABEL)
+    if label.null_count:
+        raise DataError(
+            f"rank {rank}: {label.null_count} rows have a null label; drop them before training"
+        )
+    y = label.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+    if IS_VALIDATION in batch.schema.names:
+        v = batch.column(IS_VALIDATION).to_numpy(zero_copy_only=False).astype(bool)
+    else:
+        v = np.zeros(batch.num_rows, dtype=bool)
+    w = None
+    if WEIGHT in batch.schema.names:
+        weight = batch.column(WEIGHT)
+        if weight.null_count:
+            raise DataError(
+                f"rank {rank}: {weight.null_count} rows have a null weight; drop them or "
+                "fill the weight column before training"
+            )
+        w = weight.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+    return x, y, v, w
 
 
 def from_rows(rows: Iterable[tuple[object, ...]], width: int, rank: int) -> PartitionData:
-    """Convert an RDD partition of ``(features, label[, is_validation])`` tuples."""
+    """Convert an RDD partition of ``(features, label[, is_validation])`` tuples (held in
+    memory: an RDD's rows are Python objects already)."""
     feats: list[object] = []
     labels: list[object] = []
     flags: list[bool] = []
@@ -171,8 +310,9 @@ def from_rows(rows: Iterable[tuple[object, ...]], width: int, rank: int) -> Part
         feats.append(row[0])
         labels.append(row[1])
         flags.append(bool(row[2]) if len(row) > 2 else False)
+    ingest = _Ingest(width, rank, None)
     if not feats:
-        return _finish([], [], [], width, rank)
+        return ingest.finish()
     try:
         x = np.asarray(feats, dtype=np.float32)
         y = np.asarray(labels, dtype=np.float64)
@@ -185,41 +325,8 @@ def from_rows(rows: Iterable[tuple[object, ...]], width: int, rank: int) -> Part
         raise DataError(
             f"rank {rank}: features have shape {x.shape[1:]} but the model expects width {width}"
         )
-    return _finish([x], [y.reshape(-1)], [np.asarray(flags, dtype=bool)], width, rank)
-
-
-def _finish(
-    xs: list[np.ndarray],
-    ys: list[np.ndarray],
-    vs: list[np.ndarray],
-    width: int,
-    rank: int,
-    ws: list[np.ndarray] | None = None,
-) -> PartitionData:
-    if not xs:
-        return PartitionData(
-            np.zeros((0, width), np.float32), np.zeros(0, np.float64), np.zeros(0, bool)
-        )
-    x = np.concatenate(xs) if len(xs) > 1 else xs[0]
-    y = np.concatenate(ys) if len(ys) > 1 else ys[0]
-    bad_rows = int(np.count_nonzero(~np.isfinite(x).all(axis=1)))
-    if bad_rows:
-        raise DataError(
-            f"rank {rank}: {bad_rows} rows have NaN or infinite features; clean or impute them "
-            "(e.g. pyspark.ml.feature.Imputer) before training"
-        )
-    if not np.isfinite(y).all():
-        raise DataError(f"rank {rank}: labels contain NaN or infinity; drop those rows first")
-    w = None
-    if ws is not None:
-        w = np.concatenate(ws) if len(ws) > 1 else ws[0]
-        # the driver checked the raw column; this guards data that bypassed prepare()
-        if not (np.isfinite(w).all() and (w >= 0).all()):
-            raise DataError(
-                f"rank {rank}: sample weights must be finite and >= 0; clean the weight column"
-            )
-    v = np.concatenate(vs) if len(vs) > 1 else vs[0]
-    return PartitionData(np.ascontiguousarray(x), y, v, w)
+    ingest.add(np.ascontiguousarray(x), y.reshape(-1), np.asarray(flags, dtype=bool), None)
+    return ingest.finish()
 
 
 def check_labels(y: np.ndarray, num_classes: int, rank: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,8 +37,9 @@ def evaluate(model: nn.Module, data: PartitionData, loss: Any) -> tuple[float, f
     total = 0.0
     with torch.no_grad():
         for start in range(0, data.size, EVAL_SLICE):
-            x = torch.from_numpy(data.x[start : start + EVAL_SLICE])
-            y = torch.from_numpy(data.y[start : start + EVAL_SLICE])
+            rows = np.arange(start, min(start + EVAL_SLICE, data.size))
+            x = data.gather(rows)
+            y = torch.from_numpy(data.y[rows])
             out = model(x)
             if loss == "cross_entropy":
                 total += float((out.argmax(dim=1) == y.long()).sum())

@@ -14,6 +14,7 @@ Order of events on each rank:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -36,7 +37,8 @@ from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
-from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
+from sparktrain.worker.memory import peak_anon_bytes, peak_rss_bytes, reset_peak_rss, sample_anon
+from sparktrain.worker.prefetch import Prefetcher
 from sparktrain.worker.probe import resolve_auto
 from sparktrain.worker.state import digest, return_state, start_from_rank0
 from sparktrain.worker.sync import StepSync, load_rank_state, make_sync, rank_state
@@ -150,15 +152,14 @@ def _train(
         mesh,
         model,
         loss_fn,
-        torch.from_numpy(train.x),
-        torch.from_numpy(train.y).to(label_dtype(cfg.loss)),
+        train.gather(np.arange(min(cfg.batch_size, train.size))),
+        torch.from_numpy(train.y[: cfg.batch_size]).to(label_dtype(cfg.loss)),
     )
     sync = make_sync(ctx, model, mesh)
     # epoch figures are a handful of float64 sums: latency-bound, so always the tree
     reduce_sums = make_allreduce("tree", mesh)
     if sync.optimizer is not None:  # with a parameter server, the server's model rules
         start_from_rank0(model, mesh, chunk_bytes_for(mesh.max_frame_bytes))
-    x_all = torch.from_numpy(train.x)
     y_all = torch.from_numpy(train.y).to(label_dtype(cfg.loss))
 
     reporter = None
@@ -203,6 +204,8 @@ def _train(
     # checkpoint_every is in epochs; fractions of an epoch are rounded to whole steps
     every = max(1, round(cfg.checkpoint_every * steps_per_epoch))
     comm_s = 0.0
+    prefetch: Prefetcher[torch.Tensor] | None = None
+    data_wait_s = 0.0  # the training thread's waits for its next batch
     train_started = time.perf_counter()
     try:
         for epoch in range(global_step // steps_per_epoch, cfg.epochs):
@@ -213,13 +216,19 @@ def _train(
             loss_sum = 0.0
             loss_rows = 0
             # after a mid-epoch resume, the epoch's first steps are already done
-            for step in range(global_step - epoch * steps_per_epoch, steps_per_epoch):
+            first = global_step - epoch * steps_per_epoch
+            prefetch = Prefetcher(
+                functools.partial(_batch_features, train, batches),
+                range(first, len(batches)),
+                cfg.prefetch_batches,
+            )
+            for step in range(first, steps_per_epoch):
                 if spec.fault is not None:
                     spec.fault.maybe_fire(ctx.rank, global_step)
                 count = 0
                 if step < len(batches):
                     idx = torch.from_numpy(batches[step])
-                    out = model(x_all[idx])
+                    out = model(prefetch.next())
                     loss = loss_fn(out, target_like(y_all[idx], out), train.weights_at(idx))
                     # before backward: gradient hooks may start the exchange (overlap)
                     sync.begin_step(len(idx))
@@ -249,6 +258,9 @@ def _train(
                             / max(elapsed, 1e-9),
                         }
                     )
+            prefetch.close()
+            data_wait_s += prefetch.wait_s
+            sample_anon()
             sums = np.array([loss_sum, loss_rows, *evaluate(model, evaluation, cfg.loss)])
             reduce_sums.allreduce_(sums)
             record = {
@@ -265,6 +277,8 @@ def _train(
             if reporter is not None:
                 reporter.send(record)
     finally:
+        if prefetch is not None:
+            prefetch.close()  # an epoch cut short by an error
         sync.close()
         if reporter is not None:
             reporter.close()
@@ -277,6 +291,9 @@ def _train(
         "train_s": train_s,
         "comm_s": comm_s,
         "task_s": time.perf_counter() - started,
+        "data_path": train.path,
+        "spilled_bytes": train.spilled_bytes,
+        "data_wait_s": data_wait_s,
         "comm": mesh.stats.as_dict(),
         **sync.stats(),
         **({"auto": auto} if auto is not None else {}),
@@ -286,8 +303,14 @@ def _train(
     if ctx.rank == 0:
         meta = {"history": history, "metric_name": metric}
         records += return_state(spec, 0, model.state_dict(), meta)
-    stats["peak_rss_bytes"] = peak_rss_bytes()  # after the state went out: its true peak
+    # after the state went out: their true peaks
+    stats["peak_rss_bytes"] = peak_rss_bytes()
+    stats["peak_anon_bytes"] = peak_anon_bytes()
     return [Record(ctx.rank, "stats", 0, json.dumps(stats).encode()), *records]
+
+
+def _batch_features(data: PartitionData, batches: list[np.ndarray], step: int) -> torch.Tensor:
+    return data.gather(batches[step])
 
 
 def _save(

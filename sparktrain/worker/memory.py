@@ -1,9 +1,15 @@
-"""This process's peak resident memory, for the run summary's memory figures."""
+"""This process's resident memory, for the run summary's memory figures: the peak of
+all of it (``VmHWM``), and the largest anonymous part seen (``RssAnon``: heap and arrays,
+not the page cache of memory-mapped spill files, which the kernel reclaims at will)."""
 
 from __future__ import annotations
 
 import resource
 import sys
+import threading
+
+_anon_lock = threading.Lock()
+_anon_peak = 0
 
 
 def peak_rss_bytes() -> int:
@@ -33,3 +39,39 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def anon_rss_bytes() -> int:
+    """The process's anonymous resident memory now (``RssAnon``), in bytes; 0 if unknown."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def sample_anon() -> int:
+    """Read ``RssAnon`` and keep the largest value seen since :func:`reset_peak_anon`.
+    Linux has no high-water mark of anonymous memory, so the data path samples it where
+    it peaks: per ingested batch and per epoch."""
+    global _anon_peak
+    now = anon_rss_bytes()
+    with _anon_lock:
+        _anon_peak = max(_anon_peak, now)
+    return now
+
+
+def peak_anon_bytes() -> int:
+    """The largest ``RssAnon`` sampled since :func:`reset_peak_anon` (0: never sampled)."""
+    sample_anon()
+    return _anon_peak
+
+
+def reset_peak_anon() -> None:
+    """Start the sampled peak afresh (a reused Python worker's earlier tasks do not count)."""
+    global _anon_peak
+    with _anon_lock:
+        _anon_peak = 0

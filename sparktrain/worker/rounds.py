@@ -299,7 +299,7 @@ def make_seq_op(
 
 
 def _batch(state: _WorkerState, data: PartitionData, idx: np.ndarray, loss: Any) -> torch.Tensor:
-    x = torch.from_numpy(data.x[idx])
+    x = data.gather(idx)
     y = torch.from_numpy(data.y[idx]).to(label_dtype(loss))
     out = state.model(x)
     # weighted data: sum w_i l_i / n with driver-normalised weights (builders.Loss)

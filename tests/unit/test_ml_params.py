@@ -36,6 +36,7 @@ OWN_PARAMS = {
     "psMode",
     "seed",
     "validationFraction",
+    "dataMemoryInMB",
 }
 STANDARD = {"featuresCol", "labelCol", "predictionCol", "weightCol"}
 
@@ -62,6 +63,7 @@ def test_defaults_come_from_train_config() -> None:
     assert clf.getPsMode() == cfg.ps_mode
     assert clf.getSeed() == cfg.seed == 0  # not pyspark's per-process hash of the class name
     assert clf.getValidationFraction() == cfg.validation_fraction
+    assert clf.getDataMemoryInMB() == cfg.data_memory_mb == 512
     assert clf.getOptimizer() == cfg.optimizer
     assert clf.getModelKwargs() == "{}" and clf.getOptimizerKwargs() == "{}"
     assert clf.getLoss() == "cross_entropy" and TorchRegressor().getLoss() == "mse"
@@ -86,8 +88,10 @@ def test_params_map_onto_train_config() -> None:
         psMode="ssp",
         seed=11,
         validationFraction=0.2,
+        dataMemoryInMB=64,
     )
     cfg = clf._train_config()
+    assert cfg.data_memory_mb == 64.0
     assert (cfg.lr, cfg.batch_size, cfg.epochs, cfg.num_workers) == (0.5, 7, 3, 1)
     assert (cfg.strategy, cfg.ps_mode, cfg.seed, cfg.validation_fraction) == (
         "tree",

@@ -1,0 +1,106 @@
+"""A partition's feature rows, held in memory or memory-mapped from a spill file.
+
+:class:`Features` keeps the rows as the chunks they arrived in (one per Arrow batch):
+joining them into one matrix would hold every row twice while it is built. A chunk is a
+``(rows, width)`` float32 array, either in memory or a zero-copy view of a record batch
+in an Arrow IPC file (:mod:`sparktrain.worker.spill`); :meth:`Features.take` gathers any
+rows from either in the order asked, so a batch's values do not depend on where its rows
+live. A subset (the training or validation rows of a partition) is a view through a row
+index, not a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+class Features:
+    """Feature rows in partition order: ``chunks`` of ``(n_i, width)`` float32, seen
+    through ``rows`` (indices into the chunks' rows; ``None``: all of them).
+
+    ``on_close`` releases what backs the chunks (the spill file's map); subsets share it
+    and leave the closing to the partition that owns it.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[np.ndarray],
+        width: int,
+        rows: np.ndarray | None = None,
+        *,
+        on_close: Callable[[], None] | None = None,
+        spilled_bytes: int = 0,
+    ) -> None:
+        self.chunks = [c for c in chunks if len(c)]
+        self.width = width
+        self.rows = rows
+        self.spilled_bytes = spilled_bytes
+        self._on_close = on_close
+        sizes = [len(c) for c in self.chunks]
+        self._starts = np.cumsum([0, *sizes])[:-1].astype(np.int64)
+        self._total = int(sum(sizes))
+
+    @classmethod
+    def in_memory(cls, x: np.ndarray) -> Features:
+        """One chunk in memory (what tests and the RDD path build)."""
+        x = np.asarray(x, dtype=np.float32)
+        return cls([x], x.shape[1] if x.ndim == 2 else 0)
+
+    @property
+    def spilled(self) -> bool:
+        return self.spilled_bytes > 0
+
+    @property
+    def size(self) -> int:
+        return self._total if self.rows is None else len(self.rows)
+
+    @property
+    def nbytes_in_memory(self) -> int:
+        """Bytes of the chunks held in memory (0 for a memory-mapped partition)."""
+        return 0 if self.spilled else sum(int(c.nbytes) for c in self.chunks)
+
+    def take(self, idx: np.ndarray) -> np.ndarray:
+        """A new ``(len(idx), width)`` float32 array of rows ``idx`` of this view."""
+        where = np.asarray(idx, dtype=np.int64)
+        if self.rows is not None:
+            where = self.rows[where]
+        if len(self.chunks) == 1:
+            out: np.ndarray = self.chunks[0][where]
+            return out
+        out = np.empty((len(where), self.width), np.float32)
+        if not len(where):
+            return out
+        chunk_of = np.searchsorted(self._starts, where, side="right") - 1
+        order = np.argsort(chunk_of, kind="stable")
+        ids, first = np.unique(chunk_of[order], return_index=True)
+        for ci, lo, hi in zip(ids, first, [*first[1:], len(order)], strict=True):
+            at = order[lo:hi]
+            out[at] = self.chunks[ci][where[at] - self._starts[ci]]
+        return out
+
+    def array(self) -> np.ndarray:
+        """Every row of this view as one in-memory matrix (reads a spilled map whole)."""
+        if self.rows is None and len(self.chunks) == 1:
+            return self.chunks[0]
+        if not self.chunks:
+            return np.zeros((0, self.width), np.float32)
+        if self.rows is None:
+            return np.concatenate(self.chunks)
+        return self.take(np.arange(self.size))
+
+    def subset(self, mask_or_rows: np.ndarray) -> Features:
+        """The rows where ``mask_or_rows`` is true (a bool mask over this view) or at
+        those indices: a view sharing the chunks."""
+        picked = np.asarray(mask_or_rows)
+        local = np.flatnonzero(picked) if picked.dtype == bool else picked.astype(np.int64)
+        rows = local if self.rows is None else self.rows[local]
+        return Features(self.chunks, self.width, rows, spilled_bytes=self.spilled_bytes)
+
+    def close(self) -> None:
+        """Release the spill file behind the chunks (a no-op in memory); idempotent."""
+        self.chunks = []
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()

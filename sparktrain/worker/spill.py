@@ -1,0 +1,157 @@
+"""Spill files: a partition's feature rows on local disk as Arrow IPC, memory-mapped.
+
+A worker whose partition outgrows ``data_memory_mb`` writes its feature chunks, once,
+to an Arrow IPC file and reads them back through a memory map: the operating system's
+page cache then holds what fits and the worker's own (anonymous) memory stays flat.
+
+Where: ``<local dir>/sparktrain-spill/<job id>/rank<R>-attempt<A>-pid<P>.arrow``, the
+local dir being the executor's first ``SPARK_LOCAL_DIRS`` entry (what ``spark.local.dir``
+or the cluster manager gives the Python worker), else the system temp dir. The file is
+removed when the task's partition is closed, on success and on failure alike. A worker
+killed outright leaves its file behind: every task sweeps, before it spills, the files
+whose process is gone (and their empty job directories), so orphans last until the next
+task on that host. A restarted stage is a new attempt and spills again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from sparktrain.worker.features import Features
+
+log = logging.getLogger(__name__)
+
+SPILL_DIR_NAME = "sparktrain-spill"
+_FILE = re.compile(r"^rank\d+-attempt\d+-pid(?P<pid>\d+)\.arrow(\.part)?$")
+_SCHEMA_FIELD = "features"
+
+
+def local_root() -> Path:
+    """The executor's first local dir (``SPARK_LOCAL_DIRS``), else the temp dir."""
+    dirs = [d for d in os.environ.get("SPARK_LOCAL_DIRS", "").split(",") if d.strip()]
+    return Path(dirs[0].strip() if dirs else tempfile.gettempdir())
+
+
+def spill_path(job_id: str, rank: int, attempt: int, root: Path | None = None) -> Path:
+    """This task's spill file (made, with its directory, only if the task spills)."""
+    safe_job = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id) or "job"
+    folder = (root or local_root()) / SPILL_DIR_NAME / safe_job
+    return folder / f"rank{rank}-attempt{attempt}-pid{os.getpid()}.arrow"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def sweep_orphans(root: Path | None = None) -> list[Path]:
+    """Remove spill files whose process is gone, and job directories left empty; the
+    removed files. Files of live processes (other tasks, other applications) stay."""
+    base = (root or local_root()) / SPILL_DIR_NAME
+    removed: list[Path] = []
+    if not base.is_dir():
+        return removed
+    for job_dir in base.iterdir():
+        if not job_dir.is_dir():
+            continue
+        for path in job_dir.iterdir():
+            match = _FILE.match(path.name)
+            if match is None or _alive(int(match["pid"])):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+        with contextlib.suppress(OSError):  # not empty, or removed by another task
+            job_dir.rmdir()
+    if removed:
+        log.info("removed %d spill file(s) left by killed workers under %s", len(removed), base)
+    return removed
+
+
+def _create(path: Path) -> pa.NativeFile:
+    """Open a new file, making its directory: another task's sweep may remove the
+    directory while it is still empty, so try again a few times."""
+    for attempt in range(3):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return pa.OSFile(str(path), "wb")
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class SpillWriter:
+    """Appends feature chunks to an Arrow IPC file, then maps it back as :class:`Features`.
+
+    The file is written as ``<name>.part`` and renamed when complete; :meth:`abort` (or
+    a failure in :meth:`finish`) removes what was written.
+    """
+
+    def __init__(self, path: Path, width: int) -> None:
+        self.path = path
+        self.width = width
+        self._part = path.with_name(path.name + ".part")
+        schema = pa.schema([(_SCHEMA_FIELD, pa.list_(pa.float32(), width))])
+        self._sink = _create(self._part)
+        self._writer = pa.ipc.new_file(self._sink, schema)
+        self.rows = 0
+
+    def write(self, chunk: np.ndarray) -> None:
+        """Append ``(n, width)`` float32 rows."""
+        if not len(chunk):
+            return
+        flat = pa.array(np.ascontiguousarray(chunk, np.float32).reshape(-1))
+        column = pa.FixedSizeListArray.from_arrays(flat, self.width)
+        self._writer.write_batch(pa.RecordBatch.from_arrays([column], [_SCHEMA_FIELD]))
+        self.rows += len(chunk)
+
+    def finish(self) -> Features:
+        """Close the file and map it: every chunk a zero-copy view of the map."""
+        try:
+            self._writer.close()
+            self._sink.close()
+            self._part.rename(self.path)
+            source = pa.memory_map(str(self.path), "r")
+            reader = pa.ipc.open_file(source)
+            chunks = []
+            for i in range(reader.num_record_batches):
+                column = reader.get_batch(i).column(0)
+                values = column.values.to_numpy(zero_copy_only=True)
+                chunks.append(values.reshape(len(column), self.width))
+        except BaseException:
+            self.abort()
+            raise
+        size = self.path.stat().st_size
+
+        def release() -> None:
+            source.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            with contextlib.suppress(OSError):  # other ranks' files may still be there
+                self.path.parent.rmdir()
+
+        return Features(chunks, self.width, on_close=release, spilled_bytes=size)
+
+    def abort(self) -> None:
+        """Drop the partial file (after a failure while ingesting)."""
+        with contextlib.suppress(Exception):
+            self._writer.close()
+        with contextlib.suppress(Exception):
+            self._sink.close()
+        for p in (self._part, self.path):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
