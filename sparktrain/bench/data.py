@@ -334,19 +334,18 @@ def has_data_core() -> bool:
 
 
 def leftover_local_files(local_dir: Path) -> list[str]:
-    """Files under ``local_dir`` outside Spark's own folders (``blockmgr-*``, ``spark-*``):
-    where a spill file left behind would show."""
-    out = []
+    """Spill files left under ``local_dir``: anything inside a ``sparktrain-spill``
+    folder (the workers put theirs under the executor's local dirs, which Spark makes
+    inside ``spark.local.dir``: ``blockmgr-*/sparktrain-spill/<job>/...``)."""
+    from sparktrain.worker.spill import SPILL_DIR_NAME
+
     if not local_dir.exists():
-        return out
-    for top in local_dir.iterdir():
-        if top.name.startswith(("blockmgr-", "spark-")):
-            continue
-        if top.is_file():
-            out.append(top.name)
-        else:
-            out += [str(p.relative_to(local_dir)) for p in top.rglob("*") if p.is_file()]
-    return out
+        return []
+    return sorted(
+        str(p.relative_to(local_dir))
+        for p in local_dir.rglob("*")
+        if p.is_file() and SPILL_DIR_NAME in p.relative_to(local_dir).parts
+    )
 
 
 def run_fit(
@@ -472,7 +471,7 @@ def peer_loop(
         "samples": samples,
         "loop_s": loop_s,
         "samples_per_s": samples / loop_s if loop_s > 0 else 0.0,
-        "final_loss": float(loss),
+        "final_loss": float(loss.detach()),
         "baseline_anon_bytes": baseline,
         "peak_anon_bytes": sampler.peak,
         "data_anon_bytes": sampler.peak - baseline,
@@ -626,7 +625,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
             [x], [peer["peak_anon_bytes"] / MIB], "s", color="C2",
             label=f"peer ({peer['kind']}, one process, all rows)",
         )  # fmt: skip
-    ax.set_xscale("log", base=2)
+    ax.set_xlim(left=0)
     ax.set_xlabel("partition per worker (MiB of float32 features)")
     ax.set_ylabel("peak RssAnon per worker (MiB)")
     ax.set_title(
@@ -660,7 +659,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--factors",
         type=float,
         nargs="+",
-        default=[0.25, 0.5, 1.0, 2.0, 4.0],
+        default=[0.25, 1.0, 2.0, 4.0],
         help="partition sizes as multiples of the budget (whole multiples of the smallest)",
     )
     parser.add_argument(
@@ -672,7 +671,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--hidden", type=int, nargs="+", default=[128])
-    parser.add_argument("--peer-threads", type=int, default=2, help="the peer's torch threads")
+    parser.add_argument("--peer-threads", type=int, default=1, help="the peer's torch threads")
     parser.add_argument("--no-peer", action="store_true", help="skip the single-process peer")
     parser.add_argument("--tmp", default=None, help="where the Parquet and spill files go")
 

@@ -20,11 +20,11 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_defaults_validate_and_span_a_sixteenth_to_four_budgets():
+def test_defaults_validate_and_span_a_quarter_to_four_budgets():
     args = parse()
     bd.validate(args)
     assert args.budget_mb == 64 and args.world == 2 and args.prefetch == 2
-    assert args.factors == [0.25, 0.5, 1.0, 2.0, 4.0] and args.throughput_factor == 2.0
+    assert args.factors == [0.25, 1.0, 2.0, 4.0] and args.throughput_factor == 2.0
     assert args.in_ram_mb > max(args.factors) * args.budget_mb
     # 64 MiB of 64 float32 per row: 262144 rows per worker at 1x
     assert bd.rows_per_worker(64, 1.0) == 262_144
@@ -183,10 +183,13 @@ def test_shards_are_equal_and_the_peer_trains_on_them(tmp_path: Path):
     assert out["peak_anon_bytes"] >= out["baseline_anon_bytes"] > 0
 
 
-def test_leftover_local_files_skips_sparks_own_folders(tmp_path: Path):
-    (tmp_path / "blockmgr-1").mkdir()
-    (tmp_path / "blockmgr-1" / "shuffle_0.data").write_text("x")
-    (tmp_path / "sparktrain-spill").mkdir()
-    (tmp_path / "sparktrain-spill" / "rank0.arrow").write_text("x")
-    assert bd.leftover_local_files(tmp_path) == ["sparktrain-spill/rank0.arrow"]
+def test_leftover_local_files_are_those_under_a_spill_folder(tmp_path: Path):
+    (tmp_path / "blockmgr-1" / "0a").mkdir(parents=True)
+    (tmp_path / "blockmgr-1" / "0a" / "shuffle_0.data").write_text("x")
+    job = tmp_path / "blockmgr-1" / "sparktrain-spill" / "job1"
+    job.mkdir(parents=True)
+    (job / "rank0-attempt0-pid1.arrow").write_text("x")
+    assert bd.leftover_local_files(tmp_path) == [
+        "blockmgr-1/sparktrain-spill/job1/rank0-attempt0-pid1.arrow"
+    ]
     assert bd.leftover_local_files(tmp_path / "missing") == []
