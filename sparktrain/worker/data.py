@@ -281,9 +281,11 @@ def _arrow_columns(
         raise DataError(
             f"rank {rank}: {label.null_count} rows have a null label; drop them before training"
         )
-    y = label.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+    # copies: a view would keep the whole Arrow message body alive (Spark's batches arrive
+    # as one buffer per batch, features included), defeating the spill
+    y = np.array(label.to_numpy(zero_copy_only=False), dtype=np.float64)
     if IS_VALIDATION in batch.schema.names:
-        v = batch.column(IS_VALIDATION).to_numpy(zero_copy_only=False).astype(bool)
+        v = np.array(batch.column(IS_VALIDATION).to_numpy(zero_copy_only=False), dtype=bool)
     else:
         v = np.zeros(batch.num_rows, dtype=bool)
     w = None
@@ -294,7 +296,7 @@ def _arrow_columns(
                 f"rank {rank}: {weight.null_count} rows have a null weight; drop them or "
                 "fill the weight column before training"
             )
-        w = weight.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+        w = np.array(weight.to_numpy(zero_copy_only=False), dtype=np.float64)
     return x, y, v, w
 
 

@@ -17,6 +17,7 @@ from sparktrain.errors import ConfigError, DataError
 from sparktrain.result import data_summary
 from sparktrain.worker.data import FEATURES, LABEL, WEIGHT, SpillPlan, from_arrow
 from sparktrain.worker.features import Features
+from sparktrain.worker.memory import anon_rss_bytes, peak_anon_bytes, reset_peak_anon
 from sparktrain.worker.prefetch import Prefetcher
 from sparktrain.worker.spill import SPILL_DIR_NAME, spill_path, sweep_orphans
 
@@ -240,3 +241,31 @@ def test_the_budget_and_prefetch_depth_are_checked():
             TrainConfig(data_memory_mb=bad).validate()
     with pytest.raises(ConfigError, match="prefetch_batches"):
         TrainConfig(prefetch_batches=-1).validate()
+
+
+def test_a_spilling_worker_s_memory_does_not_grow_with_its_partition(tmp_path):
+    """Arrow IPC batches (what Spark sends) arrive as one buffer per message: keeping a
+    view of any column (the labels) would keep every batch's features alive too."""
+    rows, width = 200_000, 64  # 51 MB of features, 4 MiB of budget
+    stream = tmp_path / "partition.arrows"
+    schema = pa.schema([(FEATURES, pa.list_(pa.float32())), (LABEL, pa.float64())])
+    rng = np.random.default_rng(0)
+    with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for _ in range(0, rows, 10_000):
+            x = rng.random((10_000, width), dtype=np.float32).reshape(-1)
+            offsets = pa.array(np.arange(0, x.size + 1, width, dtype=np.int32))
+            lists = pa.ListArray.from_arrays(offsets, pa.array(x))
+            writer.write_batch(pa.RecordBatch.from_arrays([lists, pa.array(np.zeros(10_000))],
+                                                          schema=schema))  # fmt: skip
+
+    def batches():
+        with pa.OSFile(str(stream), "rb") as source:
+            yield from pa.ipc.open_stream(source)
+
+    reset_peak_anon()
+    before = anon_rss_bytes()
+    data = from_arrow(batches(), width, 0, _plan(tmp_path, budget_bytes=4 << 20))
+    grown = peak_anon_bytes() - before
+    data.close()
+    assert data.path == "spilled"
+    assert grown < 25 << 20, f"anonymous memory grew by {grown >> 20} MiB for a 4 MiB budget"
