@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 WIDTH = 64
 CLASSES = 10
@@ -52,7 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def write_dataset(spark, rows: int, path: str, files: int) -> None:  # type: ignore[no-untyped-def]
+def write_dataset(spark: Any, rows: int, path: str, files: int) -> None:
     from pyspark.sql import functions as F
 
     label = (F.col("id") % CLASSES).cast("int")

@@ -267,7 +267,8 @@ def derive(
         for m in (SPILLED, IN_RAM, NO_PREFETCH)
     }
     med = {m: _median(v) for m, v in by_mode.items()}
-    ratio = med[SPILLED] / med[IN_RAM] if med[SPILLED] and med[IN_RAM] else None
+    spilled_sps, in_ram_sps = med[SPILLED], med[IN_RAM]
+    ratio = spilled_sps / in_ram_sps if spilled_sps and in_ram_sps else None
     out["throughput"] = {
         "factor": factor,
         "samples_per_s": by_mode,
@@ -289,6 +290,16 @@ def derive(
             for m in (SPILLED, NO_PREFETCH)
         },
     }
+    losses: dict[float, set[float]] = {}
+    for r in records:
+        losses.setdefault(r["factor"], set()).add(r["final_loss"])
+    out["checks"] = {
+        # spilling and prefetch change where rows live and when they are gathered, never
+        # which rows a batch holds: every run of one size ends with the same loss
+        "same_loss_per_size": all(len(v) == 1 for v in losses.values()),
+        "leftover_spill_files": sum(r.get("leftover_local_files", 0) for r in records),
+        "input_partitions": sorted({r.get("input_partitions", 0) for r in records}),
+    }
     if peer and peer.get("samples_per_s"):
         ours = [r for r in timed if r["mode"] == SPILLED]
         ours_peak = _median([peak_of(r) for r in ours])
@@ -296,7 +307,7 @@ def derive(
             "kind": peer["kind"],
             "sparktrain_spilled_samples_per_s": med[SPILLED],
             "peer_samples_per_s": peer["samples_per_s"],
-            "ratio": med[SPILLED] / peer["samples_per_s"] if med[SPILLED] else None,
+            "ratio": spilled_sps / peer["samples_per_s"] if spilled_sps else None,
             "sparktrain_spilled_peak_anon_bytes_per_worker": ours_peak,
             "peer_peak_anon_bytes": peer.get("peak_anon_bytes"),
             "peer_data_anon_bytes": peer.get("data_anon_bytes"),
@@ -566,7 +577,7 @@ def table(data: dict[str, Any]) -> str:
     raw = data.get("peer") or {}
     if peer:
         lines.append(
-            f"- peer ({peer['kind']}, one process, {raw.get('threads', '?')} torch threads, "
+            f"- peer ({peer['kind']}, one process, torch threads: {raw.get('threads', '?')}, "
             f"reading included): {peer['peer_samples_per_s']:,.0f} samples/s, peak anon "
             f"{_mib(peer['peer_peak_anon_bytes'])} ({_mib(peer['peer_data_anon_bytes'])} "
             f"over its start); sparktrain spilled / peer samples/s "
@@ -575,6 +586,13 @@ def table(data: dict[str, Any]) -> str:
         )
     if raw.get("petastorm"):
         lines.append(f"- Petastorm: {raw['petastorm']}")
+    checks = d.get("checks")
+    if checks:
+        lines.append(
+            f"- every run of one size ended with the same loss (spilled, in RAM, prefetch "
+            f"on or off): {'yes' if checks['same_loss_per_size'] else 'NO'}; spill files "
+            f"left under spark.local.dir after the runs: {checks['leftover_spill_files']}"
+        )
     return "\n".join(lines)
 
 

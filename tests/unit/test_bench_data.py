@@ -70,6 +70,7 @@ def rec(part: str, mode: str, factor: float, peaks: list[int] | None, **extra: A
         "data_wait_s": extra.pop("wait", None),
         "data_path": extra.pop("path", None),
         "data_spilled_bytes": extra.pop("spilled", None),
+        "final_loss": extra.pop("loss", factor + (mode == bd.IN_RAM)),
         **extra,
     }
 
@@ -140,7 +141,8 @@ def test_the_json_round_trips_and_the_page_renders_it(tmp_path: Path):
     }
     data = json.loads(json.dumps(bd.build_result(args, records(), peer, 12.5)))
     assert set(data) == {"setup", "records", "peer", "derived"}
-    assert set(data["derived"]) == {"memory", "throughput", "prefetch", "peer"}
+    assert set(data["derived"]) == {"memory", "throughput", "prefetch", "peer", "checks"}
+    assert data["derived"]["checks"]["same_loss_per_size"] is False  # in RAM differs here
     assert data["setup"]["budget_mb"] == 64 and data["setup"]["factors"] == [0.25, 1, 4]
     text = bd.table(data)
     assert text.splitlines()[0].startswith("| partition / budget |")
@@ -193,3 +195,19 @@ def test_leftover_local_files_are_those_under_a_spill_folder(tmp_path: Path):
         "blockmgr-1/sparktrain-spill/job1/rank0-attempt0-pid1.arrow"
     ]
     assert bd.leftover_local_files(tmp_path / "missing") == []
+
+
+def test_checks_say_whether_every_run_of_a_size_ended_alike():
+    same = [
+        rec("memory", m, f, [1], loss=f, leftover_local_files=0, input_partitions=2)
+        for f in (1.0, 2.0)
+        for m in (bd.SPILLED, bd.IN_RAM)
+    ]
+    checks = bd.derive(same, None, 2.0)["checks"]
+    assert checks == {
+        "same_loss_per_size": True,
+        "leftover_spill_files": 0,
+        "input_partitions": [2],
+    }
+    same[0]["leftover_local_files"] = 1
+    assert bd.derive(same, None, 2.0)["checks"]["leftover_spill_files"] == 1
