@@ -18,13 +18,9 @@ def peak_rss_bytes() -> int:
     Linux reports it in ``/proc/self/status``; elsewhere ``getrusage`` (kilobytes on
     Linux, bytes on macOS). Threads share it: ranks run as threads report one figure.
     """
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    hwm = _status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
@@ -43,14 +39,19 @@ def reset_peak_rss() -> bool:
 
 def anon_rss_bytes() -> int:
     """The process's anonymous resident memory now (``RssAnon``), in bytes; 0 if unknown."""
+    return _status_bytes("RssAnon") or 0
+
+
+def _status_bytes(field: str) -> int | None:
+    """A kB figure of Linux's ``/proc/self/status``, in bytes; None elsewhere."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:
-                if line.startswith("RssAnon:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return None
 
 
 def sample_anon() -> int:
