@@ -167,13 +167,59 @@ class SpillPlan:
     path: Path
 
 
+# Rows are copied into blocks of this size as they arrive: a shuffled batch's gather then
+# costs a copy per block it touches, and a partition holds a handful of blocks, not one
+# per Arrow batch (Spark sends 10,000 rows a batch).
+BLOCK_BYTES = 32 << 20
+MIN_BLOCK_BYTES = 256 << 10
+
+
+class _Blocks:
+    """Fills ``(rows_per_block, width)`` float32 blocks with incoming rows, in order."""
+
+    def __init__(self, width: int, block_bytes: int = BLOCK_BYTES) -> None:
+        self.width = width
+        self.rows_per_block = max(1, block_bytes // (4 * max(1, width)))
+        self.block: np.ndarray | None = None
+        self.filled = 0
+        self.spare: np.ndarray | None = None  # a written block's buffer, to fill again
+
+    def add(self, x: np.ndarray) -> Iterator[np.ndarray]:
+        """Copy ``x`` in (casting to float32); yields each block that becomes full."""
+        start = 0
+        while start < len(x):
+            if self.block is None:
+                self.block = self.spare if self.spare is not None else self._new()
+                self.spare, self.filled = None, 0
+            take = min(len(x) - start, self.rows_per_block - self.filled)
+            self.block[self.filled : self.filled + take] = x[start : start + take]
+            self.filled += take
+            start += take
+            if self.filled == self.rows_per_block:
+                full, self.block = self.block, None
+                yield full
+
+    def _new(self) -> np.ndarray:
+        # np.empty: pages of a block's unfilled tail are never touched, so never resident
+        return np.empty((self.rows_per_block, self.width), np.float32)
+
+    def rest(self) -> np.ndarray | None:
+        """The rows of the block being filled (a view), if any."""
+        if self.block is None or not self.filled:
+            return None
+        return self.block[: self.filled]
+
+
 class _Ingest:
-    """Collects a partition's rows chunk by chunk, in memory until the plan's budget is
-    exceeded, then (everything held, and every later chunk) into the spill file."""
+    """Collects a partition's rows in blocks, in memory until the plan's budget is
+    exceeded, then (every full block held, and every later one) into the spill file."""
 
     def __init__(self, width: int, rank: int, plan: SpillPlan | None) -> None:
         self.width, self.rank, self.plan = width, rank, plan
-        self.xs: list[np.ndarray] = []
+        # a spilling worker holds one block while it fills: keep it well inside the budget
+        block_bytes = BLOCK_BYTES if plan is None else min(BLOCK_BYTES, plan.budget_bytes // 4)
+        self.blocks = _Blocks(width, max(block_bytes, MIN_BLOCK_BYTES))
+        self.xs: list[np.ndarray] = []  # full blocks held in memory
         self.ys: list[np.ndarray] = []
         self.vs: list[np.ndarray] = []
         self.ws: list[np.ndarray] = []
@@ -182,18 +228,24 @@ class _Ingest:
         self.writer: SpillWriter | None = None
 
     def add(self, x: np.ndarray, y: np.ndarray, v: np.ndarray, w: np.ndarray | None) -> None:
-        sample_anon()  # the incoming Arrow batch and its converted rows are both alive
+        sample_anon()  # the incoming Arrow batch and the blocks are both alive
         self.bad_rows += int(np.count_nonzero(~np.isfinite(x).all(axis=1)))
         self.ys.append(y)
         self.vs.append(v)
         if w is not None:
             self.ws.append(w)
-        self.held_bytes += x.nbytes + y.nbytes + v.nbytes + (0 if w is None else w.nbytes)
-        if self.writer is not None:
-            self.writer.write(x)
-            return
-        self.xs.append(x)
-        if self.plan is not None and self.held_bytes > self.plan.budget_bytes:
+        self.held_bytes += 4 * x.size + y.nbytes + v.nbytes + (0 if w is None else w.nbytes)
+        for full in self.blocks.add(x):
+            if self.writer is not None:
+                self.writer.write(full)
+                self.blocks.spare = full  # written: its buffer takes the next rows
+            else:
+                self.xs.append(full)
+        if (
+            self.writer is None
+            and self.plan is not None
+            and self.held_bytes > self.plan.budget_bytes
+        ):
             self.writer = SpillWriter(self.plan.path, self.width)
             for held in self.xs:
                 self.writer.write(held)
@@ -224,14 +276,17 @@ class _Ingest:
                     f"rank {rank}: sample weights must be finite and >= 0; clean the weight column"
                 )
         v = _joined(self.vs, bool)
+        rest = self.blocks.rest()
         if self.writer is not None:
+            if rest is not None:
+                self.writer.write(rest)
             features = self.writer.finish()
             log.info(
                 "rank %d: partition of %d rows spilled to %s (%d bytes)",
                 rank, len(y), self.writer.path, features.spilled_bytes,
             )  # fmt: skip
         else:
-            features = Features(self.xs, self.width)
+            features = Features([*self.xs, *([] if rest is None else [rest])], self.width)
         sample_anon()
         return PartitionData(features, y, v, w)
 
@@ -274,8 +329,10 @@ def _arrow_columns(
             f"rank {rank}: a features row has {bad} values but the model expects {width}; "
             "every row must have the same width (check the features column or model_fn)"
         )
+    # a view of the Arrow buffer (or of a float32 cast of it): the ingest copies it into
+    # its blocks, casting there
     values = feats.flatten().to_numpy(zero_copy_only=False)
-    x = values.astype(np.float32, copy=False).reshape(batch.num_rows, width)
+    x = values.reshape(batch.num_rows, width)
     label = batch.column(LABEL)
     if label.null_count:
         raise DataError(

@@ -32,12 +32,17 @@ class Features:
         *,
         on_close: Callable[[], None] | None = None,
         spilled_bytes: int = 0,
+        flat: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.chunks = [c for c in chunks if len(c)]
         self.width = width
         self.rows = rows
         self.spilled_bytes = spilled_bytes
         self._on_close = on_close
+        # (windows: row j is values j..j+width of a whole spill file, a zero-copy view; where
+        # each chunk's first value sits in it): a gather from the file is then one fancy
+        # index, however many chunks the file has
+        self._flat = flat
         sizes = [len(c) for c in self.chunks]
         self._starts = np.cumsum([0, *sizes])[:-1].astype(np.int64)
         self._total = int(sum(sizes))
@@ -73,6 +78,11 @@ class Features:
         if not len(where):
             return out
         chunk_of = np.searchsorted(self._starts, where, side="right") - 1
+        if self._flat is not None:
+            windows, first = self._flat
+            at = first[chunk_of] + (where - self._starts[chunk_of]) * self.width
+            gathered: np.ndarray = windows[at]
+            return gathered
         order = np.argsort(chunk_of, kind="stable")
         ids, first = np.unique(chunk_of[order], return_index=True)
         for ci, lo, hi in zip(ids, first, [*first[1:], len(order)], strict=True):
@@ -96,11 +106,13 @@ class Features:
         picked = np.asarray(mask_or_rows)
         local = np.flatnonzero(picked) if picked.dtype == bool else picked.astype(np.int64)
         rows = local if self.rows is None else self.rows[local]
-        return Features(self.chunks, self.width, rows, spilled_bytes=self.spilled_bytes)
+        return Features(
+            self.chunks, self.width, rows, spilled_bytes=self.spilled_bytes, flat=self._flat
+        )
 
     def close(self) -> None:
         """Release the spill file behind the chunks (a no-op in memory); idempotent."""
-        self.chunks = []
+        self.chunks, self._flat = [], None
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
             on_close()

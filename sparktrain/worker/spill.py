@@ -126,12 +126,21 @@ class SpillWriter:
             self._sink.close()
             self._part.rename(self.path)
             source = pa.memory_map(str(self.path), "r")
+            whole = source.read_buffer(source.size())
             reader = pa.ipc.open_file(source)
-            chunks = []
+            chunks, firsts = [], []
             for i in range(reader.num_record_batches):
                 column = reader.get_batch(i).column(0)
-                values = column.values.to_numpy(zero_copy_only=True)
+                if not len(column):
+                    continue
+                child = column.values  # the float32 values, without the list's offset
+                values = column.flatten().to_numpy(zero_copy_only=True)
                 chunks.append(values.reshape(len(column), self.width))
+                data = child.buffers()[1]
+                first = (data.address - whole.address) // 4 + child.offset
+                firsts.append(first + column.offset * self.width)
+            flat = np.frombuffer(whole, np.float32, count=whole.size // 4)
+            windows = np.lib.stride_tricks.sliding_window_view(flat, self.width)
         except BaseException:
             self.abort()
             raise
@@ -144,7 +153,13 @@ class SpillWriter:
             with contextlib.suppress(OSError):  # other ranks' files may still be there
                 self.path.parent.rmdir()
 
-        return Features(chunks, self.width, on_close=release, spilled_bytes=size)
+        return Features(
+            chunks,
+            self.width,
+            on_close=release,
+            spilled_bytes=size,
+            flat=(windows, np.asarray(firsts, np.int64)),
+        )
 
     def abort(self) -> None:
         """Drop the partial file (after a failure while ingesting)."""
