@@ -329,8 +329,7 @@ def _arrow_columns(
             f"rank {rank}: a features row has {bad} values but the model expects {width}; "
             "every row must have the same width (check the features column or model_fn)"
         )
-    # a view of the Arrow buffer (or of a float32 cast of it): the ingest copies it into
-    # its blocks, casting there
+    # a view of the Arrow buffer: the ingest copies it into its float32 blocks, casting there
     values = feats.flatten().to_numpy(zero_copy_only=False)
     x = values.reshape(batch.num_rows, width)
     label = batch.column(LABEL)

@@ -1,6 +1,6 @@
 """A partition's feature rows, held in memory or memory-mapped from a spill file.
 
-:class:`Features` keeps the rows as the chunks they arrived in (one per Arrow batch):
+:class:`Features` keeps the rows in the blocks the ingest filled (``worker/data.py``):
 joining them into one matrix would hold every row twice while it is built. A chunk is a
 ``(rows, width)`` float32 array, either in memory or a zero-copy view of a record batch
 in an Arrow IPC file (:mod:`sparktrain.worker.spill`); :meth:`Features.take` gathers any
