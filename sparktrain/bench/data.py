@@ -41,7 +41,6 @@ Spark's own block-manager folders (``leftover_local_files``, expected 0).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -327,27 +326,16 @@ def _train_config(args: argparse.Namespace, memory_mb: float, prefetch: int) -> 
         "num_workers": args.world,
         "seed": 0,
         "progress": False,
+        "data_memory_mb": memory_mb,
+        "prefetch_batches": prefetch,
     }
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    if "data_memory_mb" in names:
-        values["data_memory_mb"] = memory_mb
-    if "prefetch_batches" in names:
-        values["prefetch_batches"] = prefetch
     return TrainConfig(**values)
-
-
-def has_data_core() -> bool:
-    """Whether this TrainConfig has the data budget (the spill path) at all."""
-    from sparktrain.config import TrainConfig
-
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return {"data_memory_mb", "prefetch_batches"} <= names
 
 
 def leftover_local_files(local_dir: Path) -> list[str]:
     """Spill files left under ``local_dir``: anything inside a ``sparktrain-spill``
-    folder (the workers put theirs under the executor's local dirs, which Spark makes
-    inside ``spark.local.dir``: ``blockmgr-*/sparktrain-spill/<job>/...``)."""
+    folder (the workers put theirs in the application's folder under ``spark.local.dir``,
+    beside the executors' ``blockmgr-*`` folders; see ``worker.spill.local_root``)."""
     from sparktrain.worker.spill import SPILL_DIR_NAME
 
     if not local_dir.exists():
@@ -698,12 +686,6 @@ def main(args: argparse.Namespace) -> int:
     validate(args)
     from sparktrain.session import get_or_create_session
 
-    if not has_data_core():
-        print(
-            "note: this TrainConfig has no data_memory_mb/prefetch_batches: every run takes "
-            "the in-RAM path and the summary has no data keys",
-            flush=True,
-        )
     unit, plan = shard_plan(args.factors, args.world)
     shard_rows = rows_per_worker(args.budget_mb, unit)
     started = time.perf_counter()
@@ -801,7 +783,6 @@ def build_result(
         "model": f"{MODEL} {WIDTH}-{'-'.join(map(str, args.hidden))}-{CLASSES}",
         "row_bytes": ROW_BYTES,
         "python_worker_reuse": False,
-        "data_core": has_data_core(),
         "cpus": os.cpu_count(),
         "bench_s": elapsed,
     }

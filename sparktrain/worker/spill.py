@@ -5,8 +5,9 @@ to an Arrow IPC file and reads them back through a memory map: the operating sys
 page cache then holds what fits and the worker's own (anonymous) memory stays flat.
 
 Where: ``<local dir>/sparktrain-spill/<job id>/rank<R>-attempt<A>-pid<P>.arrow``, the
-local dir being the executor's first ``SPARK_LOCAL_DIRS`` entry (what ``spark.local.dir``
-or the cluster manager gives the Python worker), else the system temp dir. The file is
+local dir being the application's folder that holds the executor's first
+``SPARK_LOCAL_DIRS`` entry (under ``spark.local.dir`` or the cluster manager's local
+dirs; see :func:`local_root`), else the system temp dir. The file is
 removed when the task's partition is closed, on success and on failure alike. A worker
 killed outright leaves its file behind: every task sweeps, before it spills, the files
 whose process is gone (and their empty job directories), so orphans last until the next
@@ -35,9 +36,15 @@ _SCHEMA_FIELD = "features"
 
 
 def local_root() -> Path:
-    """The executor's first local dir (``SPARK_LOCAL_DIRS``), else the temp dir."""
-    dirs = [d for d in os.environ.get("SPARK_LOCAL_DIRS", "").split(",") if d.strip()]
-    return Path(dirs[0].strip() if dirs else tempfile.gettempdir())
+    """Where spill folders go: the executor's first local dir (``SPARK_LOCAL_DIRS``), else
+    the temp dir. Spark hands Python workers their executor's ``blockmgr-*`` folder; its
+    parent, the application's folder on that host, is shared by the application's
+    executors there, so a task also sweeps what an executor killed before it left."""
+    dirs = [d.strip() for d in os.environ.get("SPARK_LOCAL_DIRS", "").split(",") if d.strip()]
+    if not dirs:
+        return Path(tempfile.gettempdir())
+    first = Path(dirs[0])
+    return first.parent if first.name.startswith("blockmgr-") else first
 
 
 def spill_path(job_id: str, rank: int, attempt: int, root: Path | None = None) -> Path:

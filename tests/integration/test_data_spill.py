@@ -11,7 +11,7 @@ import torch
 
 from sparktrain import Trainer
 from sparktrain.worker.faults import FaultPlan
-from sparktrain.worker.spill import SPILL_DIR_NAME
+from sparktrain.worker.spill import SPILL_DIR_NAME, local_root
 
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 
@@ -19,13 +19,14 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 
 def _local_dirs(spark) -> set[Path]:  # type: ignore[no-untyped-def]
-    """The local dirs the executors' Python workers are given (where spills go)."""
+    """Where the executors' Python workers put their spill folders."""
 
     def where(_: object) -> list[str]:
-        return os.environ.get("SPARK_LOCAL_DIRS", "").split(",")
+        assert os.environ.get("SPARK_LOCAL_DIRS"), "Spark gave the Python worker no local dirs"
+        return [str(local_root())]
 
     found = spark.sparkContext.parallelize(range(2), 2).mapPartitions(where).collect()
-    return {Path(d) for d in found if d}
+    return {Path(d) for d in found}
 
 
 def _spill_files(dirs: set[Path]) -> list[Path]:

@@ -83,12 +83,14 @@ def _finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 400) -> dic
 def test_submit_then_kill_an_executor_mid_training(cluster, tmp_path):
     """spark-submit jobs/train.py to the cluster; SIGKILL one executor JVM after the first
     checkpoint: the worker starts a new executor, the driver resubmits the stage and the
-    workers resume from the checkpoint."""
+    workers resume from the checkpoint. The partitions spill (a tiny data_memory_mb), so
+    the killed executor's task leaves a spill file for its successor to sweep."""
     ckpt = tmp_path / "ckpt"
     proc = _submit(
         cluster,
         tmp_path,
         "epochs=40",
+        "data_memory_mb=0.05",
         f"checkpoint_dir='file://{ckpt}'",  # one machine: a disk every host shares
         "checkpoint_every=0.5",
         "comm_timeout=20.0",
@@ -108,6 +110,7 @@ def test_submit_then_kill_an_executor_mid_training(cluster, tmp_path):
             proc.kill()
     assert summary["world_size"] == 2 and summary["restarts"] >= 1
     assert summary["metric_value"] >= 0.95 and summary["replicas_in_sync"]
+    assert summary["data_path"] == "spilled" and summary["data_spilled_bytes"] > 0
     log = (tmp_path / "submit.log").read_text(errors="replace")
     assert "from the checkpoint of step" in log
 

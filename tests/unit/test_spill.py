@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -19,7 +21,7 @@ from sparktrain.worker.data import FEATURES, LABEL, WEIGHT, SpillPlan, from_arro
 from sparktrain.worker.features import Features
 from sparktrain.worker.memory import anon_rss_bytes, peak_anon_bytes, reset_peak_anon
 from sparktrain.worker.prefetch import Prefetcher
-from sparktrain.worker.spill import SPILL_DIR_NAME, spill_path, sweep_orphans
+from sparktrain.worker.spill import SPILL_DIR_NAME, local_root, spill_path, sweep_orphans
 
 from .fixtures import loop_spec, spec_with, state_bytes, train_in_threads
 
@@ -269,3 +271,13 @@ def test_a_spilling_worker_s_memory_does_not_grow_with_its_partition(tmp_path):
     data.close()
     assert data.path == "spilled"
     assert grown < 25 << 20, f"anonymous memory grew by {grown >> 20} MiB for a 4 MiB budget"
+
+
+def test_spill_folders_sit_beside_the_executors_block_manager_folders(monkeypatch, tmp_path):
+    app = tmp_path / "spark-app"
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", f"{app}/blockmgr-1234,{tmp_path}/other")
+    assert local_root() == app  # shared by every executor of the application on the host
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", f"{tmp_path}/yarn-dir")
+    assert local_root() == tmp_path / "yarn-dir"
+    monkeypatch.delenv("SPARK_LOCAL_DIRS")
+    assert local_root() == Path(tempfile.gettempdir())
