@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from sparktrain.bench.plots import save_figure
 from sparktrain.errors import ConfigError
 
 OURS = ("ring", "tree")
@@ -452,10 +453,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sparktrain.bench.plots import save_figure
 from sparktrain.errors import ConfigError
 
 WIDTH = 64  # features per row
@@ -641,10 +642,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     )
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------- entry

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from sparktrain import datasets
+from sparktrain.bench.plots import save_figure
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
 TINY_MODEL = "sparktrain.models:mlp"
@@ -226,10 +227,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_title("digits, 64-128-10 MLP: tree_aggregate vs MLlib")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

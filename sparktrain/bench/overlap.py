@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sparktrain.bench.plots import save_figure
 from sparktrain.errors import ConfigError
 
 HOST = "127.0.0.1"
@@ -344,10 +345,7 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from sparktrain import costmodel, strategies
+from sparktrain.bench.plots import save_figure
 from sparktrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -263,10 +264,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.suptitle(
         "alpha-beta model with measured alpha, beta (predictions, not measurements)", fontsize=10
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------- auto vs fixed

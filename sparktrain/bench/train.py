@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from sparktrain import datasets
+from sparktrain.bench.plots import save_figure
 from sparktrain.errors import SparkTrainError
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
@@ -855,10 +856,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         measure = "s to target" if workload == "digits" else "training s"
         ax.set_title(f"5g, {workload}: {measure}", fontsize=9)
         fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def machine() -> dict[str, Any]:
