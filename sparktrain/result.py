@@ -1,6 +1,7 @@
 """What a training run gives back, and how it travels: the task output rows, the state
-codec that carries trained tensors from ranks to the driver without pickle, and the
-summary every barrier-stage run reports (keys: docs/summary.md).
+codec that carries trained tensors from ranks to the driver without pickle, a model's
+weights as weights-only ``torch.save`` bytes, and the summary every barrier-stage run
+reports (keys: docs/summary.md).
 
 This module sits at the bottom of the house (it imports only torch and the standard
 library): the strategies, the stage runner, the pipeline and the rounds driver all build
@@ -9,6 +10,7 @@ their results here, and executor code encodes its state here.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sparktrain.errors import WorkerError
+from sparktrain.errors import DataError, WorkerError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -101,6 +103,28 @@ def load_state_records(
         raw = bytearray(blob[item["offset"] : item["offset"] + item["nbytes"]])
         tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
         state[item["name"]] = tensor.reshape(item["shape"])
+    return state
+
+
+def state_to_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """A state_dict as ``torch.save`` bytes, tensors detached, on the CPU and contiguous:
+    how tree_aggregate ships the driver's model to the executors and how the ml models
+    store their weights."""
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()}, buffer)
+    return buffer.getvalue()
+
+
+def state_from_bytes(blob: bytes, where: str = "the model state") -> dict[str, torch.Tensor]:
+    """Inverse of :func:`state_to_bytes`, with ``weights_only=True``: no user code runs."""
+    try:
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise DataError(f"{where} is not a readable torch weights file: {exc}") from exc
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise DataError(f"{where} does not hold a state_dict (names -> tensors)")
     return state
 
 

@@ -42,10 +42,11 @@ The epoch's metric is measured on the weights after the epoch; to save a Spark j
 epoch, that evaluation rides on the first round of the next epoch (which starts from the
 same broadcast weights), and only the last epoch's needs a job of its own.
 
-The model reaches the executors once per job: the driver's module is cloudpickled into a
-broadcast (Spark's own closure serialization, so models defined in a notebook work too),
-and every Python worker builds it once and caches it by job id. After that only flat
-weights travel.
+The model reaches the executors once per job: its factory (``model_fn``) travels in the
+round's closure (Spark's own closure serialization, so models defined in a notebook work
+too) and the driver model's state_dict in a broadcast, as weights-only ``torch.save``
+bytes; every Python worker builds the model once and caches it by job id. After that
+only flat weights travel.
 
 Tasks are ordinary (non-barrier): rounds run with fewer free slots than partitions, under
 dynamic allocation, and a failed task is simply retried by Spark. A retried task
@@ -92,7 +93,7 @@ from sparktrain.launch.round_runner import RoundRunner, cache_blocks
 from sparktrain.launch.spark_volume import SparkVolume
 from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
 from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
-from sparktrain.result import TrainResult
+from sparktrain.result import TrainResult, state_to_bytes
 from sparktrain.worker.data import steps_for
 from sparktrain.worker.evaluate import finish_metric, metric_name
 from sparktrain.worker.flat import assign, assign_grads, flatten, num_elements
@@ -126,13 +127,14 @@ def run_rounds(
     model: nn.Module,
     cfg: TrainConfig,
     *,
+    model_fn: Any,
+    model_kwargs: dict[str, Any] | None = None,
     num_outputs: int,
     started: float,
     task_hook: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
-    """Train ``model`` (built and seeded on the driver) with one Spark job per round."""
-    from pyspark.cloudpickle import dumps
-
+    """Train ``model`` (built and seeded on the driver from ``model_fn`` and
+    ``model_kwargs``, which the executors build it from too) with one Spark job per round."""
     try:  # fail on the driver, before any Spark job, for a spec the rounds cannot use
         make_codec(cfg.compression)
         download_compressor(cfg.compression)
@@ -150,11 +152,13 @@ def run_rounds(
     downloads: WeightsServer | None = None
     try:
         partitions = blocks.getNumPartitions()
-        model_handle = sc.broadcast(dumps(model))
+        model_handle = sc.broadcast(state_to_bytes(model.state_dict()))
         sizing = RoundSpec(
             job_id=job_id,
             config=cfg,
-            model=model_handle,
+            initial_state=model_handle,
+            model_fn=model_fn,
+            model_kwargs=dict(model_kwargs or {}),
             rounds_per_epoch=0,  # not known until this round reports the row counts
             evaluate_on_validation=False,
             threads=cfg.threads_per_worker or task_cpus(sc),

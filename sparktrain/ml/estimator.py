@@ -38,7 +38,8 @@ from sparktrain.ml.params import (
     _TorchParams,
     _TorchRegressorParams,
 )
-from sparktrain.ml.persistence import TorchEstimatorReader, state_to_bytes
+from sparktrain.ml.persistence import TorchEstimatorReader
+from sparktrain.result import state_to_bytes
 from sparktrain.trainer import Trainer
 
 if TYPE_CHECKING:

@@ -29,11 +29,8 @@ from torch import nn
 from sparktrain.builders import build_model, import_callable
 from sparktrain.errors import ConfigError, DataError
 from sparktrain.ml.params import _TorchClassifierParams, _TorchParams, _TorchRegressorParams
-from sparktrain.ml.persistence import (
-    TorchModelReader,
-    TorchModelWriter,
-    state_from_bytes,
-)
+from sparktrain.ml.persistence import TorchModelReader, TorchModelWriter
+from sparktrain.result import state_from_bytes
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

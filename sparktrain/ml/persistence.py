@@ -18,10 +18,8 @@ a local path, ``file:``, ``hdfs:``, ``s3a:``...
 
 from __future__ import annotations
 
-import io
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
-import torch
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
 from sparktrain.errors import ConfigError, DataError
@@ -31,6 +29,7 @@ from sparktrain.ml.allowlist import (
     check_saved_model_fn,
     conf_prefixes,
 )
+from sparktrain.result import state_from_bytes
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -44,26 +43,6 @@ _CHUNK = 4 << 20  # bytes per Py4J call
 
 M = TypeVar("M", bound="TorchModel")
 E = TypeVar("E", bound="TorchEstimator[Any]")
-
-
-def state_to_bytes(state: dict[str, torch.Tensor]) -> bytes:
-    """A state_dict as ``torch.save`` bytes (tensors detached, on the CPU, contiguous)."""
-    buffer = io.BytesIO()
-    torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()}, buffer)
-    return buffer.getvalue()
-
-
-def state_from_bytes(blob: bytes, where: str = "the model state") -> dict[str, torch.Tensor]:
-    """Inverse of :func:`state_to_bytes`, with ``weights_only=True``: no user code runs."""
-    try:
-        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise DataError(f"{where} is not a readable torch weights file: {exc}") from exc
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        raise DataError(f"{where} does not hold a state_dict (names -> tensors)")
-    return state
 
 
 class TorchModelWriter(MLWriter):

@@ -50,6 +50,8 @@ class TreeAggregate(Strategy):
             job.prepared,
             job.model,
             job.config,
+            model_fn=job.model_fn,
+            model_kwargs=job.model_kwargs,
             num_outputs=job.num_outputs,
             started=job.started,
             task_hook=job.fault.maybe_fire if job.fault else None,

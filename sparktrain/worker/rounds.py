@@ -34,7 +34,6 @@ partition starts from a zero residual (the carried error is dropped, not double-
 from __future__ import annotations
 
 import copy
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -43,14 +42,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from sparktrain.builders import build_loss, build_optimizer, label_dtype
+from sparktrain.builders import (
+    build_loss,
+    build_model,
+    build_optimizer,
+    label_dtype,
+    resolve_model_fn,
+)
 from sparktrain.comm.link import emulate_task_transfer
 from sparktrain.comm.security import WireSecurity
 from sparktrain.compress.base import BucketState
 from sparktrain.compress.feedback import SCALE
 from sparktrain.config import TrainConfig
+from sparktrain.result import state_from_bytes
 from sparktrain.worker.data import PartitionData, epoch_batches
 from sparktrain.worker.evaluate import evaluate, target_like
 from sparktrain.worker.flat import assign, flatten, flatten_grads, num_elements
@@ -87,14 +92,16 @@ class Block:
 class RoundSpec:
     """The picklable view of a tree_aggregate job that every round's closure carries.
 
-    ``model`` holds the cloudpickled driver model (a broadcast, once per job);
-    ``task_hook(partition, round)`` is a test seam for fault injection, called at the start
-    of each partition's round.
+    ``model_fn``/``model_kwargs`` build the model on the executor (the factory travels in
+    the closure, as a barrier job's does) and ``initial_state`` (a broadcast, once per job)
+    holds the driver model's state_dict as weights-only ``torch.save`` bytes: nothing is
+    unpickled from the driver's bytes. ``task_hook(partition, round)`` is a test seam for
+    fault injection, called at the start of each partition's round.
     """
 
     job_id: str
     config: TrainConfig
-    model: Any  # Broadcast[bytes] or bytes
+    initial_state: Any  # Broadcast[bytes] or bytes (result.state_to_bytes)
     rounds_per_epoch: int
     evaluate_on_validation: bool
     threads: int = 1
@@ -106,6 +113,8 @@ class RoundSpec:
     # > 0 only in the sizing round (the job's first): the number of partitions whose row
     # counts the stats carry; that round's rounds_per_epoch is 0 (not known yet)
     size_slots: int = 0
+    model_fn: Any = field(kw_only=True)  # zero-argument callable or "package.module:function"
+    model_kwargs: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
     @property
     def codec(self) -> PayloadCodec:
@@ -124,8 +133,10 @@ class _WorkerState:
     per partition (cheap to rebuild, but not every round)."""
 
     def __init__(self, spec: RoundSpec) -> None:
-        blob = _value(spec.model)
-        self.model: nn.Module = pickle.loads(blob) if isinstance(blob, bytes) else blob
+        self.model = build_model(resolve_model_fn(spec.model_fn, spec.model_kwargs))
+        self.model.load_state_dict(
+            state_from_bytes(_value(spec.initial_state), where="the driver's model state")
+        )
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_fn = build_loss(spec.config.loss, dict(spec.config.loss_kwargs))

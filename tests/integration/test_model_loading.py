@@ -16,8 +16,8 @@ from pyspark.ml.tuning import CrossValidatorModel, ParamGridBuilder
 
 from sparktrain.errors import ConfigError
 from sparktrain.ml import TorchClassificationModel, TorchClassifier, allowlist
-from sparktrain.ml.persistence import state_to_bytes
 from sparktrain.models import digits_mlp
+from sparktrain.result import state_to_bytes
 from tests.unit import user_models
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]

@@ -21,6 +21,7 @@ from sparktrain.launch.prepare import prepare
 from sparktrain.launch.round_runner import RoundRunner, cache_blocks
 from sparktrain.launch.rounds import run_rounds
 from sparktrain.launch.spark_volume import SparkVolume
+from sparktrain.result import state_to_bytes
 from sparktrain.worker.rounds import RoundSpec
 
 from .fixtures import (
@@ -170,14 +171,12 @@ def _seeded_model(seed: int = 0) -> torch.nn.Module:
 
 
 def test_a_failed_task_is_retried_and_the_round_is_unchanged(spark_retry, tmp_path):
-    from pyspark.cloudpickle import dumps
-
     sc = spark_retry.sparkContext
     cfg = ta_config(batch_size=64)
     prepared = _prepared_digits(spark_retry)
     blocks = cache_blocks(prepared, cfg, num_outputs=10)
     model = _seeded_model()
-    handle = sc.broadcast(dumps(model))
+    handle = sc.broadcast(state_to_bytes(model.state_dict()))
     weights = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
     marker = tmp_path / "failed"
     sc.setJobGroup("tree-aggregate-retry-test", "retry test")
@@ -186,7 +185,8 @@ def test_a_failed_task_is_retried_and_the_round_is_unchanged(spark_retry, tmp_pa
         results = []
         for hook in (None, _fail_once(str(marker))):
             spec = RoundSpec("retry-test", cfg, handle, rounds_per_epoch=11,
-                             evaluate_on_validation=True, task_hook=hook)  # fmt: skip
+                             evaluate_on_validation=True, task_hook=hook,
+                             model_fn=DIGITS_MODEL)  # fmt: skip
             results.append(RoundRunner(sc, blocks, spec).run(weights, 3, evaluate=True))
         volume.poll(final=True)
     finally:
@@ -207,7 +207,15 @@ def test_training_through_a_task_failure_gives_the_fault_free_model(spark_retry,
     runs = []
     for hook in (None, _fail_once(str(tmp_path / "failed"), partition=0, round_index=2)):
         runs.append(
-            run_rounds(prepared, _seeded_model(), cfg, num_outputs=10, started=0.0, task_hook=hook)
+            run_rounds(
+                prepared,
+                _seeded_model(),
+                cfg,
+                model_fn=DIGITS_MODEL,
+                num_outputs=10,
+                started=0.0,
+                task_hook=hook,
+            )
         )
     clean, retried = runs
     assert (tmp_path / "failed").exists()

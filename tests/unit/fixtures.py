@@ -44,7 +44,7 @@ from sparktrain.parallel.stage import PipelineSpec, train_stage
 from sparktrain.ps import protocol
 from sparktrain.ps.client import ShardClient, connect_shards
 from sparktrain.ps.server import ParameterServer, start_parameter_server
-from sparktrain.result import TrainResult, assemble
+from sparktrain.result import TrainResult, assemble, state_to_bytes
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.loop import train_partition
@@ -430,9 +430,12 @@ def ps_clients(
 ROUNDS_WIDTH, ROUNDS_CLASSES = 6, 3
 
 
+ROUNDS_MODEL_FN = functools.partial(mlp, ROUNDS_WIDTH, (5,), ROUNDS_CLASSES)
+
+
 def rounds_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return mlp(ROUNDS_WIDTH, (5,), ROUNDS_CLASSES)
+    return ROUNDS_MODEL_FN()
 
 
 def rounds_data(n: int, seed: int, val: bool = False) -> PartitionData:
@@ -453,7 +456,10 @@ def rounds_spec(
     cfg: TrainConfig, model: torch.nn.Module, blocks: list[Block], job: str
 ) -> RoundSpec:
     rpe = max(1, -(-max(b.train.size for b in blocks) // (cfg.batch_size * cfg.local_steps)))
-    return RoundSpec(job, cfg, pickle.dumps(model), rpe, evaluate_on_validation=True)
+    return RoundSpec(
+        job, cfg, state_to_bytes(model.state_dict()), rpe, evaluate_on_validation=True,
+        model_fn=ROUNDS_MODEL_FN,
+    )  # fmt: skip
 
 
 def rounds_cfg(**kw: Any) -> TrainConfig:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
-import pickle
 import re
 import time
 from pathlib import Path
@@ -21,6 +21,7 @@ from sparktrain.bench import report as rep
 from sparktrain.bench import train as bt
 from sparktrain.errors import SparkTrainError
 from sparktrain.models import mlp
+from sparktrain.result import state_to_bytes
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.flat import flatten
 from sparktrain.worker.round_codec import NUM_STATS
@@ -284,7 +285,8 @@ def test_sizing_round_reports_row_counts_and_trains_round_zero():
         Block(1, data(12, False), data(7, True)),
     ]
     cfg = TrainConfig(strategy="tree_aggregate", batch_size=8, lr=0.1, progress=False)
-    sized = RoundSpec("sizing", cfg, pickle.dumps(model), 0, False, size_slots=2)
+    sized = RoundSpec("sizing", cfg, state_to_bytes(model.state_dict()), 0, False, size_slots=2,
+                      model_fn=functools.partial(mlp, 4, (3,), 2))  # fmt: skip
     weights = flatten(list(model.parameters()))
     parts = [partition_round(sized, weights, b, 0) for b in blocks]
     stats = parts[0][1] + parts[1][1]

@@ -545,11 +545,12 @@ def test_bandwidth_matches_the_kernel_token_bucket_filter() -> None:
 def test_tree_aggregate_tasks_pay_the_link_outside_their_compute_time() -> None:
     """A partition's round downloads the weights and uploads its payload over the
     emulated link (one one-way delay each way with rtt 200 ms), outside ``COMPUTE_S``."""
-    import pickle
+    import functools
 
     import torch
 
     from sparktrain.models import mlp
+    from sparktrain.result import state_to_bytes
     from sparktrain.worker.data import PartitionData
     from sparktrain.worker.flat import flatten
     from sparktrain.worker.round_codec import COMPUTE_S
@@ -569,7 +570,8 @@ def test_tree_aggregate_tasks_pay_the_link_outside_their_compute_time() -> None:
         cfg = TrainConfig(
             strategy="tree_aggregate", batch_size=8, progress=False, link_rtt_ms=rtt_ms
         )
-        spec = RoundSpec(f"link-{rtt_ms}", cfg, pickle.dumps(model), 2, True)
+        spec = RoundSpec(f"link-{rtt_ms}", cfg, state_to_bytes(model.state_dict()), 2, True,
+                         model_fn=functools.partial(mlp, 6, (5,), 3))  # fmt: skip
         t0 = time.monotonic()
         payload, stats = partition_round(spec, weights, block, 0)
         timings[rtt_ms] = (time.monotonic() - t0, float(stats[COMPUTE_S]))

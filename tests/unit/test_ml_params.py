@@ -19,7 +19,7 @@ from sparktrain.ml import (
     TorchRegressionModel,
     TorchRegressor,
 )
-from sparktrain.ml.persistence import state_from_bytes, state_to_bytes
+from sparktrain.result import state_from_bytes, state_to_bytes
 
 OWN_PARAMS = {
     "modelFn",

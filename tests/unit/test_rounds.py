@@ -33,6 +33,7 @@ from sparktrain.worker.round_codec import (
 from sparktrain.worker.rounds import _STATES, Block, RoundSpec, partition_round
 
 from .fixtures import (
+    ROUNDS_MODEL_FN,
     ROUNDS_WIDTH,
     FakeBlocks,
     FakeContext,
@@ -249,7 +250,12 @@ def test_delta_powersgd_is_refused_on_the_driver() -> None:
     cfg.compression = "delta+powersgd:2"  # bypasses validation on purpose
     with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):
         run_rounds(
-            PreparedData(None, None, ROUNDS_WIDTH), rounds_model(), cfg, num_outputs=3, started=0.0
+            PreparedData(None, None, ROUNDS_WIDTH),
+            rounds_model(),
+            cfg,
+            model_fn=ROUNDS_MODEL_FN,
+            num_outputs=3,
+            started=0.0,
         )
     assert isinstance(make_codec("delta+int8+ef"), CompressedCodec)  # uploads: int8+ef
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import pickle
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
 from sparktrain.models import mlp
 from sparktrain.result import assemble as _assemble
+from sparktrain.result import state_to_bytes
 from sparktrain.worker.context import JobSpec
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.flat import flatten
@@ -184,7 +184,9 @@ def test_full_batch_step_is_the_weighted_mean_gradient(strategy, sizes) -> None:
 # ------------------------------------------------------------------ tree_aggregate rounds
 def _round_spec(cfg: TrainConfig, model: torch.nn.Module, blocks: list[Block], job: str):
     rpe = max(1, -(-max(b.train.size for b in blocks) // cfg.batch_size))
-    return RoundSpec(job, cfg, pickle.dumps(model), rpe, evaluate_on_validation=False)
+    state = state_to_bytes(model.state_dict())
+    model_fn = functools.partial(mlp, WIDTH, (8,), CLASSES)
+    return RoundSpec(job, cfg, state, rpe, evaluate_on_validation=False, model_fn=model_fn)
 
 
 def _epoch_gradient(batch_size: int, sizes: list[int], job: str) -> tuple[np.ndarray, np.ndarray]:
