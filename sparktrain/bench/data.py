@@ -53,6 +53,7 @@ from typing import Any
 
 from sparktrain.bench.plots import save_figure
 from sparktrain.errors import ConfigError
+from sparktrain.worker.memory import anon_rss_bytes
 
 WIDTH = 64  # features per row
 CLASSES = 10
@@ -151,30 +152,18 @@ def write_shards(folder: Path, shards: int, rows: int, seed: int = 0) -> list[Pa
 
 
 # ---------------------------------------------------------------------- memory
-def rss_anon_bytes() -> int:
-    """This process's anonymous resident memory (``RssAnon``), 0 where unknown."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 class AnonSampler:
     """The largest ``RssAnon`` seen by a background thread every ``interval`` seconds."""
 
     def __init__(self, interval: float = 0.01) -> None:
         self.interval = interval
-        self.peak = rss_anon_bytes()
+        self.peak = anon_rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="anon-sampler", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, rss_anon_bytes())
+            self.peak = max(self.peak, anon_rss_bytes())
 
     def __enter__(self) -> AnonSampler:
         self._thread.start()
@@ -183,7 +172,7 @@ class AnonSampler:
     def __exit__(self, *_: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_anon_bytes())
+        self.peak = max(self.peak, anon_rss_bytes())
 
 
 # ---------------------------------------------------------------------- derived figures
@@ -454,7 +443,7 @@ def peer_loop(
             y = torch.from_numpy(rb.column(1).to_numpy().astype(np.int64))
             yield x, y
 
-    baseline = rss_anon_bytes()
+    baseline = anon_rss_bytes()
     samples = 0
     loss = torch.zeros(())
     with AnonSampler() as sampler:
