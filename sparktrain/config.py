@@ -96,7 +96,17 @@ class TrainConfig:
         Applies to ring, tree and ps; pipelines and tree_aggregate keep their rows in memory.
     prefetch_batches:
         Mini-batches a background thread gathers ahead of the one training (default 2;
-        ``0``: gather in the training thread). Changes timing, never values.
+        ``0``: gather in the training thread). Changes timing, never values. The thread
+        also runs each batch's ``decode`` and ``collate``.
+    feature_shapes, feature_dtypes, decode, collate:
+        Per input column, keyed by the column's name or its model argument (see
+        :mod:`sparktrain.data.columns` and docs/data.md): the row's shape
+        (``{"image" = [1, 28, 28]}``; ``[-1]``: a variable-length array, padded per batch
+        with a mask), the dtype it arrives as (``float32`` (floats' default), ``float64``,
+        ``float16``, ``bfloat16``, ``int64`` (integers' default)), a ``"module:function"``
+        turning one binary value into an array, and a ``"module:function"`` batching a
+        variable-length or binary column's rows (a tensor, or a ``(tensor, mask)`` pair).
+        From Python, ``decode`` and ``collate`` also take callables.
     progress, metrics_jsonl:
         Show a live progress bar on the driver; append per-epoch metrics to this file.
     ps_mode, staleness, ps_shards, staleness_lr:
@@ -164,6 +174,10 @@ class TrainConfig:
     drop_last: bool = False
     data_memory_mb: float = 512.0
     prefetch_batches: int = 2
+    feature_shapes: dict[str, list[int]] = field(default_factory=dict)
+    feature_dtypes: dict[str, str] = field(default_factory=dict)
+    decode: dict[str, str | Callable[..., Any]] = field(default_factory=dict)
+    collate: dict[str, str | Callable[..., Any]] = field(default_factory=dict)
     threads_per_worker: int = 0
     progress: bool = True
     metrics_jsonl: str = ""
@@ -263,6 +277,7 @@ class TrainConfig:
         for name in ("optimizer_kwargs", "loss_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a table/dict, e.g. {{momentum = 0.9}}")
+        _check_column_options(self)
         strategy.validate(self)
 
     # ------------------------------------------------------------------ building
@@ -306,6 +321,8 @@ class TrainConfig:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, dict):  # decode/collate tables may hold callables
+                value = {k: _callable_name(v) if callable(v) else v for k, v in value.items()}
             out[f.name] = value if not callable(value) else _callable_name(value)
         return out
 
@@ -447,7 +464,34 @@ def _check_compression(spec: Any, optimizer_kwargs: Any = None) -> None:
 # Fields that live in a TOML table: the table name, then the key.
 _TABLES = ("parallelism", "link")
 # Keys whose value may itself be a table (kept whole, not flattened into dotted keys).
-_DICT_KEYS = ("compression",)
+_DICT_KEYS = ("compression", "feature_shapes", "feature_dtypes", "decode", "collate")
+
+
+def _check_column_options(cfg: TrainConfig) -> None:
+    """The per-column tables: shapes and dtypes checked here, hooks by form (they are
+    imported where they run, on the workers and the driver's model check)."""
+    from sparktrain.data.columns import check_dtype, check_shape
+
+    examples = {
+        "feature_shapes": '{"image" = [1, 28, 28]}',
+        "feature_dtypes": '{"x" = "float64"}',
+        "decode": '{"image" = "mypkg.io:decode_png"}',
+        "collate": '{"tokens" = "mypkg.io:pack"}',
+    }
+    for name, example in examples.items():
+        table = getattr(cfg, name)
+        if not isinstance(table, dict):
+            raise ConfigError(f"{name} must be a table of column -> value, e.g. {example}")
+        for column, value in table.items():
+            if name == "feature_shapes":
+                check_shape(column, value)
+            elif name == "feature_dtypes":
+                check_dtype(column, value)
+            elif not (callable(value) or (isinstance(value, str) and ":" in value)):
+                raise ConfigError(
+                    f"{name}[{column!r}] = {value!r}: give 'package.module:function' (or, from "
+                    f"Python, a callable), e.g. {example}"
+                )
 
 
 def _dotted(name: str) -> str:

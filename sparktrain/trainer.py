@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,10 @@ from sparktrain.builders import (
     resolve_model_fn,
 )
 from sparktrain.config import TrainConfig
+from sparktrain.data.batch import forward, sample_batch
+from sparktrain.data.columns import ColumnsSpec, Layout, parse_columns, parse_labels
 from sparktrain.errors import ConfigError, DataError
-from sparktrain.launch.prepare import prepare
+from sparktrain.launch.prepare import ColumnOptions, prepare
 from sparktrain.launch.resources import check_can_launch, check_transport_security
 from sparktrain.launch.stage import FitJob
 from sparktrain.parallel.pipeline import check_param_cap, run_pipeline
@@ -76,15 +79,22 @@ class Trainer:
     def fit(
         self,
         data: Any,
-        features_col: str = "features",
-        label_col: str = "label",
+        features_col: ColumnsSpec = "features",
+        label_col: str | Sequence[str] = "label",
         validation_data: Any = None,
         weight_col: str | None = None,
     ) -> TrainResult:
         """Train on ``data`` and return the model, history and summary.
 
-        ``data`` is a DataFrame with a features column (``array<float|double>`` or an ml
-        Vector) and a numeric label column, or an RDD of ``(features, label)`` pairs.
+        ``data`` is a DataFrame, or an RDD of ``(features, label)`` pairs.
+        ``features_col`` names the model's inputs: one column (``model(x)``; an ml Vector,
+        a numeric array or, with a config's column options, any input column), a list of
+        columns (``model(a, b)``) or a ``{model_argument: column}`` mapping
+        (``model(a=..., b=...)``); integer columns arrive as int64, floats as float32
+        unless ``feature_dtypes`` says otherwise, arrays in the shape ``feature_shapes``
+        gives, variable-length arrays padded with a mask, bytes through ``decode`` (see
+        :mod:`sparktrain.data.columns`). ``label_col`` is a numeric column, a numeric
+        array column (``k`` targets a row) or a list of numeric columns.
         ``validation_data`` (same kind) is evaluated after every epoch; without it,
         ``config.validation_fraction`` of each partition is held out.
         ``weight_col`` (DataFrames only) names a numeric column of sample weights ``>= 0``:
@@ -99,6 +109,8 @@ class Trainer:
         # trainer holding the adjusted copy of the config (the caller's config is untouched).
         cfg = check_transport_security(sc, self.config)
         job = self if cfg is self.config else self._with_config(cfg)
+        parse_columns(features_col)  # a malformed spec fails before any Spark job
+        parse_labels(label_col)
         return job._fit(sc, started, data, features_col, label_col, validation_data, weight_col)
 
     def _with_config(self, cfg: TrainConfig) -> Trainer:
@@ -111,8 +123,8 @@ class Trainer:
         sc: SparkContext,
         started: float,
         data: Any,
-        features_col: str,
-        label_col: str,
+        features_col: ColumnsSpec,
+        label_col: str | Sequence[str],
         validation_data: Any,
         weight_col: str | None,
     ) -> TrainResult:
@@ -130,10 +142,18 @@ class Trainer:
         with ThreadPoolExecutor(1, thread_name_prefix="sparktrain-model") as pool:
             built = pool.submit(self._build_model)
             prepared = prepare(
-                data, validation_data, features_col, label_col, cfg.num_workers, weight_col
+                data,
+                validation_data,
+                features_col,
+                label_col,
+                cfg.num_workers,
+                weight_col,
+                ColumnOptions.of(cfg),
             )
             model, settings_error = built.result()
-        model, num_outputs = self._check_model(prepared.feature_width, model, settings_error)
+        layout = prepared.data_layout
+        _check_layout_fits(layout, cfg, strategy.launcher)
+        model, num_outputs = self._check_model(layout, model, settings_error, prepared.samples)
         check_param_cap(model, cfg)  # no-op for pipelines (each stage is checked instead)
         job = FitJob(
             sc=sc,
@@ -173,21 +193,52 @@ class Trainer:
         return model, None
 
     def _check_model(
-        self, width: int, model: nn.Module, settings_error: Exception | None = None
+        self,
+        layout: Layout | int,
+        model: nn.Module,
+        settings_error: Exception | None = None,
+        samples: dict[str, bytes] | None = None,
     ) -> tuple[nn.Module, int]:
-        """Does the driver's model take this feature width, and do the loss and optimizer
+        """Does the driver's model take these inputs, and do the loss and optimizer
         settings fit it? Fails here rather than in every task."""
         cfg = self.config
+        if isinstance(layout, int):
+            layout = Layout.plain(layout)
+        _check_float_inputs(layout, model)
+        batch = sample_batch(layout, samples)
         model.eval()
         try:
             with torch.no_grad():
-                out = model(torch.zeros(2, width))
+                out = forward(model, batch)
         except Exception as exc:
+            if layout.is_plain:
+                raise DataError(
+                    f"the model does not accept features of width {layout.width} ({exc}); "
+                    "check the features column or the model's input size"
+                ) from exc
             raise DataError(
-                f"the model does not accept features of width {width} ({exc}); check the "
-                "features column or the model's input size"
+                f"the model does not accept a batch of its inputs ({type(exc).__name__}: "
+                f"{exc}); the {layout.describe()}. Check features_col, feature_shapes and "
+                "the model's forward() arguments"
             ) from exc
+        if not isinstance(out, torch.Tensor):
+            raise DataError(
+                f"the model returned {type(out).__name__}; the built-in loop needs one output "
+                "tensor of shape (batch, outputs)"
+            )
         num_outputs = int(out.shape[1]) if out.ndim == 2 else 1
+        if layout.label_width is not None:
+            if cfg.loss == "cross_entropy":
+                raise ConfigError(
+                    f"loss='cross_entropy' takes one class index a row, but the labels "
+                    f"({', '.join(layout.label_sources)}) hold {layout.label_width} values a "
+                    "row: use bce_with_logits for multi-label or mse for multi-output"
+                )
+            if isinstance(cfg.loss, str) and num_outputs != layout.label_width:
+                raise ConfigError(
+                    f"the labels hold {layout.label_width} values a row but the model has "
+                    f"{num_outputs} outputs; give the model one output per label"
+                )
         if cfg.loss == "cross_entropy" and num_outputs < 2:
             raise ConfigError(
                 f"loss='cross_entropy' needs one output per class, the model has {num_outputs}; "
@@ -196,3 +247,39 @@ class Trainer:
         if settings_error is not None:
             raise settings_error
         return model.train(), num_outputs
+
+
+def _check_layout_fits(layout: Layout, cfg: TrainConfig, launcher: str) -> None:
+    """Pipelines and tree_aggregate take one float32 vector column and a scalar label."""
+    if layout.is_plain:
+        return
+    if cfg.parallelism_pipeline > 1:
+        where = f"pipeline parallelism (parallelism.pipeline={cfg.parallelism_pipeline})"
+    elif launcher == "rounds":
+        where = f"strategy={cfg.strategy!r}"
+    else:
+        return
+    raise ConfigError(
+        f"{where} trains on one float32 features vector and a scalar label; this fit's "
+        f"{layout.describe()}. Use strategy='ring', 'tree' or 'ps' (data parallel) for "
+        "several or typed columns, or assemble one float vector column (VectorAssembler)"
+    )
+
+
+def _check_float_inputs(layout: Layout, model: nn.Module) -> None:
+    """A float column must arrive in the model's own float dtype, or say which option
+    changes it."""
+    dtypes = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
+    if len(dtypes) != 1:
+        return
+    (model_dtype,) = dtypes
+    name = str(model_dtype).removeprefix("torch.")
+    if name not in ("float32", "float64"):  # half models cast their inputs themselves
+        return
+    for column in layout.columns:
+        if column.dtype in ("float32", "float64") and column.dtype != name:
+            raise DataError(
+                f"column {column.source!r} arrives as {column.dtype} but the model's parameters "
+                f"are {name}: set feature_dtypes={{{column.key!r}: {name!r}}} (or cast the "
+                "model)"
+            )

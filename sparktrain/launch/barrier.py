@@ -128,7 +128,7 @@ def _arrow_task(
 ) -> Iterator[pa.RecordBatch]:
     ctx = worker_context(spec)
     reset_peak_anon()
-    data = from_arrow(batches, spec.feature_width, ctx.rank, spill_plan(spec, ctx.rank))
+    data = from_arrow(batches, spec.data_layout, ctx.rank, spill_plan(spec, ctx.rank))
     try:
         records = entry(ctx, data)
     finally:

@@ -16,12 +16,34 @@ workers' random hold-out, so the training rows' weights have mean ≈ 1 rather t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sparktrain.data.columns import (
+    BINARY,
+    DEFAULT_FLOAT,
+    DENSE,
+    FLOAT_DTYPES,
+    INT_DTYPE,
+    RAGGED,
+    Call,
+    Column,
+    ColumnsSpec,
+    Hook,
+    Layout,
+    check_dtype,
+    check_options,
+    check_shape,
+    option_for,
+    parse_columns,
+    parse_labels,
+)
 from sparktrain.errors import DataError
 from sparktrain.worker.data import FEATURES, IS_VALIDATION, LABEL, WEIGHT
 
@@ -39,45 +61,87 @@ class PreparedData:
     frame: DataFrame | None
     rdd: RDD[Any] | None
     feature_width: int
+    """The plain layout's feature width (0 for other layouts: see ``layout``)."""
     mean_weight: float | None = None
     """The training rows' mean raw weight (``None``: unweighted); the frame's
     :data:`~sparktrain.worker.data.WEIGHT` column is already divided by it."""
+    layout: Layout | None = None
+    """The model's input columns (``None``: the plain layout of ``feature_width``)."""
+    samples: dict[str, bytes] = field(default_factory=dict)
+    """One raw value per binary column, decoded on the driver to try the model."""
+
+    @property
+    def data_layout(self) -> Layout:
+        return self.layout or Layout.plain(self.feature_width)
 
     def shuffled(self, partitions: int) -> PreparedData:
         """The same rows, shuffled into exactly ``partitions`` partitions."""
         if self.frame is not None:
             frame = self.frame.repartition(partitions)
-            return PreparedData(frame, None, self.feature_width, self.mean_weight)
+            return dataclasses.replace(self, frame=frame)
         assert self.rdd is not None
-        return PreparedData(None, self.rdd.repartition(partitions), self.feature_width)
+        return dataclasses.replace(self, rdd=self.rdd.repartition(partitions))
+
+
+@dataclass(frozen=True)
+class ColumnOptions:
+    """The per-column options of a fit (``TrainConfig`` keys of the same names)."""
+
+    feature_shapes: Mapping[str, Any] = field(default_factory=dict)
+    feature_dtypes: Mapping[str, Any] = field(default_factory=dict)
+    decode: Mapping[str, Hook] = field(default_factory=dict)
+    collate: Mapping[str, Hook] = field(default_factory=dict)
+
+    @staticmethod
+    def of(cfg: Any) -> ColumnOptions:
+        return ColumnOptions(
+            dict(cfg.feature_shapes), dict(cfg.feature_dtypes), dict(cfg.decode), dict(cfg.collate)
+        )
+
+    @property
+    def given(self) -> bool:
+        return bool(self.feature_shapes or self.feature_dtypes or self.decode or self.collate)
 
 
 def prepare(
     data: Any,
     validation_data: Any,
-    features_col: str,
-    label_col: str,
+    features_col: ColumnsSpec,
+    label_col: str | Sequence[str],
     num_workers: int,
     weight_col: str | None = None,
+    options: ColumnOptions | None = None,
 ) -> PreparedData:
     """Normalise a DataFrame or RDD (plus optional validation set) for the barrier stage.
 
-    ``weight_col`` names a numeric column of non-negative sample weights in ``data`` (a
-    DataFrame); see the module docstring for how they are normalised."""
+    ``features_col`` is a column name, a list of names or a ``{model_argument: column}``
+    mapping and ``label_col`` a name or a list of names (see
+    :mod:`sparktrain.data.columns`); ``options`` holds the per-column shapes, dtypes,
+    decoders and collates. ``weight_col`` names a numeric column of non-negative sample
+    weights in ``data`` (a DataFrame); see the module docstring for how they are
+    normalised."""
     from pyspark import RDD
     from pyspark.sql import DataFrame
 
+    options = options or ColumnOptions()
     if isinstance(data, DataFrame):
         if validation_data is not None and not isinstance(validation_data, DataFrame):
             raise DataError("validation_data must be a DataFrame when data is a DataFrame")
         return _prepare_frame(
-            data, validation_data, features_col, label_col, num_workers, weight_col or None
+            data, validation_data, features_col, label_col, num_workers, weight_col or None, options
         )
     if isinstance(data, RDD):
         if weight_col:
             raise DataError(
                 f"weight_col={weight_col!r} needs a DataFrame; turn the RDD into one first, "
                 "e.g. spark.createDataFrame(rdd, ['features', 'label', 'weight'])"
+            )
+        if not isinstance(features_col, str) or not isinstance(label_col, str) or options.given:
+            raise DataError(
+                "an RDD of (features, label) pairs has one float features vector and one label; "
+                "several or typed columns (features_col/label_col lists or mappings, "
+                "feature_shapes, feature_dtypes, decode, collate) need a DataFrame: "
+                "spark.createDataFrame(rdd, [...]) first"
             )
         if validation_data is not None and not isinstance(validation_data, RDD):
             raise DataError("validation_data must be an RDD when data is an RDD")
@@ -91,14 +155,16 @@ def prepare(
 def _prepare_frame(
     df: DataFrame,
     val: DataFrame | None,
-    features_col: str,
-    label_col: str,
+    features_col: ColumnsSpec,
+    label_col: str | Sequence[str],
     num_workers: int,
-    weight_col: str | None = None,
+    weight_col: str | None,
+    options: ColumnOptions,
 ) -> PreparedData:
     from pyspark.sql import functions as F
 
-    train = _select(df, features_col, label_col, "data", weight_col)
+    plan = _plan_columns(df, features_col, label_col, options)
+    train = _select(df, plan, "data", weight_col)
     mean_weight = None
     if weight_col is not None:
         mean_weight = _mean_weight(train, weight_col)
@@ -106,28 +172,250 @@ def _prepare_frame(
     train = train.withColumn(IS_VALIDATION, F.lit(False))
     combined = train
     if val is not None:
-        tagged = _select(val, features_col, label_col, "validation_data")
+        tagged = _select(val, plan, "validation_data")
         if weight_col is not None:  # validation metrics are unweighted
             tagged = tagged.withColumn(WEIGHT, F.lit(1.0))
         combined = train.unionByName(tagged.withColumn(IS_VALIDATION, F.lit(True)))
-    first = combined.where(F.col(FEATURES).isNotNull()).select(F.size(FEATURES).alias("w")).first()
-    if first is None:
-        raise DataError("the training data is empty: nothing to train on")
-    width = int(first["w"])
-    if width <= 0:
-        raise DataError("the features column holds empty arrays; each row needs at least one value")
+    layout, samples = _measure(combined, plan)
+    width = layout.width if layout.is_plain else 0
     if val is not None:
         # A union never feeds a barrier stage as it is (Spark refuses RDD chains whose
         # partition counts differ, and a union's inputs each have fewer partitions than
         # it), so shuffle at once: asking the union for its partition count would first
         # run its inputs' shuffles under adaptive execution, only to shuffle again.
         log.info("shuffling the data and validation_data into num_workers=%d", num_workers)
-        return PreparedData(combined.repartition(num_workers), None, width, mean_weight)
+        return PreparedData(
+            combined.repartition(num_workers), None, width, mean_weight, layout, samples
+        )
     parts = combined.rdd.getNumPartitions()
     if parts != num_workers:
         log.info("repartitioning the data from %d partitions to num_workers=%d", parts, num_workers)
         combined = combined.repartition(num_workers)
-    return PreparedData(combined, None, width, mean_weight)
+    return PreparedData(combined, None, width, mean_weight, layout, samples)
+
+
+@dataclass
+class _Planned:
+    """One input column before its width is measured: the column, the Spark expression
+    that ships it, and whether its width comes from the first row."""
+
+    column: Column
+    expr: Any
+    measure: bool
+
+
+@dataclass
+class _Plan:
+    inputs: list[_Planned]
+    call: Call
+    label_sources: list[str]
+    label_expr: Any
+    label_is_array: bool
+    label_width: int | None
+
+
+def _plan_columns(
+    df: DataFrame, features_col: ColumnsSpec, label_col: str | Sequence[str], opts: ColumnOptions
+) -> _Plan:
+    """Check every named column's type against its options; the expressions that ship
+    them as the workers read them."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, BinaryType, IntegralType, NumericType
+
+    call, pairs = parse_columns(features_col)
+    labels = parse_labels(label_col)
+    check_options(
+        [k for k, _ in pairs],
+        [s for _, s in pairs],
+        opts.feature_shapes,
+        opts.feature_dtypes,
+        opts.decode,
+        opts.collate,
+    )
+    for col in [*(s for _, s in pairs), *labels]:
+        if col not in df.columns:
+            raise DataError(
+                f"data has no column {col!r}; its columns are {df.columns}. "
+                "Pass features_col=/label_col= to fit()"
+            )
+    plain = call == "single" and not opts.given
+    inputs: list[_Planned] = []
+    for i, (key, source) in enumerate(pairs):
+        wire = FEATURES if call == "single" else f"{FEATURES}_{i}"
+        dtype_opt = option_for(opts.feature_dtypes, key, source)
+        dtype = check_dtype(key, dtype_opt) if dtype_opt is not None else None
+        shape_opt = option_for(opts.feature_shapes, key, source)
+        shape = check_shape(key, shape_opt) if shape_opt is not None else None
+        decode = option_for(opts.decode, key, source)
+        collate = option_for(opts.collate, key, source)
+        ftype = df.schema[source].dataType
+        where = f"column {source!r}" + ("" if key == source else f" (model argument {key!r})")
+
+        def float_of(dtype: str | None) -> str:
+            return dtype if dtype in FLOAT_DTYPES else DEFAULT_FLOAT
+
+        def spark_float(dtype: str) -> str:
+            return "double" if dtype == "float64" else "float"
+
+        if isinstance(ftype, BinaryType):
+            if decode is None:
+                raise DataError(
+                    f"{where} holds bytes: give decode={{{key!r}: 'module:function'}} that turns "
+                    "one value into an array (e.g. image bytes into a float tensor)"
+                )
+            if shape is not None or dtype is not None:
+                raise DataError(
+                    f"{where} holds bytes: its decode gives the shape and dtype, so leave it out "
+                    "of feature_shapes/feature_dtypes"
+                )
+            column = Column(key, source, wire, BINARY, "binary", (), decode, collate)
+            inputs.append(_Planned(column, F.col(source).alias(wire), False))
+            continue
+        if decode is not None:
+            raise DataError(
+                f"decode is for binary columns; {where} has type {ftype.simpleString()}"
+            )
+        if isinstance(ftype, VectorUDT) or (
+            isinstance(ftype, ArrayType) and isinstance(ftype.elementType, NumericType)
+        ):
+            integral = isinstance(ftype, ArrayType) and isinstance(ftype.elementType, IntegralType)
+            target = (dtype or INT_DTYPE) if integral else float_of(dtype)
+            if integral and dtype is not None and dtype != INT_DTYPE and dtype not in FLOAT_DTYPES:
+                target = INT_DTYPE
+            if isinstance(ftype, VectorUDT):
+                if target == INT_DTYPE:
+                    raise DataError(f"{where} is an ml Vector (floats); it cannot be int64")
+                expr = vector_to_array(
+                    F.col(source), "float64" if target == "float64" else "float32"
+                )
+            else:
+                spark_type = "bigint" if target == INT_DTYPE else spark_float(target)
+                expr = F.col(source).cast(f"array<{spark_type}>")
+            ragged = shape == (-1,)
+            if ragged and isinstance(ftype, VectorUDT):
+                raise DataError(
+                    f"{where} is an ml Vector, whose rows all have one size: drop its [-1]"
+                )
+            if collate is not None and not ragged:
+                raise DataError(
+                    f"collate is for variable-length and binary columns; declare {where} "
+                    f"variable-length with feature_shapes={{{key!r}: [-1]}} to collate it"
+                )
+            kind = RAGGED if ragged else DENSE
+            column = Column(key, source, wire, kind, target, shape or (), None, collate)
+            inputs.append(_Planned(column, expr.alias(wire), not ragged))
+            continue
+        if isinstance(ftype, NumericType) and not plain:
+            if shape is not None and shape != (1,):
+                raise DataError(
+                    f"{where} holds one number a row; its feature_shapes entry must be [1] "
+                    "or absent"
+                )
+            integral = isinstance(ftype, IntegralType)
+            target = (dtype or INT_DTYPE) if integral else float_of(dtype)
+            spark_type = "bigint" if target == INT_DTYPE else spark_float(target)
+            column = Column(key, source, wire, DENSE, target, shape or ())
+            inputs.append(_Planned(column, F.col(source).cast(spark_type).alias(wire), False))
+            continue
+        if plain:
+            raise DataError(
+                f"column {source!r} has type {ftype.simpleString()}; features must be an "
+                "ml Vector (e.g. from VectorAssembler) or an array of numbers (or name "
+                "several columns: features_col=[...] takes numeric scalars, arrays and bytes)"
+            )
+        raise DataError(
+            f"{where} has type {ftype.simpleString()}, which no model input takes: use numbers, "
+            "arrays of numbers, ml Vectors, or bytes with a decode (index strings with "
+            "pyspark.ml.feature.StringIndexer; tokenise text into an int array)"
+        )
+    label_expr, label_is_array, label_width = _label_plan(df, labels)
+    return _Plan(inputs, call, labels, label_expr, label_is_array, label_width)
+
+
+def _label_plan(df: DataFrame, labels: list[str]) -> tuple[Any, bool, int | None]:
+    """(expression of the LABEL column, whether it is an array, its width if known)."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, NumericType
+
+    for col in labels:
+        ltype = df.schema[col].dataType
+        array = isinstance(ltype, VectorUDT) or (
+            isinstance(ltype, ArrayType) and isinstance(ltype.elementType, NumericType)
+        )
+        if not isinstance(ltype, NumericType) and not (array and len(labels) == 1):
+            raise DataError(
+                f"column {col!r} has type {ltype.simpleString()}; labels must be numeric "
+                "(index string labels with pyspark.ml.feature.StringIndexer)"
+                + ("" if len(labels) == 1 else "; a list of label columns takes numeric scalars")
+            )
+    if len(labels) > 1:
+        expr = F.array(*[F.col(c).cast("double") for c in labels])
+        return expr.alias(LABEL), True, len(labels)
+    ltype = df.schema[labels[0]].dataType
+    if isinstance(ltype, VectorUDT):
+        return vector_to_array(F.col(labels[0]), "float64").alias(LABEL), True, None
+    if isinstance(ltype, ArrayType):
+        return F.col(labels[0]).cast("array<double>").alias(LABEL), True, None
+    return F.col(labels[0]).cast("double").alias(LABEL), False, None
+
+
+def _measure(combined: DataFrame, plan: _Plan) -> tuple[Layout, dict[str, bytes]]:
+    """One ``first()`` job: the first row's width of every fixed-size array column (and
+    of an array label), and a value of every binary column; the layout they give."""
+    from pyspark.sql import functions as F
+
+    sized = [p for p in plan.inputs if p.measure]
+    binary = [p for p in plan.inputs if p.column.kind == BINARY]
+    selects = [F.size(p.column.wire).alias(f"w{i}") for i, p in enumerate(sized)]
+    selects += [F.col(p.column.wire).alias(f"b{i}") for i, p in enumerate(binary)]
+    if plan.label_is_array and plan.label_width is None:
+        selects.append(F.size(LABEL).alias("lw"))
+    condition = None
+    for p in [*sized, *binary]:
+        test = F.col(p.column.wire).isNotNull()
+        condition = test if condition is None else condition & test
+    frame = combined if condition is None else combined.where(condition)
+    first = frame.select(*selects, F.lit(1).alias("_")).first()
+    if first is None:
+        raise DataError("the training data is empty: nothing to train on")
+    columns = []
+    sized_index = {id(p): i for i, p in enumerate(sized)}
+    for p in plan.inputs:
+        column = p.column
+        if p.measure:
+            width = int(first[f"w{sized_index[id(p)]}"])
+            if width <= 0:
+                if plan.call == "single" and column.dtype == DEFAULT_FLOAT and not column.shape:
+                    raise DataError(
+                        "the features column holds empty arrays; each row needs at least one value"
+                    )
+                raise DataError(
+                    f"column {column.source!r} holds empty arrays; each row needs at least one "
+                    "value (or declare it variable-length: "
+                    f"feature_shapes={{{column.key!r}: [-1]}})"
+                )
+            shape = column.shape or (width,)
+            if math.prod(shape) != width:
+                raise DataError(
+                    f"feature_shapes[{column.key!r}] = {list(shape)} needs {math.prod(shape)} "
+                    f"values a row, but the first row of column {column.source!r} has {width}; "
+                    "fix the shape or the column"
+                )
+            column = dataclasses.replace(column, shape=tuple(shape))
+        columns.append(column)
+    samples = {p.column.key: bytes(first[f"b{i}"]) for i, p in enumerate(binary)}
+    label_width = plan.label_width
+    if plan.label_is_array and label_width is None:
+        label_width = int(first["lw"])
+        if label_width <= 0:
+            raise DataError(f"label column {plan.label_sources[0]!r} holds empty arrays")
+    layout = Layout(tuple(columns), plan.call, label_width, tuple(plan.label_sources))
+    log.info("%s", layout.describe())
+    return layout, samples
 
 
 def _mean_weight(train: DataFrame, weight_col: str) -> float:
@@ -167,16 +455,24 @@ def _mean_weight(train: DataFrame, weight_col: str) -> float:
     return mean
 
 
-def _select(
-    df: DataFrame, features_col: str, label_col: str, what: str, weight_col: str | None = None
-) -> DataFrame:
-    """features -> array<float>, label -> double (and weight -> double, unnormalised),
-    with errors that say how to fix the input."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
+def _select(df: DataFrame, plan: _Plan, what: str, weight_col: str | None = None) -> DataFrame:
+    """The planned input columns, the label (and the weight, unnormalised), with errors
+    that say how to fix the input."""
     from pyspark.sql import functions as F
-    from pyspark.sql.types import ArrayType, NumericType
+    from pyspark.sql.types import NumericType
 
+    for p in plan.inputs:
+        if p.column.source not in df.columns:
+            raise DataError(
+                f"{what} has no column {p.column.source!r}; its columns are {df.columns}. "
+                "Pass features_col=/label_col= to fit()"
+            )
+    for col in plan.label_sources:
+        if col not in df.columns:
+            raise DataError(
+                f"{what} has no column {col!r}; its columns are {df.columns}. "
+                "Pass features_col=/label_col= to fit()"
+            )
     if weight_col is not None:
         if weight_col not in df.columns:
             raise DataError(
@@ -189,29 +485,7 @@ def _select(
                 f"weight column {weight_col!r} has type {wtype.simpleString()}; sample "
                 "weights must be numeric (cast the column, e.g. F.col(name).cast('double'))"
             )
-    for col in (features_col, label_col):
-        if col not in df.columns:
-            raise DataError(
-                f"{what} has no column {col!r}; its columns are {df.columns}. "
-                "Pass features_col=/label_col= to fit()"
-            )
-    ftype = df.schema[features_col].dataType
-    if isinstance(ftype, VectorUDT):
-        features = vector_to_array(F.col(features_col), "float32")
-    elif isinstance(ftype, ArrayType) and isinstance(ftype.elementType, NumericType):
-        features = F.col(features_col).cast("array<float>")
-    else:
-        raise DataError(
-            f"column {features_col!r} has type {ftype.simpleString()}; features must be an "
-            "ml Vector (e.g. from VectorAssembler) or an array of numbers"
-        )
-    ltype = df.schema[label_col].dataType
-    if not isinstance(ltype, NumericType):
-        raise DataError(
-            f"column {label_col!r} has type {ltype.simpleString()}; labels must be numeric "
-            "(index string labels with pyspark.ml.feature.StringIndexer)"
-        )
-    columns = [features.alias(FEATURES), F.col(label_col).cast("double").alias(LABEL)]
+    columns = [p.expr for p in plan.inputs] + [plan.label_expr]
     if weight_col is not None:
         columns.append(F.col(weight_col).cast("double").alias(WEIGHT))
     return df.select(*columns)

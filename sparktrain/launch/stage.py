@@ -84,6 +84,7 @@ class FitJob:
             model_fn=self.model_fn,
             model_kwargs=self.model_kwargs,
             feature_width=self.prepared.feature_width,
+            layout=self.prepared.layout,
             num_outputs=self.num_outputs,
             threads=cfg.threads_per_worker or task_cpus(self.sc),
             fault=self.fault,

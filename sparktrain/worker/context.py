@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sparktrain.comm.frames import MAX_FRAME_BYTES_DEFAULT
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
+from sparktrain.data.columns import Layout
 from sparktrain.strategies import registry
 from sparktrain.worker.faults import FaultPlan
 
@@ -53,6 +54,13 @@ class JobSpec:
     # the strategy plug-in, unpickled in the task by reference to its module (None: the
     # one registered under config.strategy)
     strategy: Strategy | None = None
+    # the model's input columns (None: one float32 features column of feature_width)
+    layout: Layout | None = None
+
+    @property
+    def data_layout(self) -> Layout:
+        """How the task's Arrow columns become the model's inputs."""
+        return self.layout or Layout.plain(self.feature_width)
 
     def plugin(self) -> Strategy:
         """The strategy this job's config names: the one the driver sent, unless the

@@ -1,7 +1,8 @@
 """A partition's rows -> numpy arrays -> shuffled mini-batches.
 
 DataFrame partitions arrive as Arrow record batches and become numpy without per-row
-Python work; RDD partitions arrive as ``(features, label)`` tuples. Each worker converts
+Python work, one store per model input column (:mod:`sparktrain.data.columns` says which
+and as what); RDD partitions arrive as ``(features, label)`` tuples. Each worker converts
 its partition once and keeps it for all epochs.
 
 Sample weights (``weight_col``) travel as an optional float64 column :data:`WEIGHT` next
@@ -13,19 +14,25 @@ per-sample losses by them (see ``builders.Loss``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from sparktrain.data.batch import Batch, Collator
+from sparktrain.data.columns import BINARY, DENSE, RAGGED, Column, Layout, row_shape_error
 from sparktrain.errors import DataError
 from sparktrain.worker.features import Features
 from sparktrain.worker.memory import sample_anon
-from sparktrain.worker.spill import SpillWriter
+from sparktrain.worker.ragged import Chunk, Ragged, RaggedSpillWriter, chunk_of_arrow
+from sparktrain.worker.spill import SpillWriter, column_path
+
+Store = Features | Ragged
 
 log = logging.getLogger(__name__)
 
@@ -37,31 +44,49 @@ WEIGHT = "weight"
 
 
 class PartitionData:
-    """One worker's rows: features (:class:`Features`, in memory or memory-mapped from a
-    spill file; ``x`` reads them as one matrix), labels ``y`` (n,) float64, which rows
-    are validation rows, and optionally the rows' normalised sample weights ``w`` (n,)
-    float64 (``None``: unweighted, every weight 1). Labels, flags and weights (17 bytes a
-    row) always stay in memory.
+    """One worker's rows: one store per model input column (:class:`Features` for dense
+    columns, :class:`Ragged` for variable-length and binary ones; each in memory or
+    memory-mapped from a spill file), labels ``y`` float64 (``(n,)``, or ``(n, k)`` for
+    ``k`` labels a row), which rows are validation rows, and optionally the rows'
+    normalised sample weights ``w`` (n,) float64 (``None``: unweighted, every weight 1).
+    Labels, flags and weights always stay in memory.
 
-    A partition that owns a spill file removes it on :meth:`close`; its subsets
-    (:meth:`select`, :meth:`split`) share the file and do not.
+    ``x`` given as a matrix or one :class:`Features` is the plain layout (one float32
+    features column); a list of stores goes with the ``layout`` that describes them.
+
+    A partition that owns spill files removes them on :meth:`close`; its subsets
+    (:meth:`select`, :meth:`split`) share the files and do not.
     """
 
     def __init__(
         self,
-        x: np.ndarray | Features,
+        x: np.ndarray | Features | Sequence[Store],
         y: np.ndarray,
         is_val: np.ndarray,
         w: np.ndarray | None = None,
+        *,
+        layout: Layout | None = None,
     ) -> None:
-        self.features = x if isinstance(x, Features) else Features.in_memory(x)
+        if isinstance(x, list | tuple):
+            self.columns: list[Store] = list(x)
+        else:
+            self.columns = [x if isinstance(x, Features) else Features.in_memory(x)]
+        first = self.columns[0]
+        self.layout = layout or Layout.plain(first.width if isinstance(first, Features) else 0)
         self.y = y
         self.is_val = is_val
         self.w = w
 
     @property
+    def features(self) -> Features:
+        """The first column's rows (the plain layout's features)."""
+        first = self.columns[0]
+        assert isinstance(first, Features), "the first input column is not dense"
+        return first
+
+    @property
     def x(self) -> np.ndarray:
-        """Every feature row as one ``(n, width)`` float32 matrix in memory."""
+        """Every row of the first (dense) column as one ``(n, width)`` matrix in memory."""
         return self.features.array()
 
     @property
@@ -70,30 +95,46 @@ class PartitionData:
 
     @property
     def path(self) -> str:
-        """``"spilled"`` when the features live in a memory-mapped spill file, else
+        """``"spilled"`` when the rows live in memory-mapped spill files, else
         ``"memory"`` (the summary's ``data_path``)."""
-        return "spilled" if self.features.spilled else "memory"
+        return "spilled" if any(c.spilled for c in self.columns) else "memory"
 
     @property
     def spilled_bytes(self) -> int:
-        return self.features.spilled_bytes
+        return sum(c.spilled_bytes for c in self.columns)
 
     def gather(self, idx: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """The feature rows ``idx`` as a new float32 tensor (a mini-batch)."""
+        """The first column's rows ``idx`` as a new tensor (the plain layout's batch)."""
         rows = idx.numpy() if isinstance(idx, torch.Tensor) else idx
         return torch.from_numpy(self.features.take(rows))
 
+    def batch(self, idx: np.ndarray | torch.Tensor, collator: Collator, partition: int) -> Batch:
+        """Rows ``idx`` as a :class:`~sparktrain.data.batch.Batch`: every input column,
+        the labels and the weights."""
+        rows = idx.numpy() if isinstance(idx, torch.Tensor) else np.asarray(idx)
+        taken = [c.take(rows) for c in self.columns]
+        weights = None if self.w is None else self.w[rows]
+        return collator.batch(taken, self.y[rows], weights, partition)
+
     def close(self) -> None:
-        """Remove the spill file behind the features, if this partition owns one."""
-        self.features.close()
+        """Remove the spill files behind the columns, if this partition owns them."""
+        for column in self.columns:
+            column.close()
 
     def select(self, mask: np.ndarray) -> PartitionData:
         w = None if self.w is None else self.w[mask]
-        return PartitionData(self.features.subset(mask), self.y[mask], self.is_val[mask], w)
+        return PartitionData(
+            [c.subset(mask) for c in self.columns],
+            self.y[mask],
+            self.is_val[mask],
+            w,
+            layout=self.layout,
+        )
 
     @staticmethod
     def concat(parts: list[PartitionData], width: int) -> PartitionData:
-        """The rows of ``parts`` in order, in memory (weighted when the parts are)."""
+        """The rows of ``parts`` in order, in memory (weighted when the parts are); the
+        plain layout only."""
         if not parts:
             return PartitionData(
                 np.zeros((0, width), np.float32), np.zeros(0, np.float64), np.zeros(0, bool)
@@ -175,17 +216,18 @@ MIN_BLOCK_BYTES = 256 << 10
 
 
 class _Blocks:
-    """Fills ``(rows_per_block, width)`` float32 blocks with incoming rows, in order."""
+    """Fills ``(rows_per_block, width)`` blocks of one dtype with incoming rows, in order."""
 
-    def __init__(self, width: int, block_bytes: int = BLOCK_BYTES) -> None:
+    def __init__(self, width: int, block_bytes: int = BLOCK_BYTES, dtype: Any = np.float32) -> None:
         self.width = width
-        self.rows_per_block = max(1, block_bytes // (4 * max(1, width)))
+        self.dtype = np.dtype(dtype)
+        self.rows_per_block = max(1, block_bytes // (self.dtype.itemsize * max(1, width)))
         self.block: np.ndarray | None = None
         self.filled = 0
         self.spare: np.ndarray | None = None  # a written block's buffer, to fill again
 
     def add(self, x: np.ndarray) -> Iterator[np.ndarray]:
-        """Copy ``x`` in (casting to float32); yields each block that becomes full."""
+        """Copy ``x`` in (casting to the dtype); yields each block that becomes full."""
         start = 0
         while start < len(x):
             if self.block is None:
@@ -201,7 +243,7 @@ class _Blocks:
 
     def _new(self) -> np.ndarray:
         # np.empty: pages of a block's unfilled tail are never touched, so never resident
-        return np.empty((self.rows_per_block, self.width), np.float32)
+        return np.empty((self.rows_per_block, self.width), self.dtype)
 
     def rest(self) -> np.ndarray | None:
         """The rows of the block being filled (a view), if any."""
@@ -210,57 +252,154 @@ class _Blocks:
         return self.block[: self.filled]
 
 
-class _Ingest:
-    """Collects a partition's rows in blocks, in memory until the plan's budget is
-    exceeded, then (every full block held, and every later one) into the spill file."""
+class _DenseIngest:
+    """One dense column's rows, in blocks: held, or written to its spill file."""
 
-    def __init__(self, width: int, rank: int, plan: SpillPlan | None) -> None:
-        self.width, self.rank, self.plan = width, rank, plan
-        # a spilling worker holds one block while it fills: keep it well inside the budget
-        block_bytes = BLOCK_BYTES if plan is None else min(BLOCK_BYTES, plan.budget_bytes // 4)
-        self.blocks = _Blocks(width, max(block_bytes, MIN_BLOCK_BYTES))
-        self.xs: list[np.ndarray] = []  # full blocks held in memory
-        self.ys: list[np.ndarray] = []
-        self.vs: list[np.ndarray] = []
-        self.ws: list[np.ndarray] = []
-        self.held_bytes = 0
-        self.bad_rows = 0
+    def __init__(self, column: Column, block_bytes: int) -> None:
+        self.column = column
+        self.dtype = np.dtype(column.stored_dtype)
+        self.blocks = _Blocks(column.width, block_bytes, self.dtype)
+        self.held: list[np.ndarray] = []
         self.writer: SpillWriter | None = None
 
-    def add(self, x: np.ndarray, y: np.ndarray, v: np.ndarray, w: np.ndarray | None) -> None:
-        sample_anon()  # the incoming Arrow batch and the blocks are both alive
-        self.bad_rows += int(np.count_nonzero(~np.isfinite(x).all(axis=1)))
-        self.ys.append(y)
-        self.vs.append(v)
-        if w is not None:
-            self.ws.append(w)
-        self.held_bytes += 4 * x.size + y.nbytes + v.nbytes + (0 if w is None else w.nbytes)
+    def add(self, x: np.ndarray) -> int:
+        """Take ``(n, width)`` rows; the bytes they add."""
         for full in self.blocks.add(x):
             if self.writer is not None:
                 self.writer.write(full)
                 self.blocks.spare = full  # written: its buffer takes the next rows
             else:
-                self.xs.append(full)
-        if (
-            self.writer is None
-            and self.plan is not None
-            and self.held_bytes > self.plan.budget_bytes
-        ):
-            self.writer = SpillWriter(self.plan.path, self.width)
-            for held in self.xs:
-                self.writer.write(held)
-            self.xs = []
+                self.held.append(full)
+        return len(x) * self.column.width * self.dtype.itemsize
+
+    def spill(self, path: Path) -> None:
+        self.writer = SpillWriter(path, self.column.width, self.dtype)
+        for held in self.held:
+            self.writer.write(held)
+        self.held = []
 
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()
 
+    def finish(self) -> Features:
+        rest = self.blocks.rest()
+        if self.writer is not None:
+            if rest is not None:
+                self.writer.write(rest)
+            return self.writer.finish()
+        return Features(
+            [*self.held, *([] if rest is None else [rest])], self.column.width, dtype=self.dtype
+        )
+
+
+class _RaggedIngest:
+    """One variable-length or binary column's rows, as copied chunks: held, or written
+    to its spill file."""
+
+    def __init__(self, column: Column) -> None:
+        self.column = column
+        self.binary = column.kind == BINARY
+        self.held: list[Chunk] = []
+        self.writer: RaggedSpillWriter | None = None
+
+    def add(self, chunk: Chunk) -> int:
+        if self.writer is not None:
+            self.writer.write(chunk)
+        else:
+            self.held.append(chunk)
+        return int(chunk[0].nbytes + chunk[1].nbytes)
+
+    def spill(self, path: Path) -> None:
+        dtype = None if self.binary else self.column.stored_dtype
+        self.writer = RaggedSpillWriter(path, self.binary, dtype)
+        for held in self.held:
+            self.writer.write(held)
+        self.held = []
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+
+    def finish(self) -> Ragged:
+        if self.writer is not None:
+            return self.writer.finish()
+        return Ragged(self.held, self.binary)
+
+
+class _Ingest:
+    """Collects a partition's rows column by column, in memory until the plan's budget is
+    exceeded, then (every column's rows held, and every later one) into spill files."""
+
+    def __init__(self, layout: Layout, rank: int, plan: SpillPlan | None) -> None:
+        self.layout, self.rank, self.plan = layout, rank, plan
+        # a spilling worker holds one block per column while it fills: keep them well
+        # inside the budget
+        dense = max(1, sum(c.kind == DENSE for c in layout.columns))
+        block_bytes = BLOCK_BYTES if plan is None else min(BLOCK_BYTES, plan.budget_bytes // 4)
+        block_bytes = max(block_bytes // dense, MIN_BLOCK_BYTES)
+        self.columns: list[_DenseIngest | _RaggedIngest] = [
+            _DenseIngest(c, block_bytes) if c.kind == DENSE else _RaggedIngest(c)
+            for c in layout.columns
+        ]
+        self.ys: list[np.ndarray] = []
+        self.vs: list[np.ndarray] = []
+        self.ws: list[np.ndarray] = []
+        self.held_bytes = 0
+        self.bad_rows = [0] * len(layout.columns)
+        self.spilling = False
+
+    @property
+    def width(self) -> int:
+        return self.layout.width
+
+    def add(
+        self,
+        columns: Sequence[np.ndarray | Chunk],
+        y: np.ndarray,
+        v: np.ndarray,
+        w: np.ndarray | None,
+    ) -> None:
+        sample_anon()  # the incoming Arrow batch and the blocks are both alive
+        for i, (ingest, values) in enumerate(zip(self.columns, columns, strict=True)):
+            if isinstance(ingest, _DenseIngest):
+                assert isinstance(values, np.ndarray)
+                if values.dtype.kind == "f":
+                    self.bad_rows[i] += int(np.count_nonzero(~np.isfinite(values).all(axis=1)))
+                self.held_bytes += ingest.add(values)
+            else:
+                assert isinstance(values, tuple)
+                if values[1].dtype.kind == "f" and not np.isfinite(values[1]).all():
+                    self.bad_rows[i] += 1
+                self.held_bytes += ingest.add(values)
+        self.ys.append(y)
+        self.vs.append(v)
+        if w is not None:
+            self.ws.append(w)
+        self.held_bytes += y.nbytes + v.nbytes + (0 if w is None else w.nbytes)
+        if not self.spilling and self.plan is not None and self.held_bytes > self.plan.budget_bytes:
+            self.spilling = True
+            for i, ingest in enumerate(self.columns):
+                ingest.spill(column_path(self.plan.path, i))
+
+    def abort(self) -> None:
+        for ingest in self.columns:
+            ingest.abort()
+
     def finish(self) -> PartitionData:
         rank = self.rank
-        if self.bad_rows:
+        for column, bad in zip(self.layout.columns, self.bad_rows, strict=True):
+            if not bad:
+                continue
+            if self.layout.is_plain:
+                raise DataError(
+                    f"rank {rank}: {bad} rows have NaN or infinite features; clean or "
+                    "impute them (e.g. pyspark.ml.feature.Imputer) before training"
+                )
             raise DataError(
-                f"rank {rank}: {self.bad_rows} rows have NaN or infinite features; clean or "
-                "impute them (e.g. pyspark.ml.feature.Imputer) before training"
+                f"column {column.source!r}, partition {rank}: {bad} rows (or batches of rows, "
+                "for variable-length columns) hold NaN or infinite values; clean or impute "
+                "them before training"
             )
         if self.ws and len(self.ws) != len(self.ys):
             raise DataError(f"rank {rank}: some Arrow batches lack the {WEIGHT!r} column")
@@ -276,19 +415,15 @@ class _Ingest:
                     f"rank {rank}: sample weights must be finite and >= 0; clean the weight column"
                 )
         v = _joined(self.vs, bool)
-        rest = self.blocks.rest()
-        if self.writer is not None:
-            if rest is not None:
-                self.writer.write(rest)
-            features = self.writer.finish()
+        stores = [ingest.finish() for ingest in self.columns]
+        if self.spilling:
             log.info(
                 "rank %d: partition of %d rows spilled to %s (%d bytes)",
-                rank, len(y), self.writer.path, features.spilled_bytes,
+                rank, len(y), self.plan.path if self.plan else "?",
+                sum(s.spilled_bytes for s in stores),
             )  # fmt: skip
-        else:
-            features = Features([*self.xs, *([] if rest is None else [rest])], self.width)
         sample_anon()
-        return PartitionData(features, y, v, w)
+        return PartitionData(stores, y, v, w, layout=self.layout)
 
 
 def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -298,15 +433,21 @@ def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
 
 
 def from_arrow(
-    batches: Iterable[pa.RecordBatch], width: int, rank: int, spill: SpillPlan | None = None
+    batches: Iterable[pa.RecordBatch],
+    layout: Layout | int,
+    rank: int,
+    spill: SpillPlan | None = None,
 ) -> PartitionData:
-    """A partition's Arrow batches as :class:`PartitionData`, checking width and values;
-    with a ``spill`` plan, rows beyond its budget go to a memory-mapped spill file."""
-    ingest = _Ingest(width, rank, spill)
+    """A partition's Arrow batches as :class:`PartitionData`, checking shapes and values
+    column by column (``layout``; an int is the plain layout's width); with a ``spill``
+    plan, rows beyond its budget go to memory-mapped spill files."""
+    if isinstance(layout, int):
+        layout = Layout.plain(layout)
+    ingest = _Ingest(layout, rank, spill)
     try:
         for batch in batches:
             if batch.num_rows:
-                ingest.add(*_arrow_columns(batch, width, rank))
+                ingest.add(*_arrow_columns(batch, layout, rank))
         return ingest.finish()
     except BaseException:
         ingest.abort()
@@ -314,24 +455,9 @@ def from_arrow(
 
 
 def _arrow_columns(
-    batch: pa.RecordBatch, width: int, rank: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    feats = batch.column(FEATURES)
-    if feats.null_count:
-        raise DataError(
-            f"rank {rank}: {feats.null_count} rows have a null features value; "
-            "drop or impute them before training"
-        )
-    lengths = pc.list_value_length(feats).to_numpy(zero_copy_only=False)
-    if lengths.min() != width or lengths.max() != width:
-        bad = int(lengths[lengths != width][0])
-        raise DataError(
-            f"rank {rank}: a features row has {bad} values but the model expects {width}; "
-            "every row must have the same width (check the features column or model_fn)"
-        )
-    # a view of the Arrow buffer: the ingest copies it into its float32 blocks, casting there
-    values = feats.flatten().to_numpy(zero_copy_only=False)
-    x = values.reshape(batch.num_rows, width)
+    batch: pa.RecordBatch, layout: Layout, rank: int
+) -> tuple[list[np.ndarray | Chunk], np.ndarray, np.ndarray, np.ndarray | None]:
+    columns = [_input_column(batch, column, layout, rank) for column in layout.columns]
     label = batch.column(LABEL)
     if label.null_count:
         raise DataError(
@@ -339,7 +465,10 @@ def _arrow_columns(
         )
     # copies: a view would keep the whole Arrow message body alive (Spark's batches arrive
     # as one buffer per batch, features included), defeating the spill
-    y = np.array(label.to_numpy(zero_copy_only=False), dtype=np.float64)
+    if layout.label_width is None:
+        y = np.array(label.to_numpy(zero_copy_only=False), dtype=np.float64)
+    else:
+        y = _label_rows(label, layout, rank)
     if IS_VALIDATION in batch.schema.names:
         v = np.array(batch.column(IS_VALIDATION).to_numpy(zero_copy_only=False), dtype=bool)
     else:
@@ -353,7 +482,72 @@ def _arrow_columns(
                 "fill the weight column before training"
             )
         w = np.array(weight.to_numpy(zero_copy_only=False), dtype=np.float64)
-    return x, y, v, w
+    return columns, y, v, w
+
+
+def _input_column(
+    batch: pa.RecordBatch, column: Column, layout: Layout, rank: int
+) -> np.ndarray | Chunk:
+    """One input column of an Arrow batch: ``(n, width)`` values for a dense column (a
+    view of the Arrow buffer, which the ingest copies into its blocks), an ``(offsets,
+    values)`` copy for a variable-length or binary one."""
+    values = batch.column(column.wire)
+    where = f"column {column.source!r}, partition {rank}"
+    if values.null_count:
+        if layout.is_plain:
+            raise DataError(
+                f"rank {rank}: {values.null_count} rows have a null features value; "
+                "drop or impute them before training"
+            )
+        raise DataError(
+            f"{where}: {values.null_count} rows are null; drop them (df.dropna(subset=[...])) "
+            "or fill them before training"
+        )
+    if column.kind != DENSE:
+        if column.kind == RAGGED and values.values.null_count:
+            raise DataError(f"{where}: arrays hold null elements; fill or drop them first")
+        return chunk_of_arrow(values, None if column.kind == BINARY else column.stored_dtype)
+    n, width = batch.num_rows, column.width
+    if not (
+        pa.types.is_list(values.type)
+        or pa.types.is_large_list(values.type)
+        or pa.types.is_fixed_size_list(values.type)
+    ):
+        return values.to_numpy(zero_copy_only=False).reshape(n, 1)
+    lengths = pc.list_value_length(values).to_numpy(zero_copy_only=False)
+    if lengths.min() != width or lengths.max() != width:
+        bad = int(lengths[lengths != width][0])
+        if layout.is_plain:
+            raise DataError(
+                f"rank {rank}: a features row has {bad} values but the model expects {width}; "
+                "every row must have the same width (check the features column or model_fn)"
+            )
+        raise row_shape_error(column, bad, rank)
+    flat = values.flatten()
+    if flat.null_count:
+        raise DataError(f"{where}: arrays hold null elements; fill or drop them first")
+    return flat.to_numpy(zero_copy_only=False).reshape(n, width)
+
+
+def _label_rows(label: pa.Array, layout: Layout, rank: int) -> np.ndarray:
+    """``(n, k)`` float64 labels from an array column (the driver stacks several label
+    columns into one)."""
+    k = layout.label_width
+    assert k is not None
+    lengths = pc.list_value_length(label).to_numpy(zero_copy_only=False)
+    if len(lengths) and (lengths.min() != k or lengths.max() != k):
+        bad = int(lengths[lengths != k][0])
+        raise DataError(
+            f"label column {', '.join(layout.label_sources)!r}, partition {rank}: a row has "
+            f"{bad} labels, the first row had {k}; every row needs the same number"
+        )
+    flat = label.flatten()
+    if flat.null_count:
+        raise DataError(
+            f"label column {', '.join(layout.label_sources)!r}, partition {rank}: labels hold "
+            "nulls; drop those rows first"
+        )
+    return np.array(flat.to_numpy(zero_copy_only=False), dtype=np.float64).reshape(-1, k)
 
 
 def from_rows(rows: Iterable[tuple[object, ...]], width: int, rank: int) -> PartitionData:
@@ -368,7 +562,7 @@ def from_rows(rows: Iterable[tuple[object, ...]], width: int, rank: int) -> Part
         feats.append(row[0])
         labels.append(row[1])
         flags.append(bool(row[2]) if len(row) > 2 else False)
-    ingest = _Ingest(width, rank, None)
+    ingest = _Ingest(Layout.plain(width), rank, None)
     if not feats:
         return ingest.finish()
     try:
@@ -383,7 +577,7 @@ def from_rows(rows: Iterable[tuple[object, ...]], width: int, rank: int) -> Part
         raise DataError(
             f"rank {rank}: features have shape {x.shape[1:]} but the model expects width {width}"
         )
-    ingest.add(np.ascontiguousarray(x), y.reshape(-1), np.asarray(flags, dtype=bool), None)
+    ingest.add([np.ascontiguousarray(x)], y.reshape(-1), np.asarray(flags, dtype=bool), None)
     return ingest.finish()
 
 

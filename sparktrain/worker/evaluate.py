@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sparktrain.builders import is_classification
+from sparktrain.data.batch import Collator, forward
 from sparktrain.worker.data import PartitionData
 
 # Validation runs in slices so that memory stays bounded on large partitions.
@@ -30,24 +31,36 @@ def metric_name(loss: Any, has_validation: bool) -> str:
     return name if has_validation else f"train_{name}"
 
 
-def evaluate(model: nn.Module, data: PartitionData, loss: Any) -> tuple[float, float]:
-    """(correct count or squared-error sum, rows) over ``data``; sums add up across ranks."""
+def evaluate(
+    model: nn.Module,
+    data: PartitionData,
+    loss: Any,
+    collator: Collator | None = None,
+    partition: int = 0,
+) -> tuple[float, float]:
+    """(correct count or squared-error sum, rows) over ``data``; sums add up across ranks.
+    With ``k`` labels a row, each row counts the mean over its labels (accuracy per
+    label, squared error per output), so the metric is over every label."""
+    collator = collator or Collator(data.layout)
     was_training = model.training
     model.eval()
     total = 0.0
     with torch.no_grad():
         for start in range(0, data.size, EVAL_SLICE):
             rows = np.arange(start, min(start + EVAL_SLICE, data.size))
-            x = data.gather(rows)
-            y = torch.from_numpy(data.y[rows])
-            out = model(x)
+            batch = data.batch(rows, collator, partition)
+            assert batch.labels is not None
+            y = batch.labels
+            out = forward(model, batch)
+            per_row = y[0].numel() if y.ndim > 1 else 1
             if loss == "cross_entropy":
                 total += float((out.argmax(dim=1) == y.long()).sum())
             elif loss == "bce_with_logits":
-                total += float(((out.reshape(-1) > 0).double() == y).sum())
+                hits = (out.reshape(-1) > 0).double() == y.reshape(-1)
+                total += float(hits.sum()) / per_row
             else:
-                diff = out.double().reshape(y.shape[0], -1) - y.reshape(-1, 1)
-                total += float((diff**2).sum())
+                diff = out.double().reshape(y.shape[0], -1) - y.reshape(y.shape[0], -1)
+                total += float((diff**2).sum()) / per_row
     model.train(was_training)
     return total, float(data.size)
 

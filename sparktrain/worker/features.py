@@ -1,8 +1,10 @@
-"""A partition's feature rows, held in memory or memory-mapped from a spill file.
+"""A partition's rows of one dense column, held in memory or memory-mapped from a spill
+file.
 
 :class:`Features` keeps the rows in the blocks the ingest filled (``worker/data.py``):
 joining them into one matrix would hold every row twice while it is built. A chunk is a
-``(rows, width)`` float32 array, either in memory or a zero-copy view of a record batch
+``(rows, width)`` array of the column's dtype (float32 for a plain features column),
+either in memory or a zero-copy view of a record batch
 in an Arrow IPC file (:mod:`sparktrain.worker.spill`); :meth:`Features.take` gathers any
 rows from either in the order asked, so a batch's values do not depend on where its rows
 live. A subset (the training or validation rows of a partition) is a view through a row
@@ -12,13 +14,15 @@ index, not a copy.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 
 class Features:
-    """Feature rows in partition order: ``chunks`` of ``(n_i, width)`` float32, seen
-    through ``rows`` (indices into the chunks' rows; ``None``: all of them).
+    """Rows in partition order: ``chunks`` of ``(n_i, width)`` arrays of one ``dtype``
+    (float32 unless given), seen through ``rows`` (indices into the chunks' rows;
+    ``None``: all of them).
 
     ``on_close`` releases what backs the chunks (the spill file's map); subsets share it
     and leave the closing to the partition that owns it.
@@ -33,9 +37,11 @@ class Features:
         on_close: Callable[[], None] | None = None,
         spilled_bytes: int = 0,
         flat: tuple[np.ndarray, np.ndarray] | None = None,
+        dtype: np.dtype[Any] | type | None = None,
     ) -> None:
         self.chunks = [c for c in chunks if len(c)]
         self.width = width
+        self.dtype = np.dtype(dtype if dtype is not None else np.float32)
         self.rows = rows
         self.spilled_bytes = spilled_bytes
         self._on_close = on_close
@@ -48,10 +54,10 @@ class Features:
         self._total = int(sum(sizes))
 
     @classmethod
-    def in_memory(cls, x: np.ndarray) -> Features:
+    def in_memory(cls, x: np.ndarray, dtype: np.dtype[Any] | type = np.float32) -> Features:
         """One chunk in memory (what tests and the RDD path build)."""
-        x = np.asarray(x, dtype=np.float32)
-        return cls([x], x.shape[1] if x.ndim == 2 else 0)
+        x = np.asarray(x, dtype=dtype)
+        return cls([x], x.shape[1] if x.ndim == 2 else 0, dtype=x.dtype)
 
     @property
     def spilled(self) -> bool:
@@ -67,14 +73,14 @@ class Features:
         return 0 if self.spilled else sum(int(c.nbytes) for c in self.chunks)
 
     def take(self, idx: np.ndarray) -> np.ndarray:
-        """A new ``(len(idx), width)`` float32 array of rows ``idx`` of this view."""
+        """A new ``(len(idx), width)`` array of rows ``idx`` of this view."""
         where = np.asarray(idx, dtype=np.int64)
         if self.rows is not None:
             where = self.rows[where]
         if len(self.chunks) == 1:
             out: np.ndarray = self.chunks[0][where]
             return out
-        out = np.empty((len(where), self.width), np.float32)
+        out = np.empty((len(where), self.width), self.dtype)
         if not len(where):
             return out
         chunk_of = np.searchsorted(self._starts, where, side="right") - 1
@@ -95,7 +101,7 @@ class Features:
         if self.rows is None and len(self.chunks) == 1:
             return self.chunks[0]
         if not self.chunks:
-            return np.zeros((0, self.width), np.float32)
+            return np.zeros((0, self.width), self.dtype)
         if self.rows is None:
             return np.concatenate(self.chunks)
         return self.take(np.arange(self.size))
@@ -107,7 +113,12 @@ class Features:
         local = np.flatnonzero(picked) if picked.dtype == bool else picked.astype(np.int64)
         rows = local if self.rows is None else self.rows[local]
         return Features(
-            self.chunks, self.width, rows, spilled_bytes=self.spilled_bytes, flat=self._flat
+            self.chunks,
+            self.width,
+            rows,
+            spilled_bytes=self.spilled_bytes,
+            flat=self._flat,
+            dtype=self.dtype,
         )
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ from sparktrain.checkpoint import PIPELINE_LAYOUT, RANK_SHARDS, Checkpoint, Chec
 from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
 from sparktrain.comm.chunked import chunk_bytes_for
 from sparktrain.comm.link import link_from_config
+from sparktrain.data.batch import Batch, Collator, forward
 from sparktrain.errors import CheckpointError
 from sparktrain.metrics import MetricsClient
 from sparktrain.result import Record
@@ -146,21 +147,18 @@ def _train(
         model = build_model(resolve_model_fn(spec.model_fn, spec.model_kwargs))
     params = [p for p in model.parameters() if p.requires_grad]
     loss_fn = build_loss(cfg.loss, dict(cfg.loss_kwargs))
+    # one collator per worker: decode/collate hooks are imported once
+    collator = Collator(train.layout)
+    targets_dtype = label_dtype(cfg.loss)
     # strategy/compression "auto": probe the links, then build the sync from the choice
-    ctx, auto = resolve_auto(
-        ctx,
-        mesh,
-        model,
-        loss_fn,
-        train.gather(np.arange(min(cfg.batch_size, train.size))),
-        torch.from_numpy(train.y[: cfg.batch_size]).to(label_dtype(cfg.loss)),
-    )
+    sample = train.batch(np.arange(min(cfg.batch_size, train.size)), collator, ctx.rank)
+    assert sample.labels is not None
+    ctx, auto = resolve_auto(ctx, mesh, model, loss_fn, sample, sample.labels.to(targets_dtype))
     sync = make_sync(ctx, model, mesh)
     # epoch figures are a handful of float64 sums: latency-bound, so always the tree
     reduce_sums = make_allreduce("tree", mesh)
     if sync.optimizer is not None:  # with a parameter server, the server's model rules
         start_from_rank0(model, mesh, chunk_bytes_for(mesh.max_frame_bytes))
-    y_all = torch.from_numpy(train.y).to(label_dtype(cfg.loss))
 
     reporter = None
     if ctx.rank == 0 and spec.metrics_address:
@@ -204,7 +202,7 @@ def _train(
     # checkpoint_every is in epochs; fractions of an epoch are rounded to whole steps
     every = max(1, round(cfg.checkpoint_every * steps_per_epoch))
     comm_s = 0.0
-    prefetch: Prefetcher[torch.Tensor] | None = None
+    prefetch: Prefetcher[Batch] | None = None
     data_wait_s = 0.0  # the training thread's waits for its next batch
     train_started = time.perf_counter()
     try:
@@ -218,7 +216,7 @@ def _train(
             # after a mid-epoch resume, the epoch's first steps are already done
             first = global_step - epoch * steps_per_epoch
             prefetch = Prefetcher(
-                functools.partial(_batch_features, train, batches),
+                functools.partial(_batch, train, batches, collator, ctx.rank),
                 range(first, len(batches)),
                 cfg.prefetch_batches,
             )
@@ -227,13 +225,15 @@ def _train(
                     spec.fault.maybe_fire(ctx.rank, global_step)
                 count = 0
                 if step < len(batches):
-                    idx = torch.from_numpy(batches[step])
-                    out = model(prefetch.next())
-                    loss = loss_fn(out, target_like(y_all[idx], out), train.weights_at(idx))
+                    batch = prefetch.next()
+                    assert batch.labels is not None
+                    out = forward(model, batch)
+                    target = target_like(batch.labels.to(targets_dtype), out)
+                    loss = loss_fn(out, target, batch.weights)
                     # before backward: gradient hooks may start the exchange (overlap)
-                    sync.begin_step(len(idx))
+                    sync.begin_step(len(batch))
                     loss.backward()
-                    count = len(idx)
+                    count = len(batch)
                     loss_sum += float(loss.detach()) * count
                     loss_rows += count
                 t = time.perf_counter()
@@ -261,7 +261,8 @@ def _train(
             prefetch.close()
             data_wait_s += prefetch.wait_s
             sample_anon()
-            sums = np.array([loss_sum, loss_rows, *evaluate(model, evaluation, cfg.loss)])
+            figures = evaluate(model, evaluation, cfg.loss, collator, ctx.rank)
+            sums = np.array([loss_sum, loss_rows, *figures])
             reduce_sums.allreduce_(sums)
             record = {
                 "type": "epoch",
@@ -309,8 +310,10 @@ def _train(
     return [Record(ctx.rank, "stats", 0, json.dumps(stats).encode()), *records]
 
 
-def _batch_features(data: PartitionData, batches: list[np.ndarray], step: int) -> torch.Tensor:
-    return data.gather(batches[step])
+def _batch(
+    data: PartitionData, batches: list[np.ndarray], collator: Collator, rank: int, step: int
+) -> Batch:
+    return data.batch(batches[step], collator, rank)
 
 
 def _save(

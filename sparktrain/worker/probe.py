@@ -54,6 +54,7 @@ from sparktrain.costmodel import (
     LinkEstimate,
     choose,
 )
+from sparktrain.data.batch import Batch, forward
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.evaluate import target_like
@@ -201,7 +202,7 @@ def _unpack(
 def time_compute(
     model: nn.Module,
     loss_fn: Callable[..., torch.Tensor],
-    x: torch.Tensor,
+    x: torch.Tensor | Batch,
     y: torch.Tensor,
     repeats: int = 2,
 ) -> float:
@@ -220,7 +221,7 @@ def time_compute(
     try:
         for i in range(repeats + 1):
             t0 = time.perf_counter()
-            out = model(x)
+            out = forward(model, x) if isinstance(x, Batch) else model(x)
             loss_fn(out, target_like(y, out)).backward()
             if i:
                 times.append(time.perf_counter() - t0)
@@ -317,7 +318,7 @@ def resolve_auto(
     mesh: Mesh,
     model: nn.Module,
     loss_fn: Callable[..., torch.Tensor],
-    x: torch.Tensor,
+    x: torch.Tensor | Batch,
     y: torch.Tensor,
 ) -> tuple[WorkerContext, dict[str, Any] | None]:
     """Replace ``auto`` in the job's strategy/compression by a measured choice.
@@ -350,8 +351,11 @@ def resolve_auto(
     measured = measure_compressors(
         [s for s in specs if s != "none"], elements, [tuple(p.shape) for p in params]
     )
-    batch = min(cfg.batch_size, len(x))
-    compute = time_compute(model, loss_fn, x[:batch], y[:batch])
+    if isinstance(x, Batch):  # already one batch
+        compute = time_compute(model, loss_fn, x, y)
+    else:
+        batch = min(cfg.batch_size, len(x))
+        compute = time_compute(model, loss_fn, x[:batch], y[:batch])
     measured_at = time.perf_counter()
     estimate = probe_links(mesh, compute_s=compute, compressors=measured)
     choice = choose(

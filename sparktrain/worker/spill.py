@@ -22,6 +22,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +32,7 @@ from sparktrain.worker.features import Features
 log = logging.getLogger(__name__)
 
 SPILL_DIR_NAME = "sparktrain-spill"
-_FILE = re.compile(r"^rank\d+-attempt\d+-pid(?P<pid>\d+)\.arrow(\.part)?$")
+_FILE = re.compile(r"^rank\d+-attempt\d+-pid(?P<pid>\d+)(-c\d+)?\.arrow(\.part)?$")
 _SCHEMA_FIELD = "features"
 
 
@@ -48,10 +49,16 @@ def local_root() -> Path:
 
 
 def spill_path(job_id: str, rank: int, attempt: int, root: Path | None = None) -> Path:
-    """This task's spill file (made, with its directory, only if the task spills)."""
+    """This task's spill file (made, with its directory, only if the task spills); a
+    partition of several columns spills each to :func:`column_path` of it."""
     safe_job = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id) or "job"
     folder = (root or local_root()) / SPILL_DIR_NAME / safe_job
     return folder / f"rank{rank}-attempt{attempt}-pid{os.getpid()}.arrow"
+
+
+def column_path(path: Path, index: int) -> Path:
+    """The spill file of input column ``index`` (the first keeps ``path`` itself)."""
+    return path if index == 0 else path.with_name(f"{path.stem}-c{index}{path.suffix}")
 
 
 def _alive(pid: int) -> bool:
@@ -101,27 +108,33 @@ def _create(path: Path) -> pa.NativeFile:
     raise AssertionError("unreachable")
 
 
+def arrow_type(dtype: np.dtype[Any]) -> pa.DataType:
+    return pa.from_numpy_dtype(dtype)
+
+
 class SpillWriter:
-    """Appends feature chunks to an Arrow IPC file, then maps it back as :class:`Features`.
+    """Appends ``(n, width)`` chunks of one dtype to an Arrow IPC file, then maps it back
+    as :class:`Features`.
 
     The file is written as ``<name>.part`` and renamed when complete; :meth:`abort` (or
     a failure in :meth:`finish`) removes what was written.
     """
 
-    def __init__(self, path: Path, width: int) -> None:
+    def __init__(self, path: Path, width: int, dtype: Any = np.float32) -> None:
         self.path = path
         self.width = width
+        self.dtype = np.dtype(dtype)
         self._part = path.with_name(path.name + ".part")
-        schema = pa.schema([(_SCHEMA_FIELD, pa.list_(pa.float32(), width))])
+        schema = pa.schema([(_SCHEMA_FIELD, pa.list_(arrow_type(self.dtype), width))])
         self._sink = _create(self._part)
         self._writer = pa.ipc.new_file(self._sink, schema)
         self.rows = 0
 
     def write(self, chunk: np.ndarray) -> None:
-        """Append ``(n, width)`` float32 rows."""
+        """Append ``(n, width)`` rows."""
         if not len(chunk):
             return
-        flat = pa.array(np.ascontiguousarray(chunk, np.float32).reshape(-1))
+        flat = pa.array(np.ascontiguousarray(chunk, self.dtype).reshape(-1))
         column = pa.FixedSizeListArray.from_arrays(flat, self.width)
         self._writer.write_batch(pa.RecordBatch.from_arrays([column], [_SCHEMA_FIELD]))
         self.rows += len(chunk)
@@ -136,17 +149,18 @@ class SpillWriter:
             whole = source.read_buffer(source.size())
             reader = pa.ipc.open_file(source)
             chunks, firsts = [], []
+            itemsize = self.dtype.itemsize
             for i in range(reader.num_record_batches):
                 column = reader.get_batch(i).column(0)
                 if not len(column):
                     continue
-                child = column.values  # the float32 values, without the list's offset
+                child = column.values  # the values, without the list's offset
                 values = column.flatten().to_numpy(zero_copy_only=True)
                 chunks.append(values.reshape(len(column), self.width))
                 data = child.buffers()[1]
-                first = (data.address - whole.address) // 4 + child.offset
+                first = (data.address - whole.address) // itemsize + child.offset
                 firsts.append(first + column.offset * self.width)
-            flat = np.frombuffer(whole, np.float32, count=whole.size // 4)
+            flat = np.frombuffer(whole, self.dtype, count=whole.size // itemsize)
             windows = np.lib.stride_tricks.sliding_window_view(flat, self.width)
         except BaseException:
             self.abort()
@@ -166,6 +180,7 @@ class SpillWriter:
             on_close=release,
             spilled_bytes=size,
             flat=(windows, np.asarray(firsts, np.int64)),
+            dtype=self.dtype,
         )
 
     def abort(self) -> None:

@@ -27,7 +27,7 @@ def _batch(rows, labels, val=None, weight=None):
 
 def test_arrow_batches_become_one_array():
     batches = [_batch([[1, 2], [3, 4]], [0, 1]), _batch([], []), _batch([[5, 6]], [1], [True])]
-    data = from_arrow(batches, width=2, rank=0)
+    data = from_arrow(batches, layout=2, rank=0)
     np.testing.assert_array_equal(data.x, [[1, 2], [3, 4], [5, 6]])
     np.testing.assert_array_equal(data.y, [0, 1, 1])
     np.testing.assert_array_equal(data.is_val, [False, False, True])
@@ -35,7 +35,7 @@ def test_arrow_batches_become_one_array():
 
 
 def test_empty_partition_has_the_right_shape():
-    data = from_arrow([], width=3, rank=1)
+    data = from_arrow([], layout=3, rank=1)
     assert data.x.shape == (0, 3) and data.size == 0
 
 
@@ -50,7 +50,7 @@ def test_empty_partition_has_the_right_shape():
 )
 def test_bad_arrow_rows_are_refused(rows, needle):
     with pytest.raises(DataError, match=needle):
-        from_arrow([_batch(rows, [0] * len(rows))], width=2, rank=0)
+        from_arrow([_batch(rows, [0] * len(rows))], layout=2, rank=0)
 
 
 def test_rdd_rows():
@@ -91,7 +91,7 @@ def test_weights_travel_with_their_rows():
         _batch([[1, 2], [3, 4]], [0, 1], weight=[0.5, 0.0]),
         _batch([[5, 6]], [1], weight=[2.5]),
     ]
-    data = from_arrow(batches, width=2, rank=0)
+    data = from_arrow(batches, layout=2, rank=0)
     assert data.w is not None and data.w.dtype == np.float64
     np.testing.assert_array_equal(data.w, [0.5, 0.0, 2.5])
     picked = data.select(np.array([True, False, True]))
@@ -101,7 +101,7 @@ def test_weights_travel_with_their_rows():
     assert train.w is not None and val.w is not None and train.w.size + val.w.size == 3
     both = PartitionData.concat([picked, data], width=2)
     np.testing.assert_array_equal(both.w, [0.5, 2.5, 0.5, 0.0, 2.5])
-    unweighted = from_arrow([_batch([[1, 2]], [0])], width=2, rank=0)
+    unweighted = from_arrow([_batch([[1, 2]], [0])], layout=2, rank=0)
     assert unweighted.w is None and unweighted.weights_at(np.array([0])) is None
     with pytest.raises(DataError, match="weighted and unweighted"):
         PartitionData.concat([data, unweighted], width=2)
@@ -113,7 +113,7 @@ def test_weights_travel_with_their_rows():
 )
 def test_bad_weights_are_refused_on_the_worker(weight, needle):
     with pytest.raises(DataError, match=needle):
-        from_arrow([_batch([[1, 2], [3, 4]], [0, 1], weight=weight)], width=2, rank=3)
+        from_arrow([_batch([[1, 2], [3, 4]], [0, 1], weight=weight)], layout=2, rank=3)
 
 
 def test_drop_last_leaves_out_the_short_batch_and_keeps_every_full_one():
