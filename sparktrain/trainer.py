@@ -167,8 +167,11 @@ class Trainer:
             fault=self._fault_plan,
         )
         if cfg.parallelism_pipeline > 1:
-            return run_pipeline(job, strategy)
-        return strategy.launch(job)
+            result = run_pipeline(job, strategy)
+        else:
+            result = strategy.launch(job)
+        result.summary["inputs"] = layout.to_dict()
+        return result
 
     # ------------------------------------------------------------------ internals
     def _session(self) -> SparkSession:
@@ -216,10 +219,17 @@ class Trainer:
                     f"the model does not accept features of width {layout.width} ({exc}); "
                     "check the features column or the model's input size"
                 ) from exc
+            ints = [c.key for c in layout.columns if c.dtype == "int64"]
+            hint = (
+                f" Integer columns ({', '.join(ints)}) arrive as int64 (ids, tokens); to feed "
+                f"them to float layers set feature_dtypes={{{ints[0]!r}: 'float32'}}."
+                if ints
+                else ""
+            )
             raise DataError(
                 f"the model does not accept a batch of its inputs ({type(exc).__name__}: "
                 f"{exc}); the {layout.describe()}. Check features_col, feature_shapes and "
-                "the model's forward() arguments"
+                f"the model's forward() arguments.{hint}"
             ) from exc
         if not isinstance(out, torch.Tensor):
             raise DataError(

@@ -131,10 +131,58 @@ class Layout:
         label = "scalar" if self.label_width is None else f"{self.label_width} per row"
         return f"model inputs [{inputs}] called {self.call}; labels {label}"
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (the run summary's ``inputs``, a saved ml model's
+        metadata); a hook given as a callable is shown by name and cannot be read back."""
+        return {
+            "call": self.call,
+            "columns": [
+                {
+                    "key": c.key,
+                    "source": c.source,
+                    "wire": c.wire,
+                    "kind": c.kind,
+                    "dtype": c.dtype,
+                    "shape": list(c.shape),
+                    "decode": _hook_text(c.decode),
+                    "collate": _hook_text(c.collate),
+                }
+                for c in self.columns
+            ],
+            "label_width": self.label_width,
+            "label_sources": list(self.label_sources),
+        }
+
+    @staticmethod
+    def from_dict(values: Mapping[str, Any]) -> Layout:
+        """The inverse of :meth:`to_dict`."""
+        columns = tuple(
+            Column(
+                c["key"],
+                c["source"],
+                c["wire"],
+                c["kind"],
+                c["dtype"],
+                tuple(c["shape"]),
+                c.get("decode"),
+                c.get("collate"),
+            )
+            for c in values["columns"]
+        )
+        return Layout(
+            columns, values["call"], values.get("label_width"), tuple(values["label_sources"])
+        )
+
     @staticmethod
     def plain(width: int) -> Layout:
         """One float32 column ``features`` of ``width`` values, a scalar label."""
         return Layout((Column("features", "features", "features", DENSE, DEFAULT_FLOAT, (width,)),))
+
+
+def _hook_text(hook: Hook | None) -> str | None:
+    if hook is None or isinstance(hook, str):
+        return hook
+    return f"{getattr(hook, '__module__', '?')}:{getattr(hook, '__qualname__', repr(hook))}"
 
 
 def parse_columns(spec: Any, what: str = "features_col") -> tuple[Call, list[tuple[str, str]]]:

@@ -214,8 +214,42 @@ class _Plan:
     label_width: int | None
 
 
+def input_columns(df: DataFrame, layout: Layout) -> list[Any]:
+    """The Spark expressions that ship ``df``'s model inputs as a trained ``layout`` reads
+    them (named by each column's ``wire``): how ``transform`` feeds a fitted model. The
+    columns must have the types they had in training; errors name the column."""
+    spec: ColumnsSpec
+    if layout.call == "single":
+        spec = layout.columns[0].source
+    elif layout.call == "positional":
+        spec = [c.source for c in layout.columns]
+    else:
+        spec = {c.key: c.source for c in layout.columns}
+    variable: dict[str, Any] = {c.key: [-1] for c in layout.columns if c.kind == RAGGED}
+    fixed = {c.key: list(c.shape) for c in layout.columns if c.kind == DENSE and len(c.shape) > 1}
+    options = ColumnOptions(
+        feature_shapes={**variable, **fixed},
+        feature_dtypes={c.key: c.dtype for c in layout.columns if c.kind != BINARY},
+        decode={c.key: c.decode for c in layout.columns if c.decode is not None},
+        collate={c.key: c.collate for c in layout.columns if c.collate is not None},
+    )
+    if layout.is_plain:
+        options = ColumnOptions()
+    plan = _plan_columns(df, spec, None, options)
+    for planned, trained in zip(plan.inputs, layout.columns, strict=True):
+        if planned.column.kind != trained.kind:
+            raise DataError(
+                f"column {trained.source!r} is {planned.column.kind} here but was "
+                f"{trained.kind} in training; give it the type it had then"
+            )
+    return [p.expr for p in plan.inputs]
+
+
 def _plan_columns(
-    df: DataFrame, features_col: ColumnsSpec, label_col: str | Sequence[str], opts: ColumnOptions
+    df: DataFrame,
+    features_col: ColumnsSpec,
+    label_col: str | Sequence[str] | None,
+    opts: ColumnOptions,
 ) -> _Plan:
     """Check every named column's type against its options; the expressions that ship
     them as the workers read them."""
@@ -225,7 +259,7 @@ def _plan_columns(
     from pyspark.sql.types import ArrayType, BinaryType, IntegralType, NumericType
 
     call, pairs = parse_columns(features_col)
-    labels = parse_labels(label_col)
+    labels = [] if label_col is None else parse_labels(label_col)
     check_options(
         [k for k, _ in pairs],
         [s for _, s in pairs],
@@ -330,6 +364,8 @@ def _plan_columns(
             "arrays of numbers, ml Vectors, or bytes with a decode (index strings with "
             "pyspark.ml.feature.StringIndexer; tokenise text into an int array)"
         )
+    if not labels:
+        return _Plan(inputs, call, [], None, False, None)
     label_expr, label_is_array, label_width = _label_plan(df, labels)
     return _Plan(inputs, call, labels, label_expr, label_is_array, label_width)
 
