@@ -88,3 +88,19 @@ def to_dataframe(spark: Any, x: np.ndarray, y: np.ndarray, partitions: int) -> A
         {"features": features.cast(pa.list_(pa.float32())), "label": pa.array(y.astype(np.float64))}
     )
     return spark.createDataFrame(table).repartition(partitions)
+
+
+def digit_bytes(x: np.ndarray) -> list[bytes]:
+    """Digits' 8x8 pixel rows as :func:`digits` scales them ([0, 1] in steps of 1/16) as one
+    ``bytes`` value each, an encoded image column's stand-in; :func:`decode_digit` turns
+    one back into a ``(1, 8, 8)`` array of the same values."""
+    return [row.tobytes() for row in np.rint(np.asarray(x) * 16).astype(np.uint8)]
+
+
+def decode_digit(value: bytes) -> np.ndarray:
+    """One :func:`digit_bytes` value as a float32 ``(1, 8, 8)`` image (a ``decode`` for
+    binary columns: ``decode = {"image" = "sparktrain.datasets:decode_digit"}``)."""
+    pixels = np.frombuffer(value, np.uint8)
+    if pixels.size != 64:
+        raise ValueError(f"a digit image has 64 pixels, this value has {pixels.size} bytes")
+    return (pixels.astype(np.float32) / 16.0).reshape(1, 8, 8)

@@ -46,18 +46,21 @@ def digits_cnn() -> nn.Sequential:
     )
 
 
+def digits_cnn_shaped() -> nn.Sequential:
+    """:func:`digits_cnn` for inputs that arrive as ``(batch, 1, 8, 8)`` images (a
+    ``feature_shapes = {"features" = [1, 8, 8]}`` column), so without an ``Unflatten``."""
+    return nn.Sequential(*list(digits_cnn())[1:])
+
+
 class EmbeddingRegressor(nn.Module):
     """Ids in, one value out: the recommender shape (a large embedding table, a small
-    head). Each row's features are ids stored as floats (exact below 2**24); a row of
-    several ids averages their embeddings."""
+    head). A row's ids arrive as an int64 column (exact at any size) or as floats (exact
+    below 2**24 only); a row of several ids averages their embeddings."""
 
     def __init__(self, num_embeddings: int, dim: int, out_features: int = 1) -> None:
         super().__init__()
-        if not 0 < num_embeddings <= 1 << 24:
-            raise ValueError(
-                f"num_embeddings must be in [1, 2**24] (ids travel as float32), "
-                f"got {num_embeddings}"
-            )
+        if num_embeddings <= 0:
+            raise ValueError(f"num_embeddings must be >= 1, got {num_embeddings}")
         self.embedding = nn.Embedding(num_embeddings, dim)
         self.head = nn.Linear(dim, out_features)
 
@@ -72,3 +75,80 @@ def embedding_regressor(
     """An :class:`EmbeddingRegressor`: ``num_embeddings * dim + dim + 1`` parameters
     (e.g. ``embedding_regressor(10_000_000, 16)`` is a 160M-parameter model)."""
     return EmbeddingRegressor(num_embeddings, dim, out_features)
+
+
+class IdsAndDense(nn.Module):
+    """An id column and a dense float column in, class logits out: ``forward(ids,
+    dense)``, for ``features_col={"ids": ..., "dense": ...}``. Ids are int64 of any
+    size, hashed into the table by ``id % num_embeddings``."""
+
+    def __init__(
+        self, num_embeddings: int, dim: int, dense_features: int, hidden: int, out_features: int
+    ) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(num_embeddings, dim)
+        self.head = mlp(dim + dense_features, (hidden,), out_features)
+
+    def forward(self, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        if ids.dtype.is_floating_point:
+            raise TypeError("ids must arrive as int64: an id column of integers, not floats")
+        rows = self.embedding(torch.remainder(ids, self.embedding.num_embeddings))
+        rows = rows.reshape(ids.shape[0], -1, rows.shape[-1]).mean(dim=1)
+        return self.head(torch.cat([rows, dense.reshape(dense.shape[0], -1)], dim=1))
+
+
+def ids_and_dense(
+    num_embeddings: int = 1000,
+    dim: int = 8,
+    dense_features: int = 4,
+    hidden: int = 32,
+    out_features: int = 2,
+) -> IdsAndDense:
+    """An :class:`IdsAndDense` model."""
+    return IdsAndDense(num_embeddings, dim, dense_features, hidden, out_features)
+
+
+class TokenBag(nn.Module):
+    """A variable-length token sequence in, class logits out: the masked mean of the
+    tokens' embeddings, then a linear layer. ``forward(tokens, tokens_mask)`` takes the
+    padded ``(batch, longest)`` int64 tokens and the mask sparktrain passes with them
+    (``feature_shapes = {"tokens" = [-1]}``)."""
+
+    def __init__(self, vocab: int, dim: int, out_features: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, out_features)
+
+    def forward(self, tokens: torch.Tensor, tokens_mask: torch.Tensor) -> torch.Tensor:
+        weights = tokens_mask.unsqueeze(-1).to(self.embedding.weight.dtype)
+        summed = (self.embedding(tokens) * weights).sum(dim=1)
+        return self.head(summed / weights.sum(dim=1).clamp(min=1.0))
+
+
+def token_bag(vocab: int = 100, dim: int = 16, out_features: int = 2) -> TokenBag:
+    """A :class:`TokenBag` model."""
+    return TokenBag(vocab, dim, out_features)
+
+
+class TokenGRU(nn.Module):
+    """A GRU over a variable-length token sequence: embeddings packed by the mask's
+    lengths (padding never enters the recurrence), the last hidden state to logits."""
+
+    def __init__(self, vocab: int, dim: int, hidden: int, out_features: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.gru = nn.GRU(dim, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, out_features)
+
+    def forward(self, tokens: torch.Tensor, tokens_mask: torch.Tensor) -> torch.Tensor:
+        lengths = tokens_mask.sum(dim=1).clamp(min=1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.embedding(tokens), lengths, batch_first=True, enforce_sorted=False
+        )
+        _, last = self.gru(packed)
+        return self.head(last[-1])
+
+
+def token_gru(vocab: int = 100, dim: int = 16, hidden: int = 32, out_features: int = 2) -> TokenGRU:
+    """A :class:`TokenGRU` model."""
+    return TokenGRU(vocab, dim, hidden, out_features)

@@ -28,8 +28,8 @@ from sparktrain.builders import (
     resolve_model_fn,
 )
 from sparktrain.config import TrainConfig
-from sparktrain.data.batch import forward, sample_batch
-from sparktrain.data.columns import ColumnsSpec, Layout, parse_columns, parse_labels
+from sparktrain.data.batch import forward, forward_params, sample_batch
+from sparktrain.data.columns import RAGGED, ColumnsSpec, Layout, parse_columns, parse_labels
 from sparktrain.errors import ConfigError, DataError
 from sparktrain.launch.prepare import ColumnOptions, prepare
 from sparktrain.launch.resources import check_can_launch, check_transport_security
@@ -226,6 +226,15 @@ class Trainer:
                 if ints
                 else ""
             )
+            names, _ = forward_params(model)
+            masked = [
+                c.key for c in layout.columns if c.kind != RAGGED and f"{c.key}_mask" in names
+            ]
+            if masked:
+                hint += (
+                    f" forward() asks for {masked[0]}_mask: declare the column variable-length "
+                    f"with feature_shapes={{{masked[0]!r}: [-1]}} to get a padded batch and its mask."
+                )
             raise DataError(
                 f"the model does not accept a batch of its inputs ({type(exc).__name__}: "
                 f"{exc}); the {layout.describe()}. Check features_col, feature_shapes and "

@@ -211,7 +211,7 @@ def _hook_name(hook: Hook | None) -> str:
 _MASK_ARGS: dict[type, tuple[set[str], bool]] = {}
 
 
-def _forward_params(model: nn.Module) -> tuple[set[str], bool]:
+def forward_params(model: nn.Module) -> tuple[set[str], bool]:
     """(parameter names of ``model.forward``, whether it takes ``**kwargs``), cached per
     class."""
     cls = type(model)
@@ -233,7 +233,7 @@ def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
     docstring), passing each mask its model accepts as ``<key>_mask``."""
     extra: dict[str, torch.Tensor] = {}
     if batch.masks:
-        names, var_kw = _forward_params(model)
+        names, var_kw = forward_params(model)
         for key, mask in batch.masks.items():
             if var_kw or f"{key}_mask" in names:
                 extra[f"{key}_mask"] = mask
