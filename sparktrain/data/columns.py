@@ -40,14 +40,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from sparktrain.errors import ConfigError, DataError
 
-DENSE = "dense"
-RAGGED = "ragged"
-BINARY = "binary"
 Kind = Literal["dense", "ragged", "binary"]
+DENSE: Final = "dense"
+RAGGED: Final = "ragged"
+BINARY: Final = "binary"
 Call = Literal["single", "positional", "keyword"]
 
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")

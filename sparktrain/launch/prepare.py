@@ -36,6 +36,7 @@ from sparktrain.data.columns import (
     Column,
     ColumnsSpec,
     Hook,
+    Kind,
     Layout,
     check_dtype,
     check_options,
@@ -337,7 +338,7 @@ def _plan_columns(
                     f"collate is for variable-length and binary columns; declare {where} "
                     f"variable-length with feature_shapes={{{key!r}: [-1]}} to collate it"
                 )
-            kind = RAGGED if ragged else DENSE
+            kind: Kind = RAGGED if ragged else DENSE
             column = Column(key, source, wire, kind, target, shape or (), None, collate)
             inputs.append(_Planned(column, expr.alias(wire), not ragged))
             continue

@@ -67,10 +67,12 @@ class PartitionData:
         *,
         layout: Layout | None = None,
     ) -> None:
-        if isinstance(x, list | tuple):
-            self.columns: list[Store] = list(x)
+        if isinstance(x, Features):
+            self.columns: list[Store] = [x]
+        elif isinstance(x, np.ndarray):
+            self.columns = [Features.in_memory(x)]
         else:
-            self.columns = [x if isinstance(x, Features) else Features.in_memory(x)]
+            self.columns = list(x)
         first = self.columns[0]
         self.layout = layout or Layout.plain(first.width if isinstance(first, Features) else 0)
         self.y = y
