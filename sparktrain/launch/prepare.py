@@ -29,7 +29,6 @@ from sparktrain.data.columns import (
     BINARY,
     DEFAULT_FLOAT,
     DENSE,
-    FLOAT_DTYPES,
     INT_DTYPE,
     RAGGED,
     Call,
@@ -288,9 +287,6 @@ def _plan_columns(
         ftype = df.schema[source].dataType
         where = f"column {source!r}" + ("" if key == source else f" (model argument {key!r})")
 
-        def float_of(dtype: str | None) -> str:
-            return dtype if dtype in FLOAT_DTYPES else DEFAULT_FLOAT
-
         def spark_float(dtype: str) -> str:
             return "double" if dtype == "float64" else "float"
 
@@ -316,9 +312,7 @@ def _plan_columns(
             isinstance(ftype, ArrayType) and isinstance(ftype.elementType, NumericType)
         ):
             integral = isinstance(ftype, ArrayType) and isinstance(ftype.elementType, IntegralType)
-            target = (dtype or INT_DTYPE) if integral else float_of(dtype)
-            if integral and dtype is not None and dtype != INT_DTYPE and dtype not in FLOAT_DTYPES:
-                target = INT_DTYPE
+            target = dtype or (INT_DTYPE if integral else DEFAULT_FLOAT)
             if isinstance(ftype, VectorUDT):
                 if target == INT_DTYPE:
                     raise DataError(f"{where} is an ml Vector (floats); it cannot be int64")
@@ -349,7 +343,7 @@ def _plan_columns(
                     "or absent"
                 )
             integral = isinstance(ftype, IntegralType)
-            target = (dtype or INT_DTYPE) if integral else float_of(dtype)
+            target = dtype or (INT_DTYPE if integral else DEFAULT_FLOAT)
             spark_type = "bigint" if target == INT_DTYPE else spark_float(target)
             column = Column(key, source, wire, DENSE, target, shape or ())
             inputs.append(_Planned(column, F.col(source).cast(spark_type).alias(wire), False))
