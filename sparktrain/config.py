@@ -98,6 +98,12 @@ class TrainConfig:
         Mini-batches a background thread gathers ahead of the one training (default 2;
         ``0``: gather in the training thread). Changes timing, never values. The thread
         also runs each batch's ``decode`` and ``collate``.
+    shuffle, shuffle_window:
+        Reshuffle each partition every epoch (seeded by ``(seed, rank, epoch)``); with
+        ``shuffle_window`` = W > 0, shuffle within windows of W consecutive rows instead
+        of over the whole partition (windows in a random order, rows within each in a
+        random order): a spilled partition is then read one region at a time. Ring, tree
+        and ps; 0 (the default) is a true per-epoch permutation.
     feature_shapes, feature_dtypes, decode, collate:
         Per input column, keyed by the column's name or its model argument (see
         :mod:`sparktrain.data.columns` and docs/data.md): the row's shape
@@ -174,6 +180,7 @@ class TrainConfig:
     drop_last: bool = False
     data_memory_mb: float = 512.0
     prefetch_batches: int = 2
+    shuffle_window: int = 0
     feature_shapes: dict[str, list[int]] = field(default_factory=dict)
     feature_dtypes: dict[str, str] = field(default_factory=dict)
     decode: dict[str, str | Callable[..., Any]] = field(default_factory=dict)
@@ -269,6 +276,7 @@ class TrainConfig:
                 "512 (0 spills every row to local disk)"
             )
         _at_least("prefetch_batches", self.prefetch_batches, 0)
+        _at_least("shuffle_window", self.shuffle_window, 0)
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(
                 f"validation_fraction={self.validation_fraction!r} is out of range: "

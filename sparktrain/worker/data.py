@@ -366,6 +366,9 @@ class _Ingest:
         for i, (ingest, values) in enumerate(zip(self.columns, columns, strict=True)):
             if isinstance(ingest, _DenseIngest):
                 assert isinstance(values, np.ndarray)
+                if values.dtype.kind == "f" and values.dtype != ingest.dtype:
+                    # checked as stored: a float32 value past float16's range becomes inf
+                    values = values.astype(ingest.dtype)
                 if values.dtype.kind == "f":
                     self.bad_rows[i] += int(np.count_nonzero(~np.isfinite(values).all(axis=1)))
                 self.held_bytes += ingest.add(values)
@@ -398,14 +401,19 @@ class _Ingest:
                     f"rank {rank}: {bad} rows have NaN or infinite features; clean or "
                     "impute them (e.g. pyspark.ml.feature.Imputer) before training"
                 )
+            beyond = ""
+            if column.stored_dtype == "float16":
+                beyond = f" (or values beyond float16's range, ±{float(np.finfo(np.float16).max):g})"
             raise DataError(
                 f"column {column.source!r}, partition {rank}: {bad} rows (or batches of rows, "
-                "for variable-length columns) hold NaN or infinite values; clean or impute "
-                "them before training"
+                f"for variable-length columns) hold NaN or infinite values{beyond}; clean or "
+                "impute them before training"
             )
         if self.ws and len(self.ws) != len(self.ys):
             raise DataError(f"rank {rank}: some Arrow batches lack the {WEIGHT!r} column")
         y = _joined(self.ys, np.float64)
+        if not self.ys and self.layout.label_width is not None:  # no rows: still (0, k)
+            y = y.reshape(0, self.layout.label_width)
         if not np.isfinite(y).all():
             raise DataError(f"rank {rank}: labels contain NaN or infinity; drop those rows first")
         w = None
@@ -506,7 +514,7 @@ def _input_column(
             "or fill them before training"
         )
     if column.kind != DENSE:
-        if column.kind == RAGGED and values.values.null_count:
+        if column.kind == RAGGED and values.flatten().null_count:  # this batch's elements
             raise DataError(f"{where}: arrays hold null elements; fill or drop them first")
         return chunk_of_arrow(values, None if column.kind == BINARY else column.stored_dtype)
     n, width = batch.num_rows, column.width
@@ -596,14 +604,34 @@ def check_labels(y: np.ndarray, num_classes: int, rank: int) -> None:
 
 
 def epoch_batches(
-    n: int, batch_size: int, rng: np.random.Generator | None, drop_last: bool = False
+    n: int,
+    batch_size: int,
+    rng: np.random.Generator | None,
+    drop_last: bool = False,
+    window: int = 0,
 ) -> Iterator[np.ndarray]:
     """Index arrays of one epoch's mini-batches (shuffled when ``rng`` is given); with
     ``drop_last`` the final short batch is left out (its rows come back shuffled into
-    other batches in later epochs)."""
-    order = rng.permutation(n) if rng is not None else np.arange(n)
+    other batches in later epochs). ``window > 0`` shuffles within windows of that many
+    consecutive rows instead of over the whole partition (see :func:`epoch_order`)."""
+    order = epoch_order(n, rng, window)
     for start in range(0, steps_for(n, batch_size, drop_last) * batch_size, batch_size):
         yield order[start : start + batch_size]
+
+
+def epoch_order(n: int, rng: np.random.Generator | None, window: int = 0) -> np.ndarray:
+    """One epoch's row order: a permutation of all ``n`` rows, or with ``window > 0`` the
+    windowed shuffle: the partition is cut into windows of ``window`` consecutive rows
+    (in arrival order), the windows are visited in a random order and each window's rows
+    in a random order. Consecutive batches then read one region of a spilled file at a
+    time, at the price of batches drawn from fewer, neighbouring rows. Seeded by ``rng``
+    alone, so spilled and in-memory runs still see the same batches."""
+    if rng is None:
+        return np.arange(n)
+    if window <= 0 or window >= n:
+        return rng.permutation(n)
+    starts = rng.permutation(np.arange(0, n, window))
+    return np.concatenate([s + rng.permutation(min(window, n - s)) for s in starts])
 
 
 def steps_for(n: int, batch_size: int, drop_last: bool = False) -> int:

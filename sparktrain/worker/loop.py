@@ -210,7 +210,9 @@ def _train(
             epoch_started = time.perf_counter()
             model.train()
             rng = np.random.default_rng([cfg.seed, ctx.rank, epoch]) if cfg.shuffle else None
-            batches = list(epoch_batches(train.size, cfg.batch_size, rng, cfg.drop_last))
+            batches = list(
+                epoch_batches(train.size, cfg.batch_size, rng, cfg.drop_last, cfg.shuffle_window)
+            )
             loss_sum = 0.0
             loss_rows = 0
             # after a mid-epoch resume, the epoch's first steps are already done

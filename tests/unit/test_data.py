@@ -127,3 +127,21 @@ def test_drop_last_leaves_out_the_short_batch_and_keeps_every_full_one():
     flat = np.concatenate(batches)
     assert len(np.unique(flat)) == 672  # no row twice; one row sits this epoch out
     assert [len(b) for b in epoch_batches(673, 32, None)][-1] == 1
+
+
+def test_the_windowed_shuffle_is_a_permutation_read_one_window_at_a_time():
+    from sparktrain.worker.data import epoch_order
+
+    n, window = 1003, 100
+    order = epoch_order(n, np.random.default_rng([0, 1, 2]), window)
+    assert sorted(order.tolist()) == list(range(n))
+    # each run of `window` positions (the last one short) holds one window's rows
+    windows = [order[i : i + window] // window for i in range(0, n, window)]
+    assert all(len(set(w.tolist())) == 1 for w in windows)
+    assert [int(w[0]) for w in windows] != sorted(int(w[0]) for w in windows)  # visited shuffled
+    assert not np.array_equal(order[:window] % window, np.arange(window))  # rows shuffled
+    # seeded: the same generator state gives the same order; 0 is the full permutation
+    assert np.array_equal(order, epoch_order(n, np.random.default_rng([0, 1, 2]), window))
+    full = epoch_order(n, np.random.default_rng(5), 0)
+    assert np.array_equal(full, np.random.default_rng(5).permutation(n))
+    assert np.array_equal(epoch_order(n, None, window), np.arange(n))
