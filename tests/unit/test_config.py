@@ -92,3 +92,38 @@ def test_table_keys_are_dotted():
         TrainConfig.from_dict({"parallelism.pipeline": 0})
     with pytest.raises(ConfigError, match="unknown config key 'parallelism.tensor'"):
         TrainConfig.from_dict({"parallelism.tensor": 2})
+
+
+def test_column_option_tables_come_from_toml_and_set_whole(tmp_path: Path):
+    path = tmp_path / "typed.toml"
+    path.write_text(
+        "feature_shapes = {image = [1, 28, 28], tokens = [-1]}\n"
+        'feature_dtypes = {x = "float64"}\n'
+        '[decode]\nimage = "mypkg.io:decode_png"\n'
+    )
+    cfg = TrainConfig.from_toml(path, ['collate={tokens="mypkg.io:pack"}', "shuffle_window=4096"])
+    assert cfg.feature_shapes == {"image": [1, 28, 28], "tokens": [-1]}
+    assert cfg.feature_dtypes == {"x": "float64"}
+    assert cfg.decode == {"image": "mypkg.io:decode_png"}
+    assert cfg.collate == {"tokens": "mypkg.io:pack"}
+    assert cfg.shuffle_window == 4096
+    # callables from Python, shown by name in the JSON view
+    cfg = TrainConfig(decode={"image": test_defaults_validate})
+    assert cfg.to_dict()["decode"] == {"image": f"{__name__}:test_defaults_validate"}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("feature_shapes", {"image": [1, 0, 28]}, "sizes must be positive"),
+        ("feature_shapes", {"tokens": [-1, 4]}, r"only one-dimensional variable-length"),
+        ("feature_shapes", {"image": "1x28x28"}, "list of sizes"),
+        ("feature_dtypes", {"x": "int32"}, "allowed: float32, float64"),
+        ("decode", {"image": "decode_png"}, "'package.module:function'"),
+        ("collate", ["tokens"], "table of column -> value"),
+        ("shuffle_window", -1, "shuffle_window=-1 must be an integer >= 0"),
+    ],
+)
+def test_column_options_are_checked_by_key(key, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        TrainConfig(**{key: value})
