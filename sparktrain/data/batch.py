@@ -105,7 +105,12 @@ class Collator:
             rows = [self._decoded(column, value, partition) for value in rows]
         collate = self._collate[column.key]
         if collate is not None:
-            return _from_collate(column, collate(rows), partition)
+            if column.kind == RAGGED:
+                # a collate gets rows of its own: the store's are views of its chunks, which
+                # a collate writing in place would change for every later epoch (in memory)
+                # or crash on (a read-only spill map)
+                rows = [np.array(r) for r in rows]
+            return _from_collate(column, collate(rows), len(rows), partition)
         if column.kind == RAGGED:
             return pad(rows, column.dtype)
         if column.kind == BINARY:
@@ -170,35 +175,59 @@ def _numpy_dtype(dtype: str) -> Any:
 
 
 def _stack_decoded(column: Column, rows: list[Any], partition: int) -> torch.Tensor:
-    tensors = [
-        torch.as_tensor(np.asarray(r)) if not isinstance(r, torch.Tensor) else r for r in rows
-    ]
-    shapes = {tuple(t.shape) for t in tensors}
+    if not rows:
+        return torch.zeros(0)
+    where = f"column {column.source!r}, partition {partition}: decode {_hook_name(column.decode)}"
+    not_arrays = DataError(
+        f"{where} returned {type(rows[0]).__name__} values that are not numeric arrays; it "
+        "must return a numpy array or a tensor"
+    )
+    try:
+        shapes = {tuple(np.shape(r)) for r in rows}
+    except ValueError:  # nested lists of uneven lengths
+        raise not_arrays from None
     if len(shapes) > 1:
         raise DataError(
-            f"column {column.source!r}, partition {partition}: decode returned rows of "
-            f"different shapes {sorted(shapes)[:3]}; resize them in decode, or give a "
-            f"collate for {column.key!r} that batches them"
+            f"{where} returned rows of different shapes {sorted(shapes)[:3]}; resize them in "
+            f"decode, or give a collate for {column.key!r} that batches them"
         )
-    return torch.stack(tensors) if tensors else torch.zeros(0)
+    if any(isinstance(r, torch.Tensor) for r in rows):
+        return torch.stack([torch.as_tensor(r) for r in rows])
+    # stacked by numpy into a new array: a decode's read-only view (np.frombuffer of the
+    # value) never reaches torch, which warns about those
+    stacked = np.stack([np.asarray(r) for r in rows])
+    if stacked.dtype.kind not in "biuf":
+        raise not_arrays
+    return torch.from_numpy(stacked)
 
 
 def _from_collate(
-    column: Column, made: Any, partition: int
+    column: Column, made: Any, rows: int, partition: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    where = f"column {column.source!r}, partition {partition}: collate {_hook_name(column.collate)}"
     if isinstance(made, torch.Tensor):
-        return made, None
-    if (
+        tensor, mask = made, None
+    elif (
         isinstance(made, tuple)
         and len(made) == 2
         and isinstance(made[0], torch.Tensor)
         and (made[1] is None or isinstance(made[1], torch.Tensor))
     ):
-        return made[0], made[1]
-    raise DataError(
-        f"column {column.source!r}, partition {partition}: collate {_hook_name(column.collate)} "
-        f"returned {type(made).__name__}; it must return a tensor or a (tensor, mask) pair"
-    )
+        tensor, mask = made
+    else:
+        raise DataError(
+            f"{where} returned {type(made).__name__}; it must return a tensor or a "
+            "(tensor, mask) pair"
+        )
+    # the batch's row count (what a step's gradient is weighted by) is its inputs' first
+    # dimension: a collate that changes it would skew every step silently
+    for what, t in (("tensor", tensor), ("mask", mask)):
+        if t is not None and (t.ndim == 0 or t.shape[0] != rows):
+            raise DataError(
+                f"{where} returned a {what} of shape {tuple(t.shape)} for {rows} rows; its "
+                "first dimension must be the batch's rows"
+            )
+    return tensor, mask
 
 
 def _hook_name(hook: Hook | None) -> str:

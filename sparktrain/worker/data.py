@@ -368,7 +368,8 @@ class _Ingest:
                 assert isinstance(values, np.ndarray)
                 if values.dtype.kind == "f" and values.dtype != ingest.dtype:
                     # checked as stored: a float32 value past float16's range becomes inf
-                    values = values.astype(ingest.dtype)
+                    with np.errstate(over="ignore"):
+                        values = values.astype(ingest.dtype)
                 if values.dtype.kind == "f":
                     self.bad_rows[i] += int(np.count_nonzero(~np.isfinite(values).all(axis=1)))
                 self.held_bytes += ingest.add(values)
@@ -403,7 +404,9 @@ class _Ingest:
                 )
             beyond = ""
             if column.stored_dtype == "float16":
-                beyond = f" (or values beyond float16's range, ±{float(np.finfo(np.float16).max):g})"
+                beyond = (
+                    f" (or values beyond float16's range, ±{float(np.finfo(np.float16).max):g})"
+                )
             raise DataError(
                 f"column {column.source!r}, partition {rank}: {bad} rows (or batches of rows, "
                 f"for variable-length columns) hold NaN or infinite values{beyond}; clean or "
