@@ -4,14 +4,17 @@
     spark-submit --master local[2] jobs/parquet_train.py                     # 2M rows
     python jobs/parquet_train.py --master local[2] --rows 200000 --data-memory-mb 16
     python jobs/parquet_train.py --master local[2] --path /data/rows --reuse  # train only
+    python jobs/parquet_train.py --master local[2] --with-ids   # ids as an int64 input too
 
 The dataset: ``id`` (int64), ``features`` (array<float>, 64 values), ``label`` (int, 0..9);
 the features are N(0, 1) with 2 added to the ones whose index is the label modulo 10, so
 the MLP has something to learn. 2M rows are 512 MiB of float32 features: with the default
 ``data_memory_mb`` (512) each of 2 workers holds its 256 MiB in RAM; a smaller
 ``--data-memory-mb`` makes them spill to a memory-mapped file under ``spark.local.dir``
-(see docs/data.md). The job prints the accuracy, the samples/s and the summary's data
-keys.
+(see docs/data.md). ``--with-ids`` feeds the ``id`` column to the model as well, as an
+int64 input next to the features (``features_col={"ids": "id", "dense": "features"}``,
+model ``sparktrain.models:ids_and_dense``; see docs/columns.md). The job prints the
+accuracy, the samples/s and the summary's data keys.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--files", type=int, default=8, help="Parquet files to write")
+    p.add_argument(
+        "--with-ids",
+        action="store_true",
+        help="also feed the int64 id column to the model (an embedding next to the MLP)",
+    )
     p.add_argument("--master", help="Spark master URL (default: spark-submit's)")
     p.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
     args = p.parse_args(argv)
@@ -101,18 +109,28 @@ def main(argv: list[str]) -> int:
         progress=False,
         **options,
     )
-    result = Trainer(
-        "sparktrain.models:mlp",
-        config,
-        model_kwargs={"in_features": WIDTH, "hidden": [128], "out_features": CLASSES},
-        spark=spark,
-    ).fit(df, features_col="features", label_col="label")
+    model_fn = "sparktrain.models:mlp"
+    model_kwargs: dict[str, Any] = {"in_features": WIDTH, "hidden": [128], "out_features": CLASSES}
+    features_col: Any = "features"
+    if args.with_ids:
+        model_fn = "sparktrain.models:ids_and_dense"
+        model_kwargs = {
+            "num_embeddings": 1000,
+            "dim": 16,
+            "dense_features": WIDTH,
+            "hidden": 128,
+            "out_features": CLASSES,
+        }
+        features_col = {"ids": "id", "dense": "features"}
+    result = Trainer(model_fn, config, model_kwargs=model_kwargs, spark=spark).fit(
+        df, features_col=features_col, label_col="label"
+    )
     s = result.summary
     print(
         f"parquet: {s['train_samples']:,} training rows | validation {s['metric_name']} "
         f"{s['metric_value']:.4f} | {s['samples_per_s']:,.0f} samples/s | wall "
         f"{s['wall_s']:.1f} s (training {s['train_s']:.1f} s) | data_memory_mb "
-        f"{config.data_memory_mb:g}"
+        f"{config.data_memory_mb:g}{' | inputs: ids (int64) + features' if args.with_ids else ''}"
     )
     print(json.dumps({k: s.get(k) for k in DATA_KEYS}))
     if args.summary_json:

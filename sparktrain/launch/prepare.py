@@ -274,7 +274,6 @@ def _plan_columns(
                 f"data has no column {col!r}; its columns are {df.columns}. "
                 "Pass features_col=/label_col= to fit()"
             )
-    plain = call == "single" and not opts.given
     inputs: list[_Planned] = []
     for i, (key, source) in enumerate(pairs):
         wire = FEATURES if call == "single" else f"{FEATURES}_{i}"
@@ -336,7 +335,7 @@ def _plan_columns(
             column = Column(key, source, wire, kind, target, shape or (), None, collate)
             inputs.append(_Planned(column, expr.alias(wire), not ragged))
             continue
-        if isinstance(ftype, NumericType) and not plain:
+        if isinstance(ftype, NumericType):
             if shape is not None and shape != (1,):
                 raise DataError(
                     f"{where} holds one number a row; its feature_shapes entry must be [1] "
@@ -348,12 +347,6 @@ def _plan_columns(
             column = Column(key, source, wire, DENSE, target, shape or ())
             inputs.append(_Planned(column, F.col(source).cast(spark_type).alias(wire), False))
             continue
-        if plain:
-            raise DataError(
-                f"column {source!r} has type {ftype.simpleString()}; features must be an "
-                "ml Vector (e.g. from VectorAssembler) or an array of numbers (or name "
-                "several columns: features_col=[...] takes numeric scalars, arrays and bytes)"
-            )
         raise DataError(
             f"{where} has type {ftype.simpleString()}, which no model input takes: use numbers, "
             "arrays of numbers, ml Vectors, or bytes with a decode (index strings with "
