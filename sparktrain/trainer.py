@@ -233,7 +233,8 @@ class Trainer:
             if masked:
                 hint += (
                     f" forward() asks for {masked[0]}_mask: declare the column variable-length "
-                    f"with feature_shapes={{{masked[0]!r}: [-1]}} to get a padded batch and its mask."
+                    f"with feature_shapes={{{masked[0]!r}: [-1]}} to get a padded batch and "
+                    "its mask."
                 )
             raise DataError(
                 f"the model does not accept a batch of its inputs ({type(exc).__name__}: "

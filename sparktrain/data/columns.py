@@ -259,10 +259,13 @@ def check_options(
                 )
 
 
-def option_for(table: Mapping[str, Any], key: str, source: str) -> Any:
-    """A per-column option given under the model argument or the column name."""
+def option_for(table: Mapping[str, Any], key: str, source: str, keys: Sequence[str] = ()) -> Any:
+    """A per-column option given under the model argument or the column name. A name that
+    is another input's model argument (``keys``) belongs to that argument alone."""
     if key in table:
         return table[key]
+    if source in keys:
+        return None
     return table.get(source)
 
 

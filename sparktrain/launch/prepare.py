@@ -275,14 +275,15 @@ def _plan_columns(
                 "Pass features_col=/label_col= to fit()"
             )
     inputs: list[_Planned] = []
+    keys = [k for k, _ in pairs]
     for i, (key, source) in enumerate(pairs):
         wire = FEATURES if call == "single" else f"{FEATURES}_{i}"
-        dtype_opt = option_for(opts.feature_dtypes, key, source)
+        dtype_opt = option_for(opts.feature_dtypes, key, source, keys)
         dtype = check_dtype(key, dtype_opt) if dtype_opt is not None else None
-        shape_opt = option_for(opts.feature_shapes, key, source)
+        shape_opt = option_for(opts.feature_shapes, key, source, keys)
         shape = check_shape(key, shape_opt) if shape_opt is not None else None
-        decode = option_for(opts.decode, key, source)
-        collate = option_for(opts.collate, key, source)
+        decode = option_for(opts.decode, key, source, keys)
+        collate = option_for(opts.collate, key, source, keys)
         ftype = df.schema[source].dataType
         where = f"column {source!r}" + ("" if key == source else f" (model argument {key!r})")
 
@@ -352,6 +353,14 @@ def _plan_columns(
             "arrays of numbers, ml Vectors, or bytes with a decode (index strings with "
             "pyspark.ml.feature.StringIndexer; tokenise text into an int array)"
         )
+    for planned in inputs:
+        mask_arg = f"{planned.column.key}_mask"
+        if planned.column.kind == RAGGED and mask_arg in keys:
+            raise DataError(
+                f"model argument {mask_arg!r} is taken by column "
+                f"{dict(pairs)[mask_arg]!r}, but it is where variable-length input "
+                f"{planned.column.key!r} passes its mask: rename one of them"
+            )
     if not labels:
         return _Plan(inputs, call, [], None, False, None)
     label_expr, label_is_array, label_width = _label_plan(df, labels)

@@ -191,6 +191,15 @@ def test_typed_inputs_fail_on_the_driver_with_the_column_and_the_fix(spark):  # 
         Trainer("sparktrain.models:embedding_regressor", cfg).fit(
             df, features_col="tokens", label_col="y"
         )
+    # a model argument where a variable-length column's mask goes
+    from pyspark.sql import functions as F
+
+    taken = df.withColumn("flag", F.lit(1))
+    cfg = fast_config(feature_shapes={"tokens": [-1]})
+    with pytest.raises(DataError, match="'tokens_mask' is taken by column 'flag'"):
+        Trainer("sparktrain.models:token_bag", cfg).fit(
+            taken, features_col={"tokens": "tokens", "tokens_mask": "flag"}, label_col="y"
+        )
     # bytes without a decode
     train, _ = _digits_split_frames(spark, binary=True)
     with pytest.raises(DataError, match="column 'image' holds bytes: give decode"):

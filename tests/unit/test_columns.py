@@ -121,6 +121,9 @@ def test_per_column_options_name_an_input_by_argument_or_column():
     assert option_for({"user": 1, "user_id": 2}, "user", "user_id") == 1
     assert option_for({"user_id": 2}, "user", "user_id") == 2
     assert option_for({}, "user", "user_id") is None
+    # {"a": "b", "b": "c"}: an entry "b" is argument b's, not column b's (argument a's)
+    assert option_for({"b": [-1]}, "a", "b", ["a", "b"]) is None
+    assert option_for({"b": [-1]}, "b", "c", ["a", "b"]) == [-1]
 
 
 def _typed_layout() -> Layout:
