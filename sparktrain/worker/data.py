@@ -254,6 +254,11 @@ class _Blocks:
         return self.block[: self.filled]
 
 
+def _write_held(writer: SpillWriter | RaggedSpillWriter, held: Sequence[Any]) -> None:
+    for chunk in held:
+        writer.write(chunk)
+
+
 class _DenseIngest:
     """One dense column's rows, in blocks: held, or written to its spill file."""
 
@@ -275,14 +280,10 @@ class _DenseIngest:
         return len(x) * self.column.width * self.dtype.itemsize
 
     def spill(self, path: Path) -> None:
+        """Write what is held, and from now on every full block, to ``path``."""
         self.writer = SpillWriter(path, self.column.width, self.dtype)
-        for held in self.held:
-            self.writer.write(held)
+        _write_held(self.writer, self.held)
         self.held = []
-
-    def abort(self) -> None:
-        if self.writer is not None:
-            self.writer.abort()
 
     def finish(self) -> Features:
         rest = self.blocks.rest()
@@ -313,15 +314,11 @@ class _RaggedIngest:
         return int(chunk[0].nbytes + chunk[1].nbytes)
 
     def spill(self, path: Path) -> None:
+        """Write what is held, and from now on every chunk, to ``path``."""
         dtype = None if self.binary else self.column.stored_dtype
         self.writer = RaggedSpillWriter(path, self.binary, dtype)
-        for held in self.held:
-            self.writer.write(held)
+        _write_held(self.writer, self.held)
         self.held = []
-
-    def abort(self) -> None:
-        if self.writer is not None:
-            self.writer.abort()
 
     def finish(self) -> Ragged:
         if self.writer is not None:
@@ -390,7 +387,8 @@ class _Ingest:
 
     def abort(self) -> None:
         for ingest in self.columns:
-            ingest.abort()
+            if ingest.writer is not None:
+                ingest.writer.abort()
 
     def finish(self) -> PartitionData:
         rank = self.rank

@@ -19,7 +19,53 @@ from typing import Any
 import numpy as np
 
 
-class Features:
+class RowView:
+    """What every column store shares: rows in chunks (``sizes`` rows each) seen through
+    ``rows`` (indices into the chunks' rows; ``None``: all of them), the bytes of the
+    spill file behind them, and what releases it."""
+
+    def _init_rows(
+        self,
+        sizes: Sequence[int],
+        rows: np.ndarray | None,
+        spilled_bytes: int,
+        on_close: Callable[[], None] | None,
+    ) -> None:
+        self.rows = rows
+        self.spilled_bytes = spilled_bytes
+        self._on_close = on_close
+        self._starts = np.cumsum([0, *sizes])[:-1].astype(np.int64)
+        self._total = int(sum(sizes))
+
+    @property
+    def spilled(self) -> bool:
+        return self.spilled_bytes > 0
+
+    @property
+    def size(self) -> int:
+        return self._total if self.rows is None else len(self.rows)
+
+    def _locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows in partition order, the chunk each sits in) of this view's ``idx``."""
+        where = np.asarray(idx, dtype=np.int64)
+        if self.rows is not None:
+            where = self.rows[where]
+        return where, np.searchsorted(self._starts, where, side="right") - 1
+
+    def _subset_rows(self, mask_or_rows: np.ndarray) -> np.ndarray:
+        """The partition rows of a subset: where ``mask_or_rows`` is true (a bool mask
+        over this view) or at those indices."""
+        picked = np.asarray(mask_or_rows)
+        local = np.flatnonzero(picked) if picked.dtype == bool else picked.astype(np.int64)
+        return local if self.rows is None else self.rows[local]
+
+    def _release(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+
+class Features(RowView):
     """Rows in partition order: ``chunks`` of ``(n_i, width)`` arrays of one ``dtype``
     (float32 unless given), seen through ``rows`` (indices into the chunks' rows;
     ``None``: all of them).
@@ -42,30 +88,17 @@ class Features:
         self.chunks = [c for c in chunks if len(c)]
         self.width = width
         self.dtype = np.dtype(dtype if dtype is not None else np.float32)
-        self.rows = rows
-        self.spilled_bytes = spilled_bytes
-        self._on_close = on_close
         # (windows: row j is values j..j+width of a whole spill file, a zero-copy view; where
         # each chunk's first value sits in it): a gather from the file is then one fancy
         # index, however many chunks the file has
         self._flat = flat
-        sizes = [len(c) for c in self.chunks]
-        self._starts = np.cumsum([0, *sizes])[:-1].astype(np.int64)
-        self._total = int(sum(sizes))
+        self._init_rows([len(c) for c in self.chunks], rows, spilled_bytes, on_close)
 
     @classmethod
     def in_memory(cls, x: np.ndarray, dtype: np.dtype[Any] | type = np.float32) -> Features:
         """One chunk in memory (what tests and the RDD path build)."""
         x = np.asarray(x, dtype=dtype)
         return cls([x], x.shape[1] if x.ndim == 2 else 0, dtype=x.dtype)
-
-    @property
-    def spilled(self) -> bool:
-        return self.spilled_bytes > 0
-
-    @property
-    def size(self) -> int:
-        return self._total if self.rows is None else len(self.rows)
 
     @property
     def nbytes_in_memory(self) -> int:
@@ -109,13 +142,10 @@ class Features:
     def subset(self, mask_or_rows: np.ndarray) -> Features:
         """The rows where ``mask_or_rows`` is true (a bool mask over this view) or at
         those indices: a view sharing the chunks."""
-        picked = np.asarray(mask_or_rows)
-        local = np.flatnonzero(picked) if picked.dtype == bool else picked.astype(np.int64)
-        rows = local if self.rows is None else self.rows[local]
         return Features(
             self.chunks,
             self.width,
-            rows,
+            self._subset_rows(mask_or_rows),
             spilled_bytes=self.spilled_bytes,
             flat=self._flat,
             dtype=self.dtype,
@@ -124,6 +154,4 @@ class Features:
     def close(self) -> None:
         """Release the spill file behind the chunks (a no-op in memory); idempotent."""
         self.chunks, self._flat = [], None
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
+        self._release()

@@ -12,7 +12,6 @@ order: numpy views for numeric rows, ``bytes`` for binary ones.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from sparktrain.worker.spill import _create
+from sparktrain.worker.features import RowView
+from sparktrain.worker.spill import IpcSpillFile
 
 _FIELD = "rows"
 Chunk = tuple[np.ndarray, np.ndarray]
 
 
-class Ragged:
+class Ragged(RowView):
     """Variable-length rows in partition order, seen through ``rows`` (see the module
     docstring); ``binary`` rows come back as ``bytes``."""
 
@@ -41,20 +41,7 @@ class Ragged:
     ) -> None:
         self.chunks = [c for c in chunks if len(c[0]) > 1]
         self.binary = binary
-        self.rows = rows
-        self.spilled_bytes = spilled_bytes
-        self._on_close = on_close
-        sizes = [len(off) - 1 for off, _ in self.chunks]
-        self._starts = np.cumsum([0, *sizes])[:-1].astype(np.int64)
-        self._total = int(sum(sizes))
-
-    @property
-    def spilled(self) -> bool:
-        return self.spilled_bytes > 0
-
-    @property
-    def size(self) -> int:
-        return self._total if self.rows is None else len(self.rows)
+        self._init_rows([len(off) - 1 for off, _ in self.chunks], rows, spilled_bytes, on_close)
 
     @property
     def nbytes_in_memory(self) -> int:
@@ -64,10 +51,7 @@ class Ragged:
 
     def take(self, idx: np.ndarray) -> list[Any]:
         """Rows ``idx`` of this view, in that order."""
-        where = np.asarray(idx, dtype=np.int64)
-        if self.rows is not None:
-            where = self.rows[where]
-        chunk_of = np.searchsorted(self._starts, where, side="right") - 1
+        where, chunk_of = self._locate(idx)
         out: list[Any] = []
         for c, j in zip(chunk_of.tolist(), (where - self._starts[chunk_of]).tolist(), strict=True):
             offsets, values = self.chunks[c]
@@ -83,18 +67,13 @@ class Ragged:
 
     def subset(self, mask_or_rows: np.ndarray) -> Ragged:
         """A view of the rows where ``mask_or_rows`` is true, or at those indices."""
-        picked = np.asarray(mask_or_rows)
-        local = np.flatnonzero(picked) if picked.dtype == bool else picked.astype(np.int64)
-        rows = local if self.rows is None else self.rows[local]
-        view = Ragged(self.chunks, self.binary, rows, spilled_bytes=self.spilled_bytes)
-        return view
+        rows = self._subset_rows(mask_or_rows)
+        return Ragged(self.chunks, self.binary, rows, spilled_bytes=self.spilled_bytes)
 
     def close(self) -> None:
         """Release the spill file behind the chunks (a no-op in memory); idempotent."""
         self.chunks = []
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
+        self._release()
 
 
 def chunk_of_arrow(array: pa.Array, dtype: str | None) -> Chunk:
@@ -123,18 +102,15 @@ def chunk_of_arrow(array: pa.Array, dtype: str | None) -> Chunk:
     return offsets, values
 
 
-class RaggedSpillWriter:
-    """Appends ``(offsets, values)`` chunks to an Arrow IPC file (written as ``.part``,
-    renamed when complete), then maps it back as :class:`Ragged`."""
+class RaggedSpillWriter(IpcSpillFile):
+    """Appends ``(offsets, values)`` chunks to an Arrow IPC file (a ``large_list`` or
+    ``large_binary`` column), then maps it back as :class:`Ragged`."""
 
     def __init__(self, path: Path, binary: bool, dtype: str | None) -> None:
-        self.path = path
         self.binary = binary
-        self._part = path.with_name(path.name + ".part")
         kind = pa.large_binary() if binary else pa.large_list(pa.from_numpy_dtype(np.dtype(dtype)))
         self._type = kind
-        self._sink = _create(self._part)
-        self._writer = pa.ipc.new_file(self._sink, pa.schema([(_FIELD, kind)]))
+        super().__init__(path, kind)
 
     def write(self, chunk: Chunk) -> None:
         offsets, values = chunk
@@ -147,22 +123,15 @@ class RaggedSpillWriter:
             )
         else:
             array = pa.LargeListArray.from_arrays(off, pa.array(values))
-        self._writer.write_batch(pa.RecordBatch.from_arrays([array], [_FIELD]))
+        self._write_array(array)
 
     def finish(self) -> Ragged:
         """Close the file and map it: every chunk a zero-copy view of the map."""
         try:
-            self._writer.close()
-            self._sink.close()
-            self._part.rename(self.path)
-            source = pa.memory_map(str(self.path), "r")
-            reader = pa.ipc.open_file(source)
+            source, columns = self._close_and_map()
             chunks: list[Chunk] = []
-            for i in range(reader.num_record_batches):
-                column = reader.get_batch(i).column(0)
+            for column in columns:
                 n = len(column)
-                if not n:
-                    continue
                 offsets = np.frombuffer(column.buffers()[1], np.int64)[
                     column.offset : column.offset + n + 1
                 ]
@@ -174,23 +143,9 @@ class RaggedSpillWriter:
         except BaseException:
             self.abort()
             raise
-        size = self.path.stat().st_size
-
-        def release() -> None:
-            source.close()
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            with contextlib.suppress(OSError):
-                self.path.parent.rmdir()
-
-        return Ragged(chunks, self.binary, on_close=release, spilled_bytes=size)
-
-    def abort(self) -> None:
-        """Drop the partial file (after a failure while ingesting)."""
-        with contextlib.suppress(Exception):
-            self._writer.close()
-        with contextlib.suppress(Exception):
-            self._sink.close()
-        for p in (self._part, self.path):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+        return Ragged(
+            chunks,
+            self.binary,
+            on_close=self._release(source),
+            spilled_bytes=self.path.stat().st_size,
+        )

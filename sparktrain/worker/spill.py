@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,22 +113,62 @@ def arrow_type(dtype: np.dtype[Any]) -> pa.DataType:
     return pa.from_numpy_dtype(dtype)
 
 
-class SpillWriter:
-    """Appends ``(n, width)`` chunks of one dtype to an Arrow IPC file, then maps it back
-    as :class:`Features`.
+class IpcSpillFile:
+    """One column's spill file: chunks appended as record batches of one field to
+    ``<name>.part``, renamed to ``<name>`` when complete and memory-mapped back;
+    :meth:`abort` (or a failure while mapping) removes what was written."""
 
-    The file is written as ``<name>.part`` and renamed when complete; :meth:`abort` (or
-    a failure in :meth:`finish`) removes what was written.
-    """
+    def __init__(self, path: Path, field_type: pa.DataType) -> None:
+        self.path = path
+        self._part = path.with_name(path.name + ".part")
+        self._sink = _create(self._part)
+        self._writer = pa.ipc.new_file(self._sink, pa.schema([(_SCHEMA_FIELD, field_type)]))
+
+    def _write_array(self, array: pa.Array) -> None:
+        self._writer.write_batch(pa.RecordBatch.from_arrays([array], [_SCHEMA_FIELD]))
+
+    def _close_and_map(self) -> tuple[pa.MemoryMappedFile, list[pa.Array]]:
+        """Complete the file and map it: the map and its non-empty chunks (zero-copy)."""
+        self._writer.close()
+        self._sink.close()
+        self._part.rename(self.path)
+        source = pa.memory_map(str(self.path), "r")
+        reader = pa.ipc.open_file(source)
+        columns = [reader.get_batch(i).column(0) for i in range(reader.num_record_batches)]
+        return source, [c for c in columns if len(c)]
+
+    def _release(self, source: pa.MemoryMappedFile) -> Callable[[], None]:
+        """What closes the mapped store: unmap, remove the file and, when it is the last
+        one, its job folder."""
+
+        def release() -> None:
+            source.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            with contextlib.suppress(OSError):  # other ranks' files may still be there
+                self.path.parent.rmdir()
+
+        return release
+
+    def abort(self) -> None:
+        """Drop the partial file (after a failure while ingesting)."""
+        with contextlib.suppress(Exception):
+            self._writer.close()
+        with contextlib.suppress(Exception):
+            self._sink.close()
+        for p in (self._part, self.path):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+class SpillWriter(IpcSpillFile):
+    """Appends ``(n, width)`` chunks of one dtype to an Arrow IPC file, then maps it back
+    as :class:`Features`."""
 
     def __init__(self, path: Path, width: int, dtype: Any = np.float32) -> None:
-        self.path = path
         self.width = width
         self.dtype = np.dtype(dtype)
-        self._part = path.with_name(path.name + ".part")
-        schema = pa.schema([(_SCHEMA_FIELD, pa.list_(arrow_type(self.dtype), width))])
-        self._sink = _create(self._part)
-        self._writer = pa.ipc.new_file(self._sink, schema)
+        super().__init__(path, pa.list_(arrow_type(self.dtype), width))
         self.rows = 0
 
     def write(self, chunk: np.ndarray) -> None:
@@ -135,25 +176,17 @@ class SpillWriter:
         if not len(chunk):
             return
         flat = pa.array(np.ascontiguousarray(chunk, self.dtype).reshape(-1))
-        column = pa.FixedSizeListArray.from_arrays(flat, self.width)
-        self._writer.write_batch(pa.RecordBatch.from_arrays([column], [_SCHEMA_FIELD]))
+        self._write_array(pa.FixedSizeListArray.from_arrays(flat, self.width))
         self.rows += len(chunk)
 
     def finish(self) -> Features:
         """Close the file and map it: every chunk a zero-copy view of the map."""
         try:
-            self._writer.close()
-            self._sink.close()
-            self._part.rename(self.path)
-            source = pa.memory_map(str(self.path), "r")
+            source, columns = self._close_and_map()
             whole = source.read_buffer(source.size())
-            reader = pa.ipc.open_file(source)
             chunks, firsts = [], []
             itemsize = self.dtype.itemsize
-            for i in range(reader.num_record_batches):
-                column = reader.get_batch(i).column(0)
-                if not len(column):
-                    continue
+            for column in columns:
                 child = column.values  # the values, without the list's offset
                 values = column.flatten().to_numpy(zero_copy_only=True)
                 chunks.append(values.reshape(len(column), self.width))
@@ -165,30 +198,11 @@ class SpillWriter:
         except BaseException:
             self.abort()
             raise
-        size = self.path.stat().st_size
-
-        def release() -> None:
-            source.close()
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            with contextlib.suppress(OSError):  # other ranks' files may still be there
-                self.path.parent.rmdir()
-
         return Features(
             chunks,
             self.width,
-            on_close=release,
-            spilled_bytes=size,
+            on_close=self._release(source),
+            spilled_bytes=self.path.stat().st_size,
             flat=(windows, np.asarray(firsts, np.int64)),
             dtype=self.dtype,
         )
-
-    def abort(self) -> None:
-        """Drop the partial file (after a failure while ingesting)."""
-        with contextlib.suppress(Exception):
-            self._writer.close()
-        with contextlib.suppress(Exception):
-            self._sink.close()
-        for p in (self._part, self.path):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
