@@ -6,6 +6,14 @@ and one aggregation job checks the features width and the labels, so a wrong col
 unimportable ``modelFn`` or a non-integral class label fails at once with a message that
 says what to change — before any barrier stage starts.
 
+Several or typed inputs (``featuresCols``, or any of ``featureShapes``, ``featureDtypes``,
+``decode``, ``collate``): ``fit`` hands the columns to the Trainer as ``features_col`` (a
+name, a list or an ``{argument: column}`` mapping) and lets it check them; the driver still
+checks the label column (schema, then one label aggregation job) against the model's
+outputs, found by calling the model once on a sample batch of the inputs. The fitted
+model keeps the trained :class:`~sparktrain.data.columns.Layout` (``model.layout``), and
+``transform`` feeds it the same columns.
+
 ``weightCol`` (optional) names a numeric column of sample weights ``>= 0``: the training
 objective is then the weighted mean loss ``sum w_i l_i / sum w_i``, as in MLlib's weighted
 estimators (see :class:`sparktrain.builders.Loss` and ``launch/prepare.py`` for how the
@@ -16,20 +24,24 @@ metric (``validationFraction``) and the model's outputs are not affected by weig
 from __future__ import annotations
 
 from abc import abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import torch
-from pyspark import keyword_only
+from pyspark import inheritable_thread_target, keyword_only
 from pyspark.ml import Estimator
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable
 
+from sparktrain.data.columns import Layout, parse_columns
 from sparktrain.errors import ConfigError, DataError
+from sparktrain.launch.prepare import ColumnOptions, prepare
 from sparktrain.ml.model import (
     TorchClassificationModel,
     TorchModel,
     TorchRegressionModel,
     _features_as_float_array,
     build_module,
+    layout_width,
 )
 from sparktrain.ml.params import (
     CLASSIFICATION_LOSSES,
@@ -65,6 +77,8 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
     # ------------------------------------------------------------------ fit
     def _fit(self, dataset: DataFrame) -> M:
         cfg, model_fn, model_kwargs = self._resolve()
+        if not self._is_plain_fit():
+            return self._fit_typed(dataset, cfg, model_fn, model_kwargs)
         features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
         features = _features_as_float_array(dataset, features_col, "fit")
         _check_label_column(dataset, label_col)
@@ -92,6 +106,56 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         )
         return self._copyValues(model)
 
+    def _fit_typed(
+        self, dataset: DataFrame, cfg: Any, model_fn: str, model_kwargs: dict[str, Any]
+    ) -> M:
+        """Several or typed input columns: the Trainer checks and ships them; the driver
+        checks the labels against the model's outputs before training starts."""
+        spec, param = self._features_spec()
+        _, pairs = parse_columns(spec, param)
+        for _, source in pairs:
+            if source not in dataset.columns:
+                raise DataError(
+                    f"fit: the input has no column {source!r} ({param}); its columns are "
+                    f"{dataset.columns}. Call set{param[0].upper()}{param[1:]}(...)"
+                )
+        label_col = self.getLabelCol()
+        _check_label_column(dataset, label_col)
+        weight_col = self.getWeightCol() if self.isDefined(self.weightCol) else None
+        if weight_col:
+            _check_weight_column(dataset, weight_col)
+
+        torch.manual_seed(cfg.seed)
+        module = build_module(model_fn, model_kwargs)
+        trainer = Trainer(model_fn, cfg, model_kwargs=model_kwargs, spark=dataset.sparkSession)
+        # The Trainer's own column checks and model probe, run once here for the model's
+        # number of outputs, which the labels are checked against; the label job runs
+        # meanwhile (both are small jobs, mostly waiting on Spark), in the caller's job
+        # group, scheduler pool and tags (the thread inherits them).
+        with ThreadPoolExecutor(1, thread_name_prefix="sparktrain-labels") as pool:
+            in_caller_scope = inheritable_thread_target(dataset.sparkSession)
+            labels = pool.submit(in_caller_scope(_label_stats), dataset, label_col)
+            probe = prepare(
+                dataset, None, spec, label_col, cfg.num_workers, None, ColumnOptions.of(cfg)
+            )
+            _, num_outputs = trainer._check_model(probe.data_layout, module, None, probe.samples)
+            stats = labels.result()
+        _check_label_stats(stats, label_col)
+        self._check_targets(stats, num_outputs)
+
+        result = trainer.fit(
+            dataset, features_col=spec, label_col=label_col, weight_col=weight_col or None
+        )
+        layout = Layout.from_dict(result.summary["inputs"])
+        model = self._create_model()._set_state(
+            state_to_bytes(result.model.state_dict()),
+            num_features=layout_width(layout),
+            num_outputs=num_outputs,
+            summary=result.summary,
+            layout=layout,
+        )
+        return self._copyValues(model)
+
     def _resolve(self) -> tuple[Any, str, dict[str, Any]]:
         """(TrainConfig, modelFn, modelKwargs), or a ConfigError saying which param to set."""
         if not self.isDefined(self.modelFn) or not self.getModelFn():
@@ -113,6 +177,28 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
     def setFeaturesCol(self, value: str) -> Self:
         """Sets the value of :py:attr:`featuresCol`."""
         return self._set(featuresCol=value)
+
+    def setFeaturesCols(self, value: list[str] | dict[str, str]) -> Self:
+        """Sets the value of :py:attr:`featuresCols`: a list of column names (``model(a,
+        b)``), of ``"argument=column"`` entries, or a ``{argument: column}`` dict
+        (``model(argument=...)``). Set and non-empty, it overrides ``featuresCol``."""
+        return self._set(featuresCols=value)
+
+    def setFeatureShapes(self, value: str | dict[str, Any]) -> Self:
+        """Sets the value of :py:attr:`featureShapes` (a dict or JSON object text)."""
+        return self._set(featureShapes=value)
+
+    def setFeatureDtypes(self, value: str | dict[str, str]) -> Self:
+        """Sets the value of :py:attr:`featureDtypes` (a dict or JSON object text)."""
+        return self._set(featureDtypes=value)
+
+    def setDecode(self, value: str | dict[str, str]) -> Self:
+        """Sets the value of :py:attr:`decode` (a dict or JSON object text)."""
+        return self._set(decode=value)
+
+    def setCollate(self, value: str | dict[str, str]) -> Self:
+        """Sets the value of :py:attr:`collate` (a dict or JSON object text)."""
+        return self._set(collate=value)
 
     def setLabelCol(self, value: str) -> Self:
         """Sets the value of :py:attr:`labelCol`."""
@@ -207,12 +293,27 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
     logits (``loss="cross_entropy"``) or ``(n, 1)`` logits (``loss="bce_with_logits"``,
     binary). Labels must be integral class indices ``0..C-1`` (index other labels with
     ``StringIndexer``). Features come from an ml Vector column (dense or sparse, e.g. from
-    ``VectorAssembler``) or an ``array<float|double>`` column.
+    ``VectorAssembler``) or an ``array<float|double>`` column; with ``featuresCols`` the
+    model takes several typed columns instead (``model(a, b)`` or ``model(user=...,
+    item=...)``).
 
     Parameters
     ----------
     featuresCol, labelCol, predictionCol, probabilityCol, rawPredictionCol : str
         Input and output columns, as in MLlib; an empty output name leaves it out.
+    featuresCols : list of str or dict, optional
+        Several model inputs; when set and non-empty it overrides ``featuresCol``.
+        ``["a", "b"]`` calls ``model(a, b)``; ``["user=user_id", "item=item_id"]`` (or the
+        dict ``{"user": "user_id", "item": "item_id"}``) calls ``model(user=..., item=...)``.
+        Integer columns arrive as int64 (ids stay exact), floats as float32; numeric
+        scalars, numeric arrays, ml Vectors and bytes (with ``decode``) are accepted.
+    featureShapes, featureDtypes, decode, collate : str or dict
+        Per input column (by column name or model argument), as JSON objects: the row's
+        shape (``{"image": [1, 28, 28]}``, ``[-1]`` for variable length, padded with a
+        mask), its dtype, a ``"module:function"`` decoding a binary value, a
+        ``"module:function"`` batching a variable-length or binary column. Any of them,
+        or ``featuresCols``, makes ``featuresCol`` a typed input too (a numeric scalar, an
+        int64 array, a shaped image...). See :mod:`sparktrain.data.columns`.
     weightCol : str, optional
         A numeric column of sample weights ``>= 0`` (not all zero; no nulls, NaN or
         infinities). The training objective becomes the weighted mean loss
@@ -296,6 +397,11 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         seed: int = 0,
         validationFraction: float = 0.0,
         dataMemoryInMB: float = 512.0,
+        featuresCols: list[str] | dict[str, str] | None = None,
+        featureShapes: str | dict[str, Any] = "{}",
+        featureDtypes: str | dict[str, str] = "{}",
+        decode: str | dict[str, str] = "{}",
+        collate: str | dict[str, str] = "{}",
     ) -> None:
         super().__init__()
         self._set(**self._input_kwargs)
@@ -325,6 +431,11 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         seed: int = 0,
         validationFraction: float = 0.0,
         dataMemoryInMB: float = 512.0,
+        featuresCols: list[str] | dict[str, str] | None = None,
+        featureShapes: str | dict[str, Any] = "{}",
+        featureDtypes: str | dict[str, str] = "{}",
+        decode: str | dict[str, str] = "{}",
+        collate: str | dict[str, str] = "{}",
     ) -> Self:
         """Sets params for this TorchClassifier (only the ones passed)."""
         return self._set(**self._input_kwargs)
@@ -414,6 +525,11 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         seed: int = 0,
         validationFraction: float = 0.0,
         dataMemoryInMB: float = 512.0,
+        featuresCols: list[str] | dict[str, str] | None = None,
+        featureShapes: str | dict[str, Any] = "{}",
+        featureDtypes: str | dict[str, str] = "{}",
+        decode: str | dict[str, str] = "{}",
+        collate: str | dict[str, str] = "{}",
     ) -> None:
         super().__init__()
         self._set(**self._input_kwargs)
@@ -441,6 +557,11 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         seed: int = 0,
         validationFraction: float = 0.0,
         dataMemoryInMB: float = 512.0,
+        featuresCols: list[str] | dict[str, str] | None = None,
+        featureShapes: str | dict[str, Any] = "{}",
+        featureDtypes: str | dict[str, str] = "{}",
+        decode: str | dict[str, str] = "{}",
+        collate: str | dict[str, str] = "{}",
     ) -> Self:
         """Sets params for this TorchRegressor (only the ones passed)."""
         return self._set(**self._input_kwargs)
@@ -496,13 +617,28 @@ def _check_weight_column(dataset: DataFrame, weight_col: str) -> None:
     )
 
 
-def _column_stats(dataset: DataFrame, features: Any, label_col: str) -> Row:
-    """One Spark job: row count, feature widths, null/non-finite/fractional labels."""
+def _label_aggregates() -> list[Any]:
+    """Aggregates of the double label column ``y``: null/non-finite/fractional labels and
+    the finite labels' range."""
     from pyspark.sql import functions as F
 
     y = F.col("y")
     not_finite = F.isnan(y) | (F.abs(y) == float("inf"))
     fractional = ~not_finite & (y != F.floor(y))
+    return [
+        F.count(F.when(y.isNull(), 1)).alias("null_labels"),
+        F.count(F.when(not_finite, 1)).alias("not_finite"),
+        F.count(F.when(fractional, 1)).alias("fractional"),
+        F.first(F.when(fractional, y), ignorenulls=True).alias("fractional_example"),
+        F.min(F.when(~not_finite, y)).alias("min_label"),
+        F.max(F.when(~not_finite, y)).alias("max_label"),
+    ]
+
+
+def _column_stats(dataset: DataFrame, features: Any, label_col: str) -> Row:
+    """One Spark job: row count, feature widths, null/non-finite/fractional labels."""
+    from pyspark.sql import functions as F
+
     row = (
         dataset.select(
             F.size(features).alias("w"),
@@ -514,17 +650,36 @@ def _column_stats(dataset: DataFrame, features: Any, label_col: str) -> Row:
             F.count(F.when(F.col("no_x"), 1)).alias("null_features"),
             F.min(F.when(~F.col("no_x"), F.col("w"))).alias("min_width"),
             F.max(F.when(~F.col("no_x"), F.col("w"))).alias("max_width"),
-            F.count(F.when(y.isNull(), 1)).alias("null_labels"),
-            F.count(F.when(not_finite, 1)).alias("not_finite"),
-            F.count(F.when(fractional, 1)).alias("fractional"),
-            F.first(F.when(fractional, y), ignorenulls=True).alias("fractional_example"),
-            F.min(F.when(~not_finite, y)).alias("min_label"),
-            F.max(F.when(~not_finite, y)).alias("max_label"),
+            *_label_aggregates(),
         )
         .first()
     )
     assert row is not None  # a global aggregate always has one row
     return row
+
+
+def _label_stats(dataset: DataFrame, label_col: str) -> Row:
+    """One Spark job over the labels alone (the typed fit: the Trainer checks the inputs)."""
+    from pyspark.sql import functions as F
+
+    row = (
+        dataset.select(F.col(label_col).cast("double").alias("y"))
+        .agg(F.count(F.lit(1)).alias("rows"), *_label_aggregates())
+        .first()
+    )
+    assert row is not None  # a global aggregate always has one row
+    return row
+
+
+def _check_label_stats(stats: Row, label_col: str) -> None:
+    """The label checks of :func:`_check_stats`, with the same messages."""
+    if not stats["rows"]:
+        raise DataError("fit: the training data is empty: nothing to train on")
+    if stats["null_labels"] or stats["not_finite"]:
+        raise DataError(
+            f"fit: {stats['null_labels'] + stats['not_finite']} rows have a null, NaN or "
+            f"infinite {label_col!r} (labelCol); drop them before fit"
+        )
 
 
 def _check_stats(stats: Row, features_col: str, label_col: str) -> int:

@@ -7,6 +7,17 @@ becomes one ``(n, width)`` float32 tensor and one forward pass under ``torch.no_
 There is no per-row Python. The UDF returns a struct of ``prediction`` (double) and, for
 classifiers, ``rawPrediction`` / ``probability`` as ``array<double>``, turned into ml
 Vectors by the JVM's ``array_to_vector``; every input column is kept.
+
+A model trained on several or typed columns (``featuresCols``, ``featureShapes``...) keeps
+the trained :class:`~sparktrain.data.columns.Layout`, saved in its metadata as
+``inputs``. Its ``transform`` ships the same columns as one struct
+(:func:`sparktrain.launch.prepare.input_columns`: the types and casts of training), turns
+each Arrow batch's columns into rows as the training workers do (dense: one reshape;
+variable-length and binary: per-row arrays or bytes), batches them with the layout's
+:class:`~sparktrain.data.batch.Collator` (padding and masks, ``decode``, ``collate``) and
+calls the model as in training (:func:`~sparktrain.data.batch.forward`). The plain layout
+(one float vector column) keeps the single-reshape path above. A model saved before
+layouts were kept loads as the plain layout of its ``numFeatures``.
 """
 
 from __future__ import annotations
@@ -21,12 +32,16 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 from torch import nn
 
 from sparktrain.builders import build_model, import_callable
+from sparktrain.data.batch import Collator, forward
+from sparktrain.data.columns import BINARY, DENSE, RAGGED, Layout, parse_columns
+from sparktrain.data.columns import Column as InputColumn
 from sparktrain.errors import ConfigError, DataError
 from sparktrain.ml.params import _TorchClassifierParams, _TorchParams, _TorchRegressorParams
 from sparktrain.ml.persistence import TorchModelReader, TorchModelWriter
@@ -55,6 +70,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         self._num_outputs = 1
         self._token = uuid.uuid4().hex
         self._summary: dict[str, Any] | None = None
+        self._layout: Layout | None = None
 
     # ------------------------------------------------------------------ state
     def _set_state(
@@ -64,12 +80,15 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         num_features: int,
         num_outputs: int | None,
         summary: dict[str, Any] | None = None,
+        layout: Layout | None = None,
     ) -> Self:
+        """``layout=None``: the plain layout of ``num_features`` (one float vector)."""
         self._state_bytes = state_bytes
         self._num_features = int(num_features)
         self._num_outputs = int(num_outputs) if num_outputs else 1
         self._token = uuid.uuid4().hex
         self._summary = summary
+        self._layout = layout
         return self
 
     def _num_outputs_meta(self) -> int | None:
@@ -93,8 +112,16 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
 
     @property
     def numFeatures(self) -> int:
-        """Width of the feature vectors the model was trained on."""
+        """Width of the feature vectors the model was trained on; for several or typed
+        inputs the values a row holds over all of them when each has a fixed size, else
+        -1 (see :attr:`layout`)."""
         return self._num_features
+
+    @property
+    def layout(self) -> Layout:
+        """The model's input columns as trained: which columns, as what, and how the
+        model is called (the run summary's ``inputs``, saved with the model)."""
+        return self._layout or Layout.plain(self._num_features)
 
     @property
     def hasSummary(self) -> bool:
@@ -123,6 +150,12 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         """Sets the value of :py:attr:`featuresCol`."""
         return self._set(featuresCol=value)
 
+    def setFeaturesCols(self, value: list[str] | dict[str, str]) -> Self:
+        """Sets the value of :py:attr:`featuresCols` (the columns ``transform`` reads,
+        in the form the model was trained with; set and non-empty, it overrides
+        ``featuresCol``)."""
+        return self._set(featuresCols=value)
+
     def setPredictionCol(self, value: str) -> Self:
         """Sets the value of :py:attr:`predictionCol`."""
         return self._set(predictionCol=value)
@@ -137,7 +170,14 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         from pyspark.sql import functions as F
         from pyspark.sql.functions import arrow_udf
 
-        features = _features_as_float_array(dataset, self.getFeaturesCol(), "transform")
+        layout = self.layout
+        sources = self._input_sources(layout)
+        features: Column
+        typed: Layout | None = None
+        if layout.is_plain:
+            features = _features_as_float_array(dataset, sources[0], "transform")
+        else:
+            features, typed = self._typed_input(dataset, layout, sources)
         outputs = self._output_columns()
         if not outputs:
             return dataset
@@ -162,6 +202,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             kind=self._kind,
             threads=task_cpus(sc),
             fields=tuple(field for _, field in outputs),
+            layout=typed,
         )
         fields = ", ".join(f"{field} {_FIELD_TYPES[field]}" for _, field in outputs)
         udf = arrow_udf(plan.run, f"struct<{fields}>")  # type: ignore[call-overload]
@@ -171,6 +212,60 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             value = F.col(_OUT).getField(field)
             columns[name] = value if field == "prediction" else array_to_vector(value)
         return out.withColumns(columns).drop(_OUT)
+
+    def _input_sources(self, layout: Layout) -> list[str]:
+        """The columns ``transform`` reads, one per trained input column in the layout's
+        order: ``featuresCols`` (set and non-empty) or else ``featuresCol``, which must
+        name the inputs the way the model was trained (one column, a list of the same
+        length, or the same model arguments)."""
+        spec, param = self._features_spec()
+        call, pairs = parse_columns(spec, param)
+        keys = layout.keys
+        if layout.call == "keyword":
+            given = dict(pairs)
+            if call == "keyword" and set(given) == set(keys):
+                return [given[k] for k in keys]
+            wanted = [f"{c.key}={c.source}" for c in layout.columns]
+        else:
+            if call != "keyword" and len(pairs) == len(keys):
+                return [source for _, source in pairs]
+            wanted = [c.source for c in layout.columns]
+        if layout.call == "single":
+            fix = f"set featuresCol to the column that feeds it (trained on {wanted[0]!r})"
+            if param == "featuresCols":
+                fix = f"clear featuresCols (set it to []) and {fix}"
+        else:
+            fix = f"set featuresCols like the training's: {wanted}"
+        raise ConfigError(
+            f"{param}={spec!r} does not name this model's inputs; the {layout.describe()}: {fix}"
+        )
+
+    def _typed_input(
+        self, dataset: DataFrame, layout: Layout, sources: list[str]
+    ) -> tuple[Column, Layout]:
+        """(a struct of the input columns as the trained layout ships them, that layout
+        with the wire names the struct's fields carry)."""
+        import dataclasses
+
+        from pyspark.sql import functions as F
+
+        from sparktrain.launch.prepare import input_columns
+
+        param = "featuresCols" if self.getFeaturesCols() else "featuresCol"
+        for source in sources:
+            if source not in dataset.columns:
+                raise DataError(
+                    f"transform: the input has no column {source!r} ({param}); its columns "
+                    f"are {dataset.columns}. The {layout.describe()}"
+                )
+        # input_columns reads the columns a layout names; a list or a single column is
+        # keyed by its column name, so the renamed columns take that name as their key
+        renamed = tuple(
+            dataclasses.replace(c, source=source, key=c.key if layout.call == "keyword" else source)
+            for c, source in zip(layout.columns, sources, strict=True)
+        )
+        shipped = dataclasses.replace(layout, columns=renamed)
+        return F.struct(*input_columns(dataset, shipped)), layout
 
     # ------------------------------------------------------------------ persistence
     def write(self) -> TorchModelWriter:
@@ -315,6 +410,9 @@ class _InferencePlan:
     kind: str
     threads: int
     fields: tuple[str, ...]
+    layout: Layout | None = None
+    """``None``: the plain layout (one float vector, :meth:`predict`); else the trained
+    layout, whose columns arrive as the fields of one struct (:meth:`predict_typed`)."""
 
     def module(self) -> nn.Module:
         # copies of a model share weights (and token) but may differ in modelFn/modelKwargs
@@ -337,6 +435,12 @@ class _InferencePlan:
         """The Arrow UDF body: one forward pass per Arrow batch."""
         torch.set_num_threads(max(1, self.threads))
         module = self.module()
+        if self.layout is not None:
+            collator = Collator(self.layout)
+            with torch.no_grad():
+                for inputs in batches:
+                    yield self.predict_typed(module, collator, inputs)
+            return
         with torch.no_grad():
             for features in batches:
                 yield self.predict(module, features)
@@ -356,7 +460,37 @@ class _InferencePlan:
                 "every row must have the same width as in training"
             )
         x = torch.from_numpy(np.array(values, dtype=np.float32).reshape(n, width))  # writable
-        out = module(x)
+        return self.outputs(module(x))
+
+    def predict_typed(self, module: nn.Module, collator: Collator, inputs: pa.Array) -> pa.Array:
+        """One Arrow batch of the struct of input columns: rows as the training workers
+        read them, one :class:`~sparktrain.data.batch.Batch`, one forward pass."""
+        layout = collator.layout
+        n = len(inputs)
+        if not n:
+            return self.outputs(None)
+        children = inputs.flatten()
+        columns = [_rows(c, values, n) for c, values in zip(layout.columns, children, strict=True)]
+        batch = collator.batch(columns, None, None, partition=-1)
+        out = forward(module, batch)
+        if not isinstance(out, torch.Tensor):
+            raise DataError(
+                f"the model returned {type(out).__name__}; transform needs one output tensor "
+                "of shape (batch, outputs)"
+            )
+        return self.outputs(out)
+
+    def outputs(self, out: torch.Tensor | None) -> pa.Array:
+        """The output struct of one batch's model outputs (``None``: an empty batch)."""
+        if out is None:
+            empty = {
+                "prediction": pa.array([], pa.float64()),
+                "rawPrediction": pa.array([], pa.list_(pa.float64())),
+                "probability": pa.array([], pa.list_(pa.float64())),
+            }
+            return pa.StructArray.from_arrays(
+                [empty[f] for f in self.fields], names=list(self.fields)
+            )
         out = out.flatten(1) if out.ndim > 1 else out.unsqueeze(1)
         columns: dict[str, pa.Array] = {}
         if self.kind == "regression":
@@ -377,6 +511,54 @@ class _InferencePlan:
         return pa.StructArray.from_arrays(
             [columns[f] for f in self.fields], names=list(self.fields)
         )
+
+
+def _rows(column: InputColumn, values: pa.Array, n: int) -> Any:
+    """One input column of an Arrow batch as the Collator takes it (as the training
+    workers' ingest reads it, ``sparktrain.worker.data``): ``(n, width)`` values of the
+    stored dtype for a dense column, per-row arrays or ``bytes`` for a variable-length or
+    binary one."""
+    from sparktrain.worker.ragged import Ragged, chunk_of_arrow
+
+    where = f"column {column.source!r}"
+    if values.null_count:
+        raise DataError(
+            f"transform: {values.null_count} rows have a null {where}; drop them "
+            "(df.dropna(subset=[...])) or fill them before transform"
+        )
+    listed = (
+        pa.types.is_list(values.type)
+        or pa.types.is_large_list(values.type)
+        or pa.types.is_fixed_size_list(values.type)
+    )
+    if listed and values.flatten().null_count:
+        raise DataError(f"transform: {where} holds arrays with null elements; fill or drop them")
+    if column.kind != DENSE:
+        binary = column.kind == BINARY
+        assert binary or column.kind == RAGGED
+        chunk = chunk_of_arrow(values, None if binary else column.stored_dtype)
+        return Ragged([chunk], binary).take(np.arange(n))
+    if not listed:
+        # a copy: torch takes only writable arrays
+        return np.array(values.to_numpy(zero_copy_only=False), column.stored_dtype).reshape(n, 1)
+    width = column.width
+    lengths = pc.list_value_length(values).to_numpy(zero_copy_only=False)
+    if lengths.min() != width or lengths.max() != width:
+        bad = int(lengths[lengths != width][0])
+        raise DataError(
+            f"transform: a row of {where} has {bad} values, the model was trained on "
+            f"{width} ({column.describe()}); every row needs that many"
+        )
+    flat = values.flatten().to_numpy(zero_copy_only=False)
+    return np.array(flat, dtype=column.stored_dtype).reshape(n, width)
+
+
+def layout_width(layout: Layout) -> int:
+    """A model's ``numFeatures``: the values a row holds over its input columns when every
+    column has a fixed size (the plain layout's width), else -1."""
+    if any(c.kind != DENSE for c in layout.columns):
+        return -1
+    return sum(c.width for c in layout.columns)
 
 
 def _list_array(matrix: np.ndarray) -> pa.Array:

@@ -16,12 +16,21 @@ training knob, and :meth:`_TorchParams._train_config` maps the params onto it::
     numWorkers   -> num_workers   psMode    -> ps_mode         validationFraction ->
     optimizerKwargs -> optimizer_kwargs (JSON)                     validation_fraction
     dataMemoryInMB -> data_memory_mb
-    loss, optimizer, strategy, compression, seed -> the keys of the same name
+    featureShapes -> feature_shapes   featureDtypes -> feature_dtypes   (JSON objects)
+    decode, collate (JSON objects), loss, optimizer, strategy, compression, seed -> the keys
+                                                                          of the same name
+
+The model's inputs: ``featuresCol`` names one column (``model(x)``); ``featuresCols``, when
+set and non-empty, overrides it with several columns, ``["a", "b"]`` for ``model(a, b)``
+or ``["user=user_id", "item=item_id"]`` for ``model(user=..., item=...)`` (see
+:mod:`sparktrain.data.columns`). A fit with only ``featuresCol`` and none of the four
+per-column options is the *plain* fit of one float vector column.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pyspark.ml.param import Param, Params, TypeConverters
@@ -36,11 +45,18 @@ from pyspark.ml.param.shared import (
 )
 
 from sparktrain.config import LOSSES, OPTIMIZERS, PS_MODES, TrainConfig
+from sparktrain.data.columns import ColumnsSpec, check_dtype, check_shape
 from sparktrain.strategies import registry
 
 __all__ = [
     "HasBatchSize",
+    "HasCollate",
     "HasCompression",
+    "HasDataMemoryInMB",
+    "HasDecode",
+    "HasFeatureDtypes",
+    "HasFeatureShapes",
+    "HasFeaturesCols",
     "HasLearningRate",
     "HasLoss",
     "HasMaxEpochs",
@@ -147,6 +163,83 @@ def _json_object(name: str) -> Any:
             raise TypeError(f"{name} must hold only JSON values: {exc}") from exc
 
     return convert
+
+
+def _column_table(name: str, check: Any) -> Any:
+    """A JSON object of column -> value (a dict is accepted), every value passed through
+    ``check(column, value)``; stored as canonical JSON text like :func:`_json_object`."""
+    as_json = _json_object(name)
+
+    def convert(value: Any) -> str:
+        text: str = as_json(value)
+        for column, entry in json.loads(text).items():
+            try:
+                check(column, entry)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from exc
+        return text
+
+    return convert
+
+
+def _check_hook(column: str, value: Any) -> None:
+    """A ``decode``/``collate`` entry: ``"package.module:function"``."""
+    module, sep, attr = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if not sep or not module.strip() or not attr.strip():
+        raise ValueError(
+            f"[{column!r}] = {value!r}: give an importable 'package.module:function' string"
+        )
+
+
+def _to_features_cols(value: Any) -> list[str]:
+    """``featuresCols``: a list of ``col`` or of ``arg=col`` entries (not both), or a
+    ``{arg: col}`` dict, stored as ``["arg=col", ...]``."""
+    if isinstance(value, Mapping):
+        entries = []
+        for arg, col in value.items():
+            if not isinstance(arg, str) or not isinstance(col, str):
+                raise TypeError(
+                    f"featuresCols as a dict maps argument names to column names, got {value!r}"
+                )
+            entries.append(f"{arg}={col}")
+        value = entries
+    entries = [e.strip() for e in TypeConverters.toListString(value)]
+    features_spec(entries)  # raises ValueError for a malformed list
+    return entries
+
+
+def features_spec(entries: list[str] | None) -> ColumnsSpec | None:
+    """The ``features_col`` of :meth:`Trainer.fit` that ``featuresCols`` entries describe:
+    ``None`` for none, a list of column names, or a ``{model_argument: column}`` dict."""
+    if not entries:
+        return None
+    keyword = ["=" in e for e in entries]
+    if any(keyword) and not all(keyword):
+        raise ValueError(
+            f"featuresCols={entries!r} mixes plain column names with 'argument=column' "
+            "entries; give either only column names (model(a, b)) or only "
+            "'argument=column' entries (model(user=..., item=...))"
+        )
+    if not all(keyword):
+        if not all(entries):
+            raise ValueError(f"featuresCols={entries!r} holds an empty column name")
+        if len(set(entries)) != len(entries):
+            raise ValueError(f"featuresCols names a column twice: {entries!r}")
+        return list(entries)
+    mapping: dict[str, str] = {}
+    for entry in entries:
+        arg, _, col = (part.strip() for part in entry.partition("="))
+        if not arg.isidentifier():
+            raise ValueError(
+                f"featuresCols entry {entry!r}: {arg!r} is not a Python identifier, so it "
+                "cannot be a keyword argument of the model's forward()"
+            )
+        if not col:
+            raise ValueError(f"featuresCols entry {entry!r} names no column after '='")
+        if arg in mapping:
+            raise ValueError(f"featuresCols gives the model argument {arg!r} twice: {entries!r}")
+        mapping[arg] = col
+    return mapping
 
 
 def _to_spec(value: Any) -> str:
@@ -427,6 +520,112 @@ class HasDataMemoryInMB(Params):
         return self.getOrDefault(self.dataMemoryInMB)
 
 
+class HasFeaturesCols(Params):
+    """Mixin for param featuresCols: several model input columns (overrides featuresCol)."""
+
+    featuresCols: Param[list[str]] = Param(
+        Params._dummy(),
+        "featuresCols",
+        "model input columns; when set and non-empty it overrides featuresCol. Column "
+        "names ['a', 'b'] call model(a, b); 'argument=column' entries ['user=user_id', "
+        "'item=item_id'] call model(user=..., item=...) (not mixed; a {argument: column} "
+        "dict is accepted). Integer columns arrive as int64, floats as float32",
+        typeConverter=_to_features_cols,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(featuresCols=[])
+
+    def getFeaturesCols(self) -> list[str]:
+        """Gets the value of featuresCols or its default ``[]`` (then featuresCol is used)."""
+        value: list[str] | None = self.getOrDefault(self.featuresCols)
+        return list(value or [])
+
+
+class HasFeatureShapes(Params):
+    """Mixin for param featureShapes: each input column's row shape, as JSON."""
+
+    featureShapes: Param[str] = Param(
+        Params._dummy(),
+        "featureShapes",
+        "row shape per input column (by column name or model argument) as a JSON object, "
+        "e.g. '{\"image\": [1, 28, 28]}'; [-1] is a variable-length array, padded per batch "
+        "with a mask (TrainConfig feature_shapes)",
+        typeConverter=_column_table("featureShapes", check_shape),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(featureShapes="{}")
+
+    def getFeatureShapes(self) -> str:
+        """Gets the value of featureShapes (JSON text) or its default ``"{}"``."""
+        return self.getOrDefault(self.featureShapes)
+
+
+class HasFeatureDtypes(Params):
+    """Mixin for param featureDtypes: the dtype each input column arrives as, as JSON."""
+
+    featureDtypes: Param[str] = Param(
+        Params._dummy(),
+        "featureDtypes",
+        'dtype per input column as a JSON object, e.g. \'{"x": "float64"}\': float32 '
+        "(floats' default), float64, float16, bfloat16 or int64 (integers' default) "
+        "(TrainConfig feature_dtypes)",
+        typeConverter=_column_table("featureDtypes", check_dtype),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(featureDtypes="{}")
+
+    def getFeatureDtypes(self) -> str:
+        """Gets the value of featureDtypes (JSON text) or its default ``"{}"``."""
+        return self.getOrDefault(self.featureDtypes)
+
+
+class HasDecode(Params):
+    """Mixin for param decode: a binary column's decoder, as JSON."""
+
+    decode: Param[str] = Param(
+        Params._dummy(),
+        "decode",
+        "per binary input column, an importable 'package.module:function' turning one "
+        "value (bytes) into an array, as a JSON object (TrainConfig decode)",
+        typeConverter=_column_table("decode", _check_hook),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(decode="{}")
+
+    def getDecode(self) -> str:
+        """Gets the value of decode (JSON text) or its default ``"{}"``."""
+        return self.getOrDefault(self.decode)
+
+
+class HasCollate(Params):
+    """Mixin for param collate: a variable-length or binary column's batcher, as JSON."""
+
+    collate: Param[str] = Param(
+        Params._dummy(),
+        "collate",
+        "per variable-length or binary input column, an importable "
+        "'package.module:function' batching its rows into a tensor or a (tensor, mask) "
+        "pair, as a JSON object (TrainConfig collate)",
+        typeConverter=_column_table("collate", _check_hook),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(collate="{}")
+
+    def getCollate(self) -> str:
+        """Gets the value of collate (JSON text) or its default ``"{}"``."""
+        return self.getOrDefault(self.collate)
+
+
 # ---------------------------------------------------------------------- shared sets
 class _TorchParams(
     HasFeaturesCol,
@@ -448,6 +647,11 @@ class _TorchParams(
     HasPsMode,
     HasValidationFraction,
     HasDataMemoryInMB,
+    HasFeaturesCols,
+    HasFeatureShapes,
+    HasFeatureDtypes,
+    HasDecode,
+    HasCollate,
 ):
     """Params shared by :class:`TorchEstimator` and :class:`TorchModel`."""
 
@@ -473,7 +677,29 @@ class _TorchParams(
             seed=self.getSeed(),
             validation_fraction=self.getValidationFraction(),
             data_memory_mb=self.getDataMemoryInMB(),
+            **self._column_options(),
         )
+
+    def _column_options(self) -> dict[str, dict[str, Any]]:
+        """The per-column options as TrainConfig keys (empty tables when unset)."""
+        return {
+            "feature_shapes": json.loads(self.getFeatureShapes()),
+            "feature_dtypes": json.loads(self.getFeatureDtypes()),
+            "decode": json.loads(self.getDecode()),
+            "collate": json.loads(self.getCollate()),
+        }
+
+    def _features_spec(self) -> tuple[ColumnsSpec, str]:
+        """(the ``features_col`` these params describe, the param that gives it):
+        ``featuresCols`` when set and non-empty, else ``featuresCol``."""
+        spec = features_spec(self.getFeaturesCols())
+        if spec is not None:
+            return spec, "featuresCols"
+        return self.getFeaturesCol(), "featuresCol"
+
+    def _is_plain_fit(self) -> bool:
+        """Only ``featuresCol`` and no per-column option: one float vector column."""
+        return not self.getFeaturesCols() and not any(self._column_options().values())
 
 
 class _TorchClassifierParams(_TorchParams, HasProbabilityCol, HasRawPredictionCol):

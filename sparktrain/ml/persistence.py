@@ -3,8 +3,13 @@
 A saved model is a directory::
 
     PATH/metadata/part-00000     MLlib metadata JSON (DefaultParamsWriter): class, uid,
-                                 params, plus numFeatures / numClasses / weights file
+                                 params, plus numFeatures / numClasses / weights file and
+                                 inputs (the trained Layout.to_dict())
     PATH/data/weights.pt         the state_dict, written by torch.save
+
+Older saves load with today's defaults: params missing from the metadata (those added
+since, such as ``dataMemoryInMB`` or ``featuresCols``) keep their class defaults, and a
+model saved without ``inputs`` reads as the plain layout of its ``numFeatures``.
 
 The weights file is read back with ``torch.load(weights_only=True)``, which only rebuilds
 tensors and plain containers, and the architecture is rebuilt by calling ``modelFn`` with
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
+from sparktrain.data.columns import Layout
 from sparktrain.errors import ConfigError, DataError
 from sparktrain.ml.allowlist import (
     ALLOWED_MODULES_CONF,
@@ -58,6 +64,7 @@ class TorchModelWriter(MLWriter):
             "numClasses": self.instance._num_outputs_meta(),
             "weightsFile": WEIGHTS_FILE,
             "weightsFormat": WEIGHTS_FORMAT,
+            "inputs": self.instance.layout.to_dict(),
         }
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession, extra)
         write_bytes(self.sparkSession, _join(path, WEIGHTS_FILE), self.instance._state_bytes)
@@ -84,7 +91,10 @@ class TorchModelReader(MLReader[M], Generic[M]):
         blob = read_bytes(spark, weights)
         state = state_from_bytes(blob, where=weights)
         instance._set_state(
-            blob, num_features=int(metadata["numFeatures"]), num_outputs=metadata["numClasses"]
+            blob,
+            num_features=int(metadata["numFeatures"]),
+            num_outputs=metadata["numClasses"],
+            layout=saved_layout(metadata, path),
         )
         instance._check_state(state)  # the factory still builds a module these weights fit
         return instance
@@ -102,6 +112,21 @@ class TorchEstimatorReader(DefaultParamsReader[E]):
         instance = cast("E", super().load(path))
         check_loaded_model_fn(instance, self.sparkSession, path, self.model_fn)
         return instance
+
+
+def saved_layout(metadata: dict[str, Any], path: str) -> Layout | None:
+    """The layout a saved model was trained on; ``None`` (the plain layout of its
+    ``numFeatures``) for a model saved before layouts were kept."""
+    inputs = metadata.get("inputs")
+    if not inputs:
+        return None
+    try:
+        return Layout.from_dict(inputs)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataError(
+            f"{path}: the saved model's 'inputs' (its input columns) cannot be read ({exc!r}); "
+            "is the metadata intact?"
+        ) from exc
 
 
 def check_loaded_model_fn(

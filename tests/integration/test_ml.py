@@ -415,3 +415,148 @@ def test_bad_weight_columns_fail_before_training(spark):  # type: ignore[no-unty
     )
     with pytest.raises(ConfigError, match="cannot take sample weights.*reduction"):
         custom.fit(vectors.withColumn("w", F.lit(1.0)), weight_col="w")
+
+
+# ------------------------------------------------------------------ typed inputs
+USER_MODEL = "tests.unit.user_models:user_context"
+ID_BASE = 1 << 25  # above 2**24: float32 would merge neighbouring ids, and their labels
+USERS = 300
+CONTEXT = "SELECT *, array(c0, c1, c2, c3) AS context FROM __THIS__"
+
+
+def user_frames(spark):  # type: ignore[no-untyped-def]
+    """An int64 id above 2**24 and four double context values a row; the label is the
+    parity of the id's index, so only the exact id tells it. Three rows of each id train,
+    the fourth tests."""
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    j = np.repeat(np.arange(USERS), 4)
+    pdf = pd.DataFrame(rng.normal(size=(len(j), 4)), columns=["c0", "c1", "c2", "c3"])
+    pdf.insert(0, "user_id", (ID_BASE + j).astype(np.int64))
+    pdf.insert(0, "id", np.arange(len(j)))
+    pdf["label"] = (j % 2).astype(np.float64)
+    held_out = np.tile([False, False, False, True], USERS)
+    train = spark.createDataFrame(pdf[~held_out]).repartition(2)
+    return train, spark.createDataFrame(pdf[held_out])
+
+
+def user_classifier(**params):  # type: ignore[no-untyped-def]
+    settings = {"optimizer": "adam", "learningRate": 0.05, "maxEpochs": 8, "batchSize": 32}
+    return TorchClassifier(
+        modelFn=USER_MODEL,
+        featuresCols={"user": "user_id", "context": "context"},
+        **{**settings, **params},
+    )
+
+
+def test_keyword_inputs_train_transform_save_and_load_in_a_pipeline(  # type: ignore[no-untyped-def]
+    spark, tmp_path, monkeypatch
+):
+    from pyspark.ml.feature import SQLTransformer
+
+    from sparktrain.ml import allowlist
+
+    train, test = user_frames(spark)
+    pipeline = Pipeline(stages=[SQLTransformer(statement=CONTEXT), user_classifier()])
+    model = pipeline.fit(train)
+    torch_model = model.stages[-1]
+    assert isinstance(torch_model, TorchClassificationModel)
+    layout = torch_model.layout
+    assert layout.call == "keyword" and not layout.is_plain
+    assert [(c.key, c.source, c.dtype) for c in layout.columns] == [
+        ("user", "user_id", "int64"),
+        ("context", "context", "float32"),
+    ]
+    assert torch_model.summary["inputs"] == layout.to_dict()
+    assert torch_model.numFeatures == 5 and torch_model.numClasses == 2
+    assert torch_model.getFeaturesCols() == ["user=user_id", "context=context"]
+
+    out = model.transform(test)
+    assert isinstance(out.schema["prediction"].dataType, DoubleType)
+    assert isinstance(out.schema["probability"].dataType, VectorUDT)
+    assert out.columns[: len(test.columns)] == test.columns
+    assert MulticlassClassificationEvaluator(metricName="accuracy").evaluate(out) >= 0.9
+    before = out.select("id", "prediction", "rawPrediction").orderBy("id").collect()
+    assert len(before) == USERS
+
+    # saved and loaded: the layout travels in the metadata, the predictions are identical
+    model.write().overwrite().save(str(tmp_path / "pipeline_model"))
+    meta_file = next((tmp_path / "pipeline_model" / "stages").glob("1_*/metadata/part-*"))
+    meta = json.loads(meta_file.read_text())
+    assert meta["inputs"] == layout.to_dict() and meta["numFeatures"] == 5
+    assert meta["paramMap"]["featuresCols"] == ["user=user_id", "context=context"]
+    monkeypatch.setattr(allowlist, "_REGISTERED", [])
+    allowlist.allow_model_modules("tests.unit.user_models")
+    loaded = PipelineModel.load(str(tmp_path / "pipeline_model"))
+    assert loaded.stages[-1].layout == layout
+    after = loaded.transform(test).select("id", "prediction", "rawPrediction").orderBy("id")
+    b = after.collect()
+    assert [r.prediction for r in before] == [r.prediction for r in b]
+    assert all(
+        np.array_equal(x.rawPrediction, y.rawPrediction) for x, y in zip(before, b, strict=True)
+    )
+
+    # the same inputs under other column names, named in the trained form
+    renamed = loaded.stages[0].transform(test).withColumnRenamed("user_id", "uid")
+    again = loaded.stages[-1].copy()
+    again.setFeaturesCols({"context": "context", "user": "uid"})
+    c = again.transform(renamed).select("id", "prediction").orderBy("id").collect()
+    assert [r.prediction for r in c] == [r.prediction for r in before]
+    with pytest.raises(ConfigError, match="does not name this model's inputs"):
+        again.setFeaturesCols(["uid", "context"]).transform(renamed)
+
+    # the unfitted pipeline keeps featuresCols
+    pipeline.write().overwrite().save(str(tmp_path / "pipeline"))
+    clf = Pipeline.load(str(tmp_path / "pipeline")).getStages()[-1]
+    assert clf._features_spec() == ({"user": "user_id", "context": "context"}, "featuresCols")
+
+
+def test_typed_fit_checks_columns_and_labels_before_training(spark):  # type: ignore[no-untyped-def]
+    from pyspark.sql import functions as F
+
+    train, _ = user_frames(spark)
+    clf = user_classifier(maxEpochs=1)
+    with_context = train.selectExpr("*", "array(c0, c1, c2, c3) AS context")
+    with pytest.raises(DataError, match="no column 'nope' \\(featuresCols\\)"):
+        clf.copy({clf.featuresCols: ["user=nope", "context=context"]}).fit(with_context)
+    with pytest.raises(DataError, match="no label column 'target' \\(labelCol\\)"):
+        clf.copy({clf.labelCol: "target"}).fit(with_context)
+    shifted = with_context.withColumn("label", F.col("label") + 5)
+    with pytest.raises(DataError, match="found labels in \\[5, 6\\]"):
+        clf.fit(shifted)
+    # ids as floats: the model refuses them, and the Trainer's message says why
+    with pytest.raises(DataError, match="does not accept a batch of its inputs"):
+        clf.copy({clf.featureDtypes: '{"user": "float32"}'}).fit(with_context)
+
+
+def test_a_model_saved_before_typed_inputs_loads_as_the_plain_layout(spark, tmp_path):  # type: ignore[no-untyped-def]
+    import torch
+
+    from sparktrain.models import digits_mlp
+    from sparktrain.result import state_to_bytes
+
+    torch.manual_seed(0)
+    model = TorchClassificationModel()._set_state(
+        state_to_bytes(digits_mlp().state_dict()), num_features=64, num_outputs=10
+    )
+    model._set(modelFn=DIGITS_MODEL)
+    path = tmp_path / "old_model"
+    model.save(str(path))
+    part = next((path / "metadata").glob("part-*"))
+    meta = json.loads(part.read_text())
+    new = ("featuresCols", "featureShapes", "featureDtypes", "decode", "collate")
+    for section in ("paramMap", "defaultParamMap"):
+        meta[section] = {k: v for k, v in meta[section].items() if k not in new}
+    del meta["inputs"]
+    part.write_text(json.dumps(meta) + "\n")
+    part.with_name(f".{part.name}.crc").unlink(missing_ok=True)  # Hadoop's checksum
+
+    loaded = TorchClassificationModel.load(str(path))
+    assert loaded.layout.is_plain and loaded.layout.width == 64 and loaded.numFeatures == 64
+    assert loaded.getFeaturesCols() == [] and loaded.getFeatureShapes() == "{}"
+    _, test = pixel_frames(spark)
+    vectors = assembled(test).orderBy("id").limit(5)
+    rows = loaded.transform(vectors).select("id", "rawPrediction").orderBy("id").collect()
+    want = model.transform(vectors).select("id", "rawPrediction").orderBy("id").collect()
+    assert [r.rawPrediction for r in rows] == [r.rawPrediction for r in want]

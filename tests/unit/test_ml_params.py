@@ -1,5 +1,6 @@
 """sparktrain.ml params without Spark: defaults, converters, copy semantics, config mapping,
-and the weights format."""
+the weights format; featuresCols and the per-column options (forms, precedence, errors),
+metadata saved before them, and the typed transform's batches."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ import io
 import json
 from collections import Counter
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from pyspark.ml.tuning import ParamGridBuilder
+from pyspark.ml.util import DefaultParamsReader
+from torch import nn
 
 from sparktrain.config import TrainConfig
+from sparktrain.data.columns import BINARY, DENSE, RAGGED, Column, Layout
 from sparktrain.errors import ConfigError, DataError
 from sparktrain.ml import (
     TorchClassificationModel,
@@ -19,6 +25,8 @@ from sparktrain.ml import (
     TorchRegressionModel,
     TorchRegressor,
 )
+from sparktrain.ml.model import _InferencePlan, layout_width
+from sparktrain.ml.persistence import saved_layout
 from sparktrain.result import state_from_bytes, state_to_bytes
 
 OWN_PARAMS = {
@@ -37,7 +45,14 @@ OWN_PARAMS = {
     "seed",
     "validationFraction",
     "dataMemoryInMB",
+    "featuresCols",
+    "featureShapes",
+    "featureDtypes",
+    "decode",
+    "collate",
 }
+# the params added with typed inputs: metadata saved before them lacks them
+TYPED_PARAMS = ("featuresCols", "featureShapes", "featureDtypes", "decode", "collate")
 STANDARD = {"featuresCol", "labelCol", "predictionCol", "weightCol"}
 
 
@@ -212,3 +227,283 @@ def test_weights_round_trip_and_refuse_arbitrary_pickles() -> None:
     torch.save({"weights": Counter(a=1)}, buffer)  # a pickled non-tensor object
     with pytest.raises(DataError, match="not a readable torch weights file|state_dict"):
         state_from_bytes(buffer.getvalue())
+
+
+# ---------------------------------------------------------------------- typed inputs
+def test_features_cols_forms_and_precedence_over_features_col() -> None:
+    clf = TorchClassifier(modelFn="sparktrain.models:mlp", featuresCol="x")
+    assert clf.getFeaturesCols() == [] and clf._features_spec() == ("x", "featuresCol")
+    assert clf._is_plain_fit()
+    # column names: model(a, b), in order
+    assert clf.setFeaturesCols(["a", "b"]) is clf
+    assert clf._features_spec() == (["a", "b"], "featuresCols") and not clf._is_plain_fit()
+    # 'argument=column' entries, or a dict: model(user=..., item=...)
+    clf.setFeaturesCols(["user = user_id", "item=item_id"])
+    assert clf.getFeaturesCols() == ["user = user_id", "item=item_id"]
+    assert clf._features_spec() == ({"user": "user_id", "item": "item_id"}, "featuresCols")
+    keyword = TorchClassifier(featuresCols={"user": "user_id", "item": "item_id"})
+    assert keyword.getFeaturesCols() == ["user=user_id", "item=item_id"]  # JSON-able metadata
+    assert keyword._features_spec()[0] == {"user": "user_id", "item": "item_id"}
+    # set empty, featuresCol is back
+    assert clf.setFeaturesCols([])._features_spec() == ("x", "featuresCol")
+    assert TorchRegressor(featuresCols=None)._features_spec() == ("features", "featuresCol")
+    # the model has it too, and copies keep it apart
+    model = TorchClassificationModel().setFeaturesCols({"user": "u"})
+    assert model.copy({model.featuresCols: ["a"]}).getFeaturesCols() == ["a"]
+    assert model.getFeaturesCols() == ["user=u"]
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (["user=user_id", "item_id"], ValueError, "mixes plain column names"),
+        (["a", "a"], ValueError, "names a column twice"),
+        (["user=a", "user=b"], ValueError, "argument 'user' twice"),
+        (["1st=a"], ValueError, "'1st' is not a Python identifier"),
+        (["user="], ValueError, "names no column"),
+        (["a", ""], ValueError, "empty column name"),
+        ("a,b", TypeError, "featuresCols"),
+        ({"user": 3}, TypeError, "featuresCols"),
+    ],
+)
+def test_features_cols_refuses_malformed_values(value, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=match):
+        TorchClassifier(featuresCols=value)
+
+
+def test_column_options_map_onto_train_config() -> None:
+    clf = TorchClassifier(
+        modelFn="sparktrain.models:mlp",
+        featureShapes={"image": [1, 8, 8], "tokens": [-1]},
+        featureDtypes='{"x": "float64"}',
+        decode={"image": "mypkg.io:decode_png"},
+    ).setCollate({"tokens": "mypkg.io:pack"})
+    assert clf.getFeatureShapes() == json.dumps(
+        {"image": [1, 8, 8], "tokens": [-1]}, sort_keys=True
+    )
+    cfg = clf._train_config()
+    assert cfg.feature_shapes == {"image": [1, 8, 8], "tokens": [-1]}
+    assert cfg.feature_dtypes == {"x": "float64"}
+    assert cfg.decode == {"image": "mypkg.io:decode_png"}
+    assert cfg.collate == {"tokens": "mypkg.io:pack"}
+    assert not clf._is_plain_fit()  # an option alone makes featuresCol a typed input
+    plain = TorchClassifier(modelFn="sparktrain.models:mlp")
+    assert plain._is_plain_fit()
+    cfg = plain._train_config()
+    assert (cfg.feature_shapes, cfg.feature_dtypes, cfg.decode, cfg.collate) == ({}, {}, {}, {})
+    assert TorchRegressor(featureDtypes={"ids": "int64"})._train_config().feature_dtypes == {
+        "ids": "int64"
+    }
+
+
+@pytest.mark.parametrize(
+    ("param", "value", "match"),
+    [
+        ("featureShapes", {"image": [1, 0, 8]}, "featureShapes: .*positive integers"),
+        ("featureShapes", {"tokens": [2, -1]}, "featureShapes: .*one-dimensional"),
+        ("featureShapes", {"image": 784}, "featureShapes: .*list of sizes"),
+        ("featureShapes", "[1, 28, 28]", "featureShapes must be a JSON object"),
+        ("featureDtypes", {"x": "int32"}, "featureDtypes: .*not supported"),
+        ("decode", {"image": "decode_png"}, "decode: .*'package.module:function'"),
+        ("collate", {"tokens": 3}, "collate: .*'package.module:function'"),
+        ("collate", "{tokens: x}", "collate is not valid JSON"),
+    ],
+)
+def test_column_options_refuse_bad_entries(param: str, value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TorchClassifier(**{param: value})
+
+
+def _old_metadata(instance: TorchClassifier | TorchClassificationModel) -> dict[str, object]:
+    """Metadata as a save from before typed inputs wrote it: no featuresCols, no column
+    options, no ``inputs``."""
+    params = {p.name: v for p, v in instance._paramMap.items() if p.name not in TYPED_PARAMS}
+    defaults = {
+        p.name: v for p, v in instance._defaultParamMap.items() if p.name not in TYPED_PARAMS
+    }
+    return {
+        "class": f"{type(instance).__module__}.{type(instance).__name__}",
+        "timestamp": 0,
+        "sparkVersion": "4.1.0",
+        "uid": instance.uid,
+        "paramMap": params,
+        "defaultParamMap": defaults,
+        "numFeatures": 64,
+        "numClasses": 10,
+    }
+
+
+def test_metadata_saved_before_typed_inputs_loads_with_their_defaults() -> None:
+    saved = TorchClassificationModel()._set(
+        modelFn="sparktrain.models:digits_mlp", featuresCol="scaled", learningRate=0.1
+    )
+    metadata = json.loads(json.dumps(_old_metadata(saved)))  # as read back from the file
+    assert not set(TYPED_PARAMS) & (set(metadata["paramMap"]) | set(metadata["defaultParamMap"]))
+    loaded = TorchClassificationModel()
+    DefaultParamsReader.getAndSetParams(loaded, metadata)
+    assert loaded.getFeaturesCol() == "scaled" and loaded.getLearningRate() == 0.1
+    assert loaded.getFeaturesCols() == [] and loaded.getFeatureShapes() == "{}"
+    assert loaded.getFeatureDtypes() == loaded.getDecode() == loaded.getCollate() == "{}"
+    assert loaded._is_plain_fit() and loaded._features_spec() == ("scaled", "featuresCol")
+    # no layout in the metadata: the plain layout of numFeatures
+    assert saved_layout(metadata, "/m") is None
+    loaded._set_state(b"w", num_features=64, num_outputs=10, layout=saved_layout(metadata, "/m"))
+    assert loaded.layout == Layout.plain(64) and loaded.layout.is_plain
+    assert loaded._input_sources(loaded.layout) == ["scaled"]
+    # an estimator too
+    estimator = TorchClassifier(modelFn="sparktrain.models:mlp", maxEpochs=3)
+    again = TorchClassifier()
+    DefaultParamsReader.getAndSetParams(again, json.loads(json.dumps(_old_metadata(estimator))))
+    assert again.getMaxEpochs() == 3 and again.getFeaturesCols() == []
+    assert again._train_config().feature_shapes == {}
+
+
+KEYWORD = Layout(
+    (
+        Column("user", "user_id", "features_0", DENSE, "int64", ()),
+        Column("context", "ctx", "features_1", DENSE, "float32", (2,)),
+        Column("tokens", "tok", "features_2", RAGGED, "int64", (-1,)),
+        Column(
+            "image", "img", "features_3", BINARY, "binary", (), "tests.unit.test_ml_params:floats"
+        ),
+    ),
+    "keyword",
+)
+
+
+def floats(value: bytes) -> np.ndarray:
+    """A decode: bytes -> float32 values."""
+    return np.frombuffer(value, np.float32)
+
+
+def test_a_layout_survives_the_metadata_and_gives_num_features() -> None:
+    metadata = json.loads(json.dumps({"numFeatures": -1, "inputs": KEYWORD.to_dict()}))
+    assert saved_layout(metadata, "/m") == KEYWORD
+    with pytest.raises(DataError, match="'inputs'.*cannot be read"):
+        saved_layout({"inputs": {"columns": [{"key": "x"}]}}, "/m")
+    assert layout_width(KEYWORD) == -1 and layout_width(Layout.plain(64)) == 64
+    two = Layout((KEYWORD.columns[0], KEYWORD.columns[1]), "keyword")
+    assert layout_width(two) == 3  # one id + two context values a row
+    model = TorchClassificationModel()._set_state(
+        b"w", num_features=-1, num_outputs=2, layout=KEYWORD
+    )
+    assert model.layout is KEYWORD and model.copy().layout is KEYWORD
+
+
+def test_transform_reads_the_trained_inputs_or_renamed_columns_of_the_same_form() -> None:
+    model = TorchClassificationModel()._set_state(
+        b"w", num_features=-1, num_outputs=2, layout=KEYWORD
+    )
+    with pytest.raises(ConfigError, match="featuresCol='features' does not name.*user=user_id"):
+        model._input_sources(KEYWORD)
+    model.setFeaturesCols({"image": "img", "user": "uid", "tokens": "tok", "context": "ctx"})
+    assert model._input_sources(KEYWORD) == ["uid", "ctx", "tok", "img"]  # the layout's order
+    with pytest.raises(ConfigError, match="does not name this model's inputs"):
+        model.setFeaturesCols(["uid", "ctx", "tok", "img"])._input_sources(KEYWORD)
+    with pytest.raises(ConfigError, match="does not name this model's inputs"):
+        model.setFeaturesCols({"user": "uid"})._input_sources(KEYWORD)
+    positional = Layout(KEYWORD.columns[:2], "positional")
+    assert model.setFeaturesCols(["a", "b"])._input_sources(positional) == ["a", "b"]
+    plain = Layout.plain(4)
+    assert model.setFeaturesCols([])._input_sources(plain) == ["features"]
+    assert model.setFeaturesCols(["pixels"])._input_sources(plain) == ["pixels"]
+
+
+class _Mixed(nn.Module):
+    """forward(user, context, tokens, image, tokens_mask): every kind of input column."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(50, 3)
+        self.head = nn.Linear(3 + 2 + 3 + 4, 3)
+
+    def forward(self, user, context, tokens, image, tokens_mask):  # type: ignore[no-untyped-def]
+        weights = tokens_mask.unsqueeze(-1).float()
+        bag = (self.embedding(tokens) * weights).sum(1)
+        parts = [self.embedding(user % 50), context, bag, image.reshape(len(user), -1)]
+        return self.head(torch.cat(parts, dim=1))
+
+
+def _struct(rows: int, offset: int = 0) -> pa.StructArray:
+    """The input struct as Spark's Arrow batches carry it (types of input_columns)."""
+    rng = np.random.default_rng(1)
+    ids = ((1 << 40) + np.arange(rows)).astype(np.int64)
+    context = rng.normal(size=(rows, 2)).astype(np.float32)
+    tokens = [rng.integers(0, 50, rng.integers(1, 6)).tolist() for _ in range(rows)]
+    images = [rng.normal(size=4).astype(np.float32).tobytes() for _ in range(rows)]
+    struct = pa.StructArray.from_arrays(
+        [
+            pa.array(ids),
+            pa.array(context.tolist(), pa.list_(pa.float32())),
+            pa.array(tokens, pa.list_(pa.int64())),
+            pa.array(images, pa.binary()),
+        ],
+        names=[c.wire for c in KEYWORD.columns],
+    )
+    return struct.slice(offset)
+
+
+def _plan(layout: Layout | None, kind: str = "classification") -> _InferencePlan:
+    fields = ("rawPrediction", "probability", "prediction")
+    if kind == "regression":
+        fields = ("prediction",)
+    return _InferencePlan("t", None, "x:y", {}, -1, kind, 1, fields, layout)
+
+
+def test_typed_transform_batches_rows_as_training_does() -> None:
+    from sparktrain.data.batch import Collator
+
+    torch.manual_seed(0)
+    module = _Mixed().eval()
+    struct = _struct(7, offset=2)  # a slice: children keep the struct's offset
+    plan = _plan(KEYWORD)
+    with torch.no_grad():
+        out = plan.predict_typed(module, Collator(KEYWORD), struct)
+    assert out.type.names == ["rawPrediction", "probability", "prediction"] and len(out) == 5
+    # the same rows by hand: ids stay int64 above 2**24, tokens padded with their mask
+    user = torch.tensor(struct.field("features_0").to_pylist())
+    context = torch.tensor(struct.field("features_1").to_pylist())
+    tokens = struct.field("features_2").to_pylist()
+    longest = max(len(t) for t in tokens)
+    padded = torch.tensor([t + [0] * (longest - len(t)) for t in tokens])
+    mask = torch.tensor([[i < len(t) for i in range(longest)] for t in tokens])
+    image = torch.tensor(np.stack([floats(b) for b in struct.field("features_3").to_pylist()]))
+    with torch.no_grad():
+        want = module(user=user, context=context, tokens=padded, image=image, tokens_mask=mask)
+    raw = np.array(out.field("rawPrediction").to_pylist())
+    np.testing.assert_allclose(raw, want.double().numpy(), rtol=1e-6)
+    assert out.field("prediction").to_pylist() == want.argmax(1).double().tolist()
+    probability = np.array(out.field("probability").to_pylist())
+    np.testing.assert_allclose(probability.sum(1), 1.0)
+    # an empty Arrow batch gives an empty output of the same type
+    empty = plan.predict_typed(module, Collator(KEYWORD), struct.slice(0, 0))
+    assert len(empty) == 0 and empty.type == out.type
+
+
+def test_typed_transform_names_the_column_of_a_bad_row() -> None:
+    from sparktrain.data.batch import Collator
+
+    module = _Mixed().eval()
+    plan = _plan(KEYWORD)
+    struct = _struct(3)
+    children = struct.flatten()
+    nulls = pa.StructArray.from_arrays(
+        [pa.array([1, None, 3], pa.int64()), *children[1:]], names=struct.type.names
+    )
+    with pytest.raises(DataError, match="1 rows have a null column 'user_id'"):
+        plan.predict_typed(module, Collator(KEYWORD), nulls)
+    short = pa.array([[0.5, 1.0], [1.0], [2.0, 3.0]], pa.list_(pa.float32()))
+    wrong = pa.StructArray.from_arrays([children[0], short, *children[2:]], names=struct.type.names)
+    with pytest.raises(DataError, match="a row of column 'ctx' has 1 values.*trained on 2"):
+        plan.predict_typed(module, Collator(KEYWORD), wrong)
+    # a regressor's single output: prediction only
+    scalar = Layout((Column("x", "x", "features", DENSE, "float32", ()),), "single")
+    linear = nn.Linear(1, 1)
+    with torch.no_grad():
+        out = _plan(scalar, "regression").predict_typed(
+            lambda x: linear(x.unsqueeze(1)),  # type: ignore[arg-type]
+            Collator(scalar),
+            pa.StructArray.from_arrays([pa.array([1.0, 2.0])], names=["features"]),
+        )
+        want = linear(torch.tensor([[1.0], [2.0]]))[:, 0].double().tolist()
+    assert out.field("prediction").to_pylist() == pytest.approx(want)
