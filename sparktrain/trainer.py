@@ -153,7 +153,7 @@ class Trainer:
             model, settings_error = built.result()
         layout = prepared.data_layout
         _check_layout_fits(layout, cfg, strategy.launcher)
-        model, num_outputs = self._check_model(layout, model, settings_error, prepared.samples)
+        model, num_outputs = self.check_model(layout, model, settings_error, prepared.samples)
         check_param_cap(model, cfg)  # no-op for pipelines (each stage is checked instead)
         job = FitJob(
             sc=sc,
@@ -184,7 +184,7 @@ class Trainer:
     def _build_model(self) -> tuple[nn.Module, Exception | None]:
         """Build the model once on the driver (seeded as the workers do) and try the loss
         and optimizer settings on it; their error, if any, is returned for
-        :meth:`_check_model` to raise after the width check."""
+        :meth:`check_model` to raise after the width check."""
         cfg = self.config
         torch.manual_seed(cfg.seed)
         model = build_model(resolve_model_fn(self.model_fn, self.model_kwargs))
@@ -195,15 +195,18 @@ class Trainer:
             return model, exc
         return model, None
 
-    def _check_model(
+    def check_model(
         self,
         layout: Layout | int,
         model: nn.Module,
         settings_error: Exception | None = None,
         samples: dict[str, bytes] | None = None,
     ) -> tuple[nn.Module, int]:
-        """Does the driver's model take these inputs, and do the loss and optimizer
-        settings fit it? Fails here rather than in every task."""
+        """Does the driver's model take these inputs (``layout``, or a plain feature width;
+        ``samples``: one raw value per binary column, to decode), and do the loss and
+        optimizer settings fit it? Returns the model in training mode and its number of
+        outputs; fails here, with the column and the fix, rather than in every task.
+        :meth:`fit` calls it; the ml estimators call it to check labels before training."""
         cfg = self.config
         if isinstance(layout, int):
             layout = Layout.plain(layout)

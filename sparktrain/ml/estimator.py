@@ -138,7 +138,7 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
             probe = prepare(
                 dataset, None, spec, label_col, cfg.num_workers, None, ColumnOptions.of(cfg)
             )
-            _, num_outputs = trainer._check_model(probe.data_layout, module, None, probe.samples)
+            _, num_outputs = trainer.check_model(probe.data_layout, module, None, probe.samples)
             stats = labels.result()
         _check_label_stats(stats, label_col)
         self._check_targets(stats, num_outputs)
