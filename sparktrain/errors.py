@@ -60,6 +60,11 @@ def _rebuild_peer_lost(rank: int, message: str) -> PeerLostError:
     return err
 
 
+class DivergedError(SparkTrainError):
+    """Training produced a non-finite loss or non-finite weights; final (a restart would
+    diverge again from the same state)."""
+
+
 class CheckpointError(SparkTrainError):
     """A checkpoint cannot be written, listed or read."""
 
@@ -114,6 +119,7 @@ _BY_NAME: dict[str, type[SparkTrainError]] = {
         FrameError,
         WorkerError,
         CheckpointError,
+        DivergedError,
     )
 }
 # PeerLostError's constructor takes a rank; its text already says everything.

@@ -95,6 +95,7 @@ from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
 from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
 from sparktrain.result import TrainResult, state_to_bytes
 from sparktrain.worker.data import steps_for
+from sparktrain.worker.divergence import check_finite_weights, diverged
 from sparktrain.worker.evaluate import finish_metric, metric_name
 from sparktrain.worker.flat import assign, assign_grads, flatten, num_elements
 from sparktrain.worker.round_codec import (
@@ -453,8 +454,12 @@ class _Loop:
                 vec, stats = self._round(index, train=True, evaluate=epoch > 0 and r == 0)
                 index += 1
                 assert vec is not None
+                round_loss = float(stats[LOSS_SUM])
+                if not math.isfinite(round_loss):
+                    where = "summed over the partitions"
+                    raise diverged(where, epoch, r, rpe, round_loss, cfg.lr)
                 self._apply(vec, float(stats[SAMPLES]))
-                loss_sum += float(stats[LOSS_SUM])
+                loss_sum += round_loss
                 samples += float(stats[SAMPLES])
                 self._report_step(epoch, r + 1, rpe, loss_sum, samples, epoch_started)
             self._pending = {
@@ -464,6 +469,7 @@ class _Loop:
                 "metric_name": self.metric,
                 "seconds": time.perf_counter() - epoch_started,
             }
+            check_finite_weights(self.params, epoch, cfg.lr)
             if self.store is not None and (epoch + 1) % self.every_epochs == 0:
                 self._save(epoch + 1)
         self._round(index, train=False, evaluate=True)  # the last epoch's metric

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -37,6 +38,7 @@ from sparktrain.metrics import MetricsClient
 from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
+from sparktrain.worker.divergence import check_finite_weights, diverged
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
 from sparktrain.worker.memory import peak_anon_bytes, peak_rss_bytes, reset_peak_rss, sample_anon
 from sparktrain.worker.prefetch import Prefetcher
@@ -232,11 +234,17 @@ def _train(
                     out = forward(model, batch)
                     target = target_like(batch.labels.to(targets_dtype), out)
                     loss = loss_fn(out, target, batch.weights)
+                    value = float(loss.detach())
+                    if not math.isfinite(value):
+                        # before any exchange: the peers stop in this step's exchange
+                        raise diverged(
+                            f"on rank {ctx.rank}", epoch, step, steps_per_epoch, value, cfg.lr
+                        )
                     # before backward: gradient hooks may start the exchange (overlap)
                     sync.begin_step(len(batch))
                     loss.backward()
                     count = len(batch)
-                    loss_sum += float(loss.detach()) * count
+                    loss_sum += value * count
                     loss_rows += count
                 t = time.perf_counter()
                 sync.step(count)
@@ -274,6 +282,8 @@ def _train(
                 "metric": finish_metric(sums[2], sums[3], cfg.loss),
                 "seconds": time.perf_counter() - epoch_started,
             }
+            # replicas hold the same weights, so every rank decides alike
+            check_finite_weights(params, epoch, cfg.lr)
             history.append(record)
             if store is not None and global_step % every == 0:
                 _save(store, ctx, global_step, model, sync, history)

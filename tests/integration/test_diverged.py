@@ -1,0 +1,49 @@
+"""A run that diverges stops at once on every rank with an error that says where and what
+to try, and is not resubmitted (a restart would diverge again); the ml regressor that
+used to return NaN predictions silently now says why it stopped."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sparktrain import Trainer
+from sparktrain.errors import DivergedError
+from tests.integration.fixtures import fast_config
+
+
+def _diabetes_frames(spark):  # type: ignore[no-untyped-def]
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)  # targets 25..346: an MSE in the tens of thousands
+    rows = [(r.tolist(), float(t)) for r, t in zip(x, y, strict=True)]
+    return spark.createDataFrame(rows, "features array<double>, label double").repartition(2)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "tree_aggregate"])
+def test_a_diverging_fit_stops_with_the_step_and_is_not_resubmitted(spark, strategy):  # type: ignore[no-untyped-def]
+    df = _diabetes_frames(spark)
+    cfg = fast_config(loss="mse", lr=10.0, max_restarts=2, strategy=strategy)
+    started = time.perf_counter()
+    with pytest.raises(
+        DivergedError, match=r"epoch \d+, step \d+ of \d+: the training loss is"
+    ) as err:
+        Trainer(
+            "sparktrain.models:mlp", cfg, model_kwargs={"in_features": 10, "out_features": 1}
+        ).fit(df)
+    assert "lower lr (now 10)" in str(err.value)
+    assert time.perf_counter() - started < 60  # one attempt, not three
+
+
+def test_the_ml_regressor_says_why_instead_of_returning_nan(spark):  # type: ignore[no-untyped-def]
+    from sparktrain.ml import TorchRegressor
+
+    reg = TorchRegressor(
+        modelFn="sparktrain.models:mlp",
+        modelKwargs={"in_features": 10, "hidden": [32], "out_features": 1},
+        learningRate=1.0,
+        maxEpochs=5,
+    )
+    with pytest.raises(DivergedError, match="StandardScaler"):
+        reg.fit(_diabetes_frames(spark))
