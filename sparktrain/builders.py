@@ -61,6 +61,29 @@ def import_callable(path: str, what: str = "callable") -> Callable[..., Any]:
     return target
 
 
+class LabelScaled(nn.Module):
+    """A regression model trained on standardised labels (``label_scaling``), with its
+    outputs brought back to label units: ``inner(...) * label_std + label_mean``.
+    ``inner`` is the trained module itself (``state_dict`` keys gain the ``inner.``
+    prefix; the two figures are buffers, so they are saved with it)."""
+
+    def __init__(self, inner: nn.Module, label_mean: float, label_std: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("label_mean", torch.tensor(float(label_mean)))
+        self.register_buffer("label_std", torch.tensor(float(label_std)))
+
+    @property
+    def forwards_to(self) -> nn.Module:
+        """The module whose ``forward()`` arguments (masks) this one takes."""
+        return self.inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out: torch.Tensor = self.inner(*args, **kwargs)
+        std, mean = self.get_buffer("label_std"), self.get_buffer("label_mean")
+        return out * std.to(out.dtype) + mean.to(out.dtype)
+
+
 def build_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
     """Call the factory and check that it returned a module with parameters."""
     model = model_fn()

@@ -98,6 +98,14 @@ class TrainConfig:
         Mini-batches a background thread gathers ahead of the one training (default 2;
         ``0``: gather in the training thread). Changes timing, never values. The thread
         also runs each batch's ``decode`` and ``collate``.
+    label_scaling:
+        Regression: standardise the (scalar) label with the training rows' mean and
+        standard deviation, computed on the driver, so an MSE loss starts near 1 whatever
+        the targets' units (targets in the hundreds otherwise make it explode). Validation
+        rows are scaled alike, RMSE figures are reported in label units, the training loss
+        in standardised units, and ``Trainer.fit`` returns the model wrapped in
+        :class:`sparktrain.builders.LabelScaled`, whose outputs are in label units again.
+        Off by default here; the ml ``TorchRegressor`` turns it on (``labelScaling``).
     shuffle, shuffle_window:
         Reshuffle each partition every epoch (seeded by ``(seed, rank, epoch)``); with
         ``shuffle_window`` = W > 0, shuffle within windows of W consecutive rows instead
@@ -181,6 +189,7 @@ class TrainConfig:
     data_memory_mb: float = 512.0
     prefetch_batches: int = 2
     shuffle_window: int = 0
+    label_scaling: bool = False
     feature_shapes: dict[str, list[int]] = field(default_factory=dict)
     feature_dtypes: dict[str, str] = field(default_factory=dict)
     decode: dict[str, str | Callable[..., Any]] = field(default_factory=dict)
@@ -286,6 +295,13 @@ class TrainConfig:
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a table/dict, e.g. {{momentum = 0.9}}")
         _check_column_options(self)
+        if self.label_scaling is not False and self.label_scaling is not True:
+            raise ConfigError(f"label_scaling={self.label_scaling!r} must be true or false")
+        if self.label_scaling and isinstance(self.loss, str) and self.loss != "mse":
+            raise ConfigError(
+                f"label_scaling standardises regression targets; loss={self.loss!r} takes "
+                "class labels: set label_scaling=false"
+            )
         strategy.validate(self)
 
     # ------------------------------------------------------------------ building

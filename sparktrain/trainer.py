@@ -20,6 +20,7 @@ from torch import nn
 
 from sparktrain import strategies
 from sparktrain.builders import (
+    LabelScaled,
     ModelFn,
     build_loss,
     build_model,
@@ -149,6 +150,7 @@ class Trainer:
                 cfg.num_workers,
                 weight_col,
                 ColumnOptions.of(cfg),
+                cfg.label_scaling,
             )
             model, settings_error = built.result()
         layout = prepared.data_layout
@@ -171,6 +173,10 @@ class Trainer:
         else:
             result = strategy.launch(job)
         result.summary["inputs"] = layout.to_dict()
+        if prepared.label_stats is not None:
+            mean, std = prepared.label_stats
+            result.model = LabelScaled(result.model, mean, std)
+            result.summary["label_scaling"] = {"mean": mean, "std": std}
         return result
 
     # ------------------------------------------------------------------ internals

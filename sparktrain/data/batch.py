@@ -243,6 +243,7 @@ _MASK_ARGS: dict[type, tuple[set[str], bool]] = {}
 def forward_params(model: nn.Module) -> tuple[set[str], bool]:
     """(parameter names of ``model.forward``, whether it takes ``**kwargs``), cached per
     class."""
+    model = getattr(model, "forwards_to", model)  # wrappers passing their arguments on
     cls = type(model)
     found = _MASK_ARGS.get(cls)
     if found is None:

@@ -69,6 +69,14 @@ class PreparedData:
     """The model's input columns (``None``: the plain layout of ``feature_width``)."""
     samples: dict[str, bytes] = field(default_factory=dict)
     """One raw value per binary column, decoded on the driver to try the model."""
+    label_stats: tuple[float, float] | None = None
+    """``(mean, std)`` the labels were standardised with (``label_scaling``), else
+    ``None``."""
+
+    @property
+    def label_scale(self) -> float:
+        """What turns a standardised label difference back into label units."""
+        return 1.0 if self.label_stats is None else self.label_stats[1]
 
     @property
     def data_layout(self) -> Layout:
@@ -111,15 +119,17 @@ def prepare(
     num_workers: int,
     weight_col: str | None = None,
     options: ColumnOptions | None = None,
+    label_scaling: bool = False,
 ) -> PreparedData:
     """Normalise a DataFrame or RDD (plus optional validation set) for the barrier stage.
 
     ``features_col`` is a column name, a list of names or a ``{model_argument: column}``
     mapping and ``label_col`` a name or a list of names (see
     :mod:`sparktrain.data.columns`); ``options`` holds the per-column shapes, dtypes,
-    decoders and collates. ``weight_col`` names a numeric column of non-negative sample
-    weights in ``data`` (a DataFrame); see the module docstring for how they are
-    normalised."""
+    decoders and collates. ``label_scaling`` standardises a scalar label with the
+    training rows' mean and standard deviation (one aggregation job). ``weight_col``
+    names a numeric column of non-negative sample weights in ``data`` (a DataFrame); see
+    the module docstring for how they are normalised."""
     from pyspark import RDD
     from pyspark.sql import DataFrame
 
@@ -128,13 +138,25 @@ def prepare(
         if validation_data is not None and not isinstance(validation_data, DataFrame):
             raise DataError("validation_data must be a DataFrame when data is a DataFrame")
         return _prepare_frame(
-            data, validation_data, features_col, label_col, num_workers, weight_col or None, options
+            data,
+            validation_data,
+            features_col,
+            label_col,
+            num_workers,
+            weight_col or None,
+            options,
+            label_scaling,
         )
     if isinstance(data, RDD):
         if weight_col:
             raise DataError(
                 f"weight_col={weight_col!r} needs a DataFrame; turn the RDD into one first, "
                 "e.g. spark.createDataFrame(rdd, ['features', 'label', 'weight'])"
+            )
+        if label_scaling:
+            raise DataError(
+                "label_scaling needs a DataFrame (the driver computes the labels' statistics "
+                "with Spark SQL): spark.createDataFrame(rdd, ['features', 'label']) first"
             )
         if not isinstance(features_col, str) or not isinstance(label_col, str) or options.given:
             raise DataError(
@@ -160,19 +182,21 @@ def _prepare_frame(
     num_workers: int,
     weight_col: str | None,
     options: ColumnOptions,
+    label_scaling: bool = False,
 ) -> PreparedData:
     from pyspark.sql import functions as F
 
     plan = _plan_columns(df, features_col, label_col, options)
     train = _select(df, plan, "data", weight_col)
+    stats = _label_stats(train, plan) if label_scaling else None
     mean_weight = None
     if weight_col is not None:
         mean_weight = _mean_weight(train, weight_col)
         train = train.withColumn(WEIGHT, F.col(WEIGHT) / F.lit(mean_weight))
-    train = train.withColumn(IS_VALIDATION, F.lit(False))
+    train = _scaled(train, stats).withColumn(IS_VALIDATION, F.lit(False))
     combined = train
     if val is not None:
-        tagged = _select(val, plan, "validation_data")
+        tagged = _scaled(_select(val, plan, "validation_data"), stats)
         if weight_col is not None:  # validation metrics are unweighted
             tagged = tagged.withColumn(WEIGHT, F.lit(1.0))
         combined = train.unionByName(tagged.withColumn(IS_VALIDATION, F.lit(True)))
@@ -185,13 +209,48 @@ def _prepare_frame(
         # run its inputs' shuffles under adaptive execution, only to shuffle again.
         log.info("shuffling the data and validation_data into num_workers=%d", num_workers)
         return PreparedData(
-            combined.repartition(num_workers), None, width, mean_weight, layout, samples
+            combined.repartition(num_workers), None, width, mean_weight, layout, samples, stats
         )
     parts = combined.rdd.getNumPartitions()
     if parts != num_workers:
         log.info("repartitioning the data from %d partitions to num_workers=%d", parts, num_workers)
         combined = combined.repartition(num_workers)
-    return PreparedData(combined, None, width, mean_weight, layout, samples)
+    return PreparedData(combined, None, width, mean_weight, layout, samples, stats)
+
+
+def _label_stats(train: DataFrame, plan: _Plan) -> tuple[float, float]:
+    """One aggregation job: the training labels' mean and (population) standard
+    deviation; a constant label keeps a scale of 1."""
+    from pyspark.sql import functions as F
+
+    if plan.label_is_array:
+        raise DataError(
+            f"label_scaling standardises one scalar label; label_col "
+            f"{', '.join(plan.label_sources)!r} holds several values a row: scale them "
+            "yourself (pyspark.ml.feature.StandardScaler) and set label_scaling=false"
+        )
+    row = train.agg(F.mean(LABEL).alias("m"), F.stddev_pop(LABEL).alias("s")).first()
+    assert row is not None  # a global aggregate always has one row
+    if row["m"] is None:
+        raise DataError("the training data is empty: nothing to train on")
+    mean, std = float(row["m"]), float(row["s"] or 0.0)
+    if not math.isfinite(mean) or not math.isfinite(std):
+        raise DataError(
+            f"label column {plan.label_sources[0]!r} holds NaN or infinite values; drop "
+            "those rows first"
+        )
+    std = std if std > 0 else 1.0
+    log.info("label_scaling: labels standardised with mean %.6g and std %.6g", mean, std)
+    return mean, std
+
+
+def _scaled(frame: DataFrame, stats: tuple[float, float] | None) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    if stats is None:
+        return frame
+    mean, std = stats
+    return frame.withColumn(LABEL, (F.col(LABEL) - F.lit(mean)) / F.lit(std))
 
 
 @dataclass

@@ -227,6 +227,7 @@ def run_rounds(
         loop = _Loop(
             model, cfg, runner, display, volume, world_train, partitions, world_val > 0, started
         )
+        loop.label_scale = prepared.label_scale
         if not resuming:
             loop.first_round = (first_weights, first_vec, first_stats)
         train_s = loop.train()
@@ -330,6 +331,7 @@ class _Loop:
         self.display, self.volume = display, volume
         self.world_train, self.world_size = world_train, world_size
         self.metric = metric_name(cfg.loss, has_validation)
+        self.label_scale = 1.0  # label_scaling's std: RMSE back in label units
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = (
             build_optimizer(cfg.optimizer, self.params, cfg.lr, dict(cfg.optimizer_kwargs))
@@ -477,7 +479,8 @@ class _Loop:
 
     def _finish_epoch(self, total: float, rows: float) -> None:
         assert self._pending is not None
-        record = {**self._pending, "metric": finish_metric(total, rows, self.cfg.loss)}
+        metric = finish_metric(total, rows, self.cfg.loss, self.label_scale)
+        record = {**self._pending, "metric": metric}
         keys = ("type", "epoch", "loss", "metric_name", "metric", "seconds")
         record = {k: record[k] for k in keys}
         # seconds since fit() started, when this metric was known (time-to-accuracy)

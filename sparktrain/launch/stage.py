@@ -85,6 +85,7 @@ class FitJob:
             model_kwargs=self.model_kwargs,
             feature_width=self.prepared.feature_width,
             layout=self.prepared.layout,
+            label_scale=self.prepared.label_scale,
             num_outputs=self.num_outputs,
             threads=cfg.threads_per_worker or task_cpus(self.sc),
             fault=self.fault,

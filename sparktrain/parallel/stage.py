@@ -517,7 +517,7 @@ class _StageRunner:
                 "epoch": epoch,
                 "loss": float(sums[0] / max(sums[1], 1)),
                 "metric_name": metric,
-                "metric": finish_metric(sums[2], sums[3], cfg.loss),
+                "metric": finish_metric(sums[2], sums[3], cfg.loss, self.spec.job.label_scale),
                 "seconds": time.perf_counter() - epoch_started,
             }
             history.append(record)

@@ -56,6 +56,8 @@ class JobSpec:
     strategy: Strategy | None = None
     # the model's input columns (None: one float32 features column of feature_width)
     layout: Layout | None = None
+    # the label_scaling std (1: labels as they are): metrics back in label units
+    label_scale: float = 1.0
 
     @property
     def data_layout(self) -> Layout:

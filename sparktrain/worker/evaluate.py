@@ -65,10 +65,12 @@ def evaluate(
     return total, float(data.size)
 
 
-def finish_metric(total: float, rows: float, loss: Any) -> float:
-    """Accuracy = correct / rows; RMSE = sqrt(squared error / rows); NaN without rows."""
+def finish_metric(total: float, rows: float, loss: Any, label_scale: float = 1.0) -> float:
+    """Accuracy = correct / rows; RMSE = sqrt(squared error / rows), times
+    ``label_scale`` (labels standardised by ``label_scaling``: back to label units); NaN
+    without rows."""
     if rows == 0:
         return float("nan")
     if is_classification(loss):
         return total / rows
-    return math.sqrt(total / rows)
+    return math.sqrt(total / rows) * label_scale

@@ -279,7 +279,7 @@ def _train(
                 "epoch": epoch,
                 "loss": float(sums[0] / max(sums[1], 1)),
                 "metric_name": metric,
-                "metric": finish_metric(sums[2], sums[3], cfg.loss),
+                "metric": finish_metric(sums[2], sums[3], cfg.loss, spec.label_scale),
                 "seconds": time.perf_counter() - epoch_started,
             }
             # replicas hold the same weights, so every rank decides alike
