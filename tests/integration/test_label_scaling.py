@@ -1,6 +1,6 @@
-"""label_scaling on Spark: diabetes (targets 25..346) trains with a learning rate that
-diverges on the raw targets, the metric comes back in label units, and the returned model
-predicts in label units, for a barrier strategy and for tree_aggregate."""
+"""label_scaling on Spark: on diabetes (targets 25..346) a model that cannot learn the raw
+targets learns the standardised ones, the metric comes back in label units, and the model
+predicts in label units, on every path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from sparktrain import Trainer
 from sparktrain.builders import LabelScaled
-from sparktrain.errors import DivergedError
 from tests.integration.fixtures import fast_config
 
 
@@ -28,13 +27,19 @@ def _diabetes(spark):  # type: ignore[no-untyped-def]
     return frame(xtr, ytr), frame(xte, yte), xte.astype(np.float32), ytr, yte
 
 
-@pytest.mark.parametrize("strategy", ["ring", "tree_aggregate"])
-def test_scaled_labels_train_where_raw_ones_diverge(spark, strategy):  # type: ignore[no-untyped-def]
+def _rmse(model, x, y):  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        predicted = model(torch.from_numpy(x)).reshape(-1).numpy()
+    return float(np.sqrt(np.mean((predicted - y) ** 2)))
+
+
+def test_scaled_labels_learn_where_raw_ones_do_not(spark):  # type: ignore[no-untyped-def]
     train, test, x_test, y_train, y_test = _diabetes(spark)
     kwargs = {"in_features": 10, "hidden": [32], "out_features": 1}
-    cfg = fast_config(loss="mse", lr=0.05, epochs=30, strategy=strategy)
-    with pytest.raises(DivergedError):
-        Trainer("sparktrain.models:mlp", cfg, model_kwargs=kwargs).fit(train)
+    cfg = fast_config(loss="mse", lr=0.02, epochs=10, batch_size=16)
+    baseline = float(np.sqrt(np.mean((y_test - y_train.mean()) ** 2)))  # predict the mean
+    raw = Trainer("sparktrain.models:mlp", cfg, model_kwargs=kwargs).fit(train)
+    assert _rmse(raw.model, x_test, y_test) > 0.95 * baseline  # targets ~150: stuck
     result = Trainer(
         "sparktrain.models:mlp", cfg.replace(label_scaling=True), model_kwargs=kwargs
     ).fit(train, validation_data=test)
@@ -42,11 +47,21 @@ def test_scaled_labels_train_where_raw_ones_diverge(spark, strategy):  # type: i
     stats = result.summary["label_scaling"]
     assert stats["mean"] == pytest.approx(y_train.mean())
     assert stats["std"] == pytest.approx(y_train.std())
-    with torch.no_grad():
-        predicted = result.model(torch.from_numpy(x_test)).reshape(-1).numpy()
-    rmse = float(np.sqrt(np.mean((predicted - y_test) ** 2)))
-    baseline = float(np.sqrt(np.mean((y_test - y_train.mean()) ** 2)))
-    assert rmse < 0.85 * baseline, (rmse, baseline)
+    rmse = _rmse(result.model, x_test, y_test)
+    assert rmse < 0.9 * baseline, (rmse, baseline)
     # the reported metric is the test RMSE in label units (float32 on the workers)
     assert result.summary["metric_name"] == "rmse"
     assert result.summary["metric_value"] == pytest.approx(rmse, rel=1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["tree_aggregate", "tree"])
+def test_every_path_reports_rmse_in_label_units(spark, strategy):  # type: ignore[no-untyped-def]
+    train, test, x_test, _, y_test = _diabetes(spark)
+    kwargs = {"in_features": 10, "out_features": 1}
+    cfg = fast_config(loss="mse", lr=0.02, epochs=2, label_scaling=True, strategy=strategy)
+    result = Trainer("sparktrain.models:mlp", cfg, model_kwargs=kwargs).fit(
+        train, validation_data=test
+    )
+    assert result.summary["metric_value"] == pytest.approx(
+        _rmse(result.model, x_test, y_test), rel=1e-3
+    )
