@@ -42,6 +42,7 @@ from sparktrain.ml.model import (
     _features_as_float_array,
     build_module,
     layout_width,
+    trained_module,
 )
 from sparktrain.ml.params import (
     CLASSIFICATION_LOSSES,
@@ -98,11 +99,13 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         result = trainer.fit(
             dataset, features_col=features_col, label_col=label_col, weight_col=weight_col or None
         )
+        module, label_stats = trained_module(result.model, result.summary)
         model = self._create_model()._set_state(
-            state_to_bytes(result.model.state_dict()),
+            state_to_bytes(module.state_dict()),
             num_features=width,
             num_outputs=num_outputs,
             summary=result.summary,
+            label_stats=label_stats,
         )
         return self._copyValues(model)
 
@@ -147,12 +150,14 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
             dataset, features_col=spec, label_col=label_col, weight_col=weight_col or None
         )
         layout = Layout.from_dict(result.summary["inputs"])
+        module, label_stats = trained_module(result.model, result.summary)
         model = self._create_model()._set_state(
-            state_to_bytes(result.model.state_dict()),
+            state_to_bytes(module.state_dict()),
             num_features=layout_width(layout),
             num_outputs=num_outputs,
             summary=result.summary,
             layout=layout,
+            label_stats=label_stats,
         )
         return self._copyValues(model)
 
@@ -325,14 +330,18 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
     modelKwargs : str or dict
         Keyword arguments for ``modelFn``, as JSON text or a dict.
     loss : {"cross_entropy", "bce_with_logits"}
-    optimizer : {"sgd", "adam", "adamw"}
+    optimizer : {"adam", "sgd", "adamw"}
+        ``"adam"`` by default (the estimators' defaults are chosen to train standardised
+        tabular data out of the box; docs/ml.md says why each).
     optimizerKwargs : str or dict
         Extra optimizer arguments, e.g. ``{"momentum": 0.9}``.
     learningRate : float
+        0.001 by default (Adam's usual rate, as scikit-learn's MLP estimators).
     batchSize : int
-        Samples per worker per step.
+        Samples per worker per step (32).
     maxEpochs : int
-        Passes over the training data.
+        Passes over the training data (50: enough for tables of a few hundred rows;
+        lower it for large tables).
     numWorkers : int
         Training tasks; each needs a free task slot at once (except for
         ``strategy="tree_aggregate"``).
@@ -385,11 +394,11 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         modelFn: str | None = None,
         modelKwargs: str | dict[str, Any] = "{}",
         loss: str = "cross_entropy",
-        optimizer: str = "sgd",
+        optimizer: str = "adam",
         optimizerKwargs: str | dict[str, Any] = "{}",
-        learningRate: float = 0.01,
+        learningRate: float = 0.001,
         batchSize: int = 32,
-        maxEpochs: int = 10,
+        maxEpochs: int = 50,
         numWorkers: int = 2,
         strategy: str = "ring",
         compression: str = "none",
@@ -419,11 +428,11 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         modelFn: str | None = None,
         modelKwargs: str | dict[str, Any] = "{}",
         loss: str = "cross_entropy",
-        optimizer: str = "sgd",
+        optimizer: str = "adam",
         optimizerKwargs: str | dict[str, Any] = "{}",
-        learningRate: float = 0.01,
+        learningRate: float = 0.001,
         batchSize: int = 32,
-        maxEpochs: int = 10,
+        maxEpochs: int = 50,
         numWorkers: int = 2,
         strategy: str = "ring",
         compression: str = "none",
@@ -487,16 +496,27 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
 
     ``modelFn`` builds a module mapping ``(n, numFeatures)`` float32 features to ``(n, 1)``
     (or ``(n,)``) predictions, trained with ``loss="mse"``. The params are those of
-    :class:`TorchClassifier` without the probability and raw prediction columns.
+    :class:`TorchClassifier` without the probability and raw prediction columns, plus:
+
+    Parameters
+    ----------
+    labelScaling : bool
+        ``True`` (default): standardise the label with the training rows' mean and
+        standard deviation (one aggregation job on the driver) while training, so the
+        loss starts near 1 whatever the label's units, and bring predictions back to
+        label units: ``prediction = output * std + mean``. The fitted model keeps the
+        two figures (``model.labelStats``, saved with it). Applies to ``loss="mse"``
+        only. ``False``: train on the labels as they are.
 
     Examples
     --------
     >>> from pyspark.ml.evaluation import RegressionEvaluator
     >>> from sparktrain.ml import TorchRegressor
     >>> reg = TorchRegressor(modelFn="sparktrain.models:mlp",
-    ...                      modelKwargs={"in_features": 10, "hidden": [32], "out_features": 1},
-    ...                      optimizer="adam", learningRate=0.01, maxEpochs=50)
+    ...                      modelKwargs={"in_features": 10, "hidden": [32], "out_features": 1})
     >>> model = reg.fit(train)  # doctest: +SKIP
+    >>> model.labelStats  # doctest: +SKIP
+    (153.7..., 77.9...)
     >>> RegressionEvaluator(metricName="rmse").evaluate(model.transform(test))  # doctest: +SKIP
     """
 
@@ -513,11 +533,12 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         modelFn: str | None = None,
         modelKwargs: str | dict[str, Any] = "{}",
         loss: str = "mse",
-        optimizer: str = "sgd",
+        labelScaling: bool = True,
+        optimizer: str = "adam",
         optimizerKwargs: str | dict[str, Any] = "{}",
-        learningRate: float = 0.01,
+        learningRate: float = 0.001,
         batchSize: int = 32,
-        maxEpochs: int = 10,
+        maxEpochs: int = 50,
         numWorkers: int = 2,
         strategy: str = "ring",
         compression: str = "none",
@@ -545,11 +566,12 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         modelFn: str | None = None,
         modelKwargs: str | dict[str, Any] = "{}",
         loss: str = "mse",
-        optimizer: str = "sgd",
+        labelScaling: bool = True,
+        optimizer: str = "adam",
         optimizerKwargs: str | dict[str, Any] = "{}",
-        learningRate: float = 0.01,
+        learningRate: float = 0.001,
         batchSize: int = 32,
-        maxEpochs: int = 10,
+        maxEpochs: int = 50,
         numWorkers: int = 2,
         strategy: str = "ring",
         compression: str = "none",
@@ -565,6 +587,10 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
     ) -> Self:
         """Sets params for this TorchRegressor (only the ones passed)."""
         return self._set(**self._input_kwargs)
+
+    def setLabelScaling(self, value: bool) -> Self:
+        """Sets the value of :py:attr:`labelScaling`."""
+        return self._set(labelScaling=value)
 
     def _create_model(self) -> TorchRegressionModel:
         return TorchRegressionModel()

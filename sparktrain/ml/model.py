@@ -18,6 +18,12 @@ variable-length and binary: per-row arrays or bytes), batches them with the layo
 calls the model as in training (:func:`~sparktrain.data.batch.forward`). The plain layout
 (one float vector column) keeps the single-reshape path above. A model saved before
 layouts were kept loads as the plain layout of its ``numFeatures``.
+
+A regressor trained with ``labelScaling`` (the default) learned standardised labels: it
+keeps the module ``modelFn`` builds with its trained weights, plus the labels' ``(mean,
+std)`` (:attr:`TorchModel.labelStats`, saved in the metadata as ``labelScaling``), and
+``transform`` predicts ``output * std + mean`` in float64. A model without the figures
+(``labelScaling=False``, or saved before label scaling) predicts its output as it is.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 from torch import nn
 
-from sparktrain.builders import build_model, import_callable
+from sparktrain.builders import LabelScaled, build_model, import_callable
 from sparktrain.data.batch import Collator, forward
 from sparktrain.data.columns import BINARY, DENSE, RAGGED, Layout, parse_columns
 from sparktrain.data.columns import Column as InputColumn
@@ -71,6 +77,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         self._token = uuid.uuid4().hex
         self._summary: dict[str, Any] | None = None
         self._layout: Layout | None = None
+        self._label_stats: tuple[float, float] | None = None
 
     # ------------------------------------------------------------------ state
     def _set_state(
@@ -81,19 +88,32 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         num_outputs: int | None,
         summary: dict[str, Any] | None = None,
         layout: Layout | None = None,
+        label_stats: tuple[float, float] | None = None,
     ) -> Self:
-        """``layout=None``: the plain layout of ``num_features`` (one float vector)."""
+        """``layout=None``: the plain layout of ``num_features`` (one float vector).
+        ``label_stats``: the ``(mean, std)`` a regressor's labels were standardised with
+        (``labelScaling``); its predictions are ``output * std + mean``. ``None``: the
+        outputs are the predictions."""
         self._state_bytes = state_bytes
         self._num_features = int(num_features)
         self._num_outputs = int(num_outputs) if num_outputs else 1
         self._token = uuid.uuid4().hex
         self._summary = summary
         self._layout = layout
+        self._label_stats = _checked_label_stats(label_stats)
         return self
 
     def _num_outputs_meta(self) -> int | None:
         """numClasses in the saved metadata (None for regressors)."""
         return None
+
+    def _label_stats_meta(self) -> dict[str, float] | None:
+        """labelScaling in the saved metadata: ``{"mean": ..., "std": ...}``, or None when
+        the model's outputs are its predictions."""
+        if self._label_stats is None:
+            return None
+        mean, std = self._label_stats
+        return {"mean": mean, "std": std}
 
     def _check_state(self, state: dict[str, torch.Tensor]) -> None:
         """Does ``modelFn(**modelKwargs)`` build a module that takes these weights?"""
@@ -139,10 +159,23 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             )
         return self._summary
 
+    @property
+    def labelStats(self) -> tuple[float, float] | None:
+        """``(mean, std)`` the labels were standardised with in training
+        (``labelScaling``): predictions are the model's output ``* std + mean``. ``None``
+        when the output is the prediction (classifiers, ``labelScaling=False``, models
+        saved before label scaling)."""
+        return self._label_stats
+
     def getModule(self) -> nn.Module:
-        """A fresh ``torch.nn.Module`` on the driver with the trained weights, in eval mode."""
+        """A fresh ``torch.nn.Module`` on the driver with the trained weights, in eval mode;
+        its outputs are what ``transform`` predicts from. A regressor trained with
+        ``labelScaling`` returns a :class:`sparktrain.builders.LabelScaled` (outputs in
+        label units), whose ``inner`` is the module ``modelFn`` builds."""
         module = self._build_module()
         module.load_state_dict(state_from_bytes(self._state_bytes))
+        if self._label_stats is not None:
+            module = LabelScaled(module, *self._label_stats)
         return module.eval()
 
     # ------------------------------------------------------------------ setters
@@ -203,6 +236,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             threads=task_cpus(sc),
             fields=tuple(field for _, field in outputs),
             layout=typed,
+            label_stats=self._label_stats,
         )
         fields = ", ".join(f"{field} {_FIELD_TYPES[field]}" for _, field in outputs)
         udf = arrow_udf(plan.run, f"struct<{fields}>")  # type: ignore[call-overload]
@@ -339,7 +373,9 @@ class TorchClassificationModel(TorchModel, _TorchClassifierParams):
 
 class TorchRegressionModel(TorchModel, _TorchRegressorParams):
     """A regressor fitted by :class:`~sparktrain.ml.TorchRegressor`: ``transform`` adds
-    ``prediction`` (double), the model's single output.
+    ``prediction`` (double): the model's single output, brought back to label units
+    (``output * std + mean``) when it was trained with ``labelScaling``
+    (:attr:`labelStats`).
 
     Examples
     --------
@@ -413,6 +449,9 @@ class _InferencePlan:
     layout: Layout | None = None
     """``None``: the plain layout (one float vector, :meth:`predict`); else the trained
     layout, whose columns arrive as the fields of one struct (:meth:`predict_typed`)."""
+    label_stats: tuple[float, float] | None = None
+    """A regressor's ``(mean, std)`` (``labelScaling``): prediction = output * std + mean,
+    in float64; ``None``: the output is the prediction."""
 
     def module(self) -> nn.Module:
         # copies of a model share weights (and token) but may differ in modelFn/modelKwargs
@@ -494,7 +533,11 @@ class _InferencePlan:
         out = out.flatten(1) if out.ndim > 1 else out.unsqueeze(1)
         columns: dict[str, pa.Array] = {}
         if self.kind == "regression":
-            columns["prediction"] = pa.array(out[:, 0].double().numpy())
+            prediction = out[:, 0].double()
+            if self.label_stats is not None:
+                mean, std = self.label_stats
+                prediction = prediction * std + mean
+            columns["prediction"] = pa.array(prediction.numpy())
         else:
             logits = out.double()
             if logits.shape[1] == 1:  # one logit: binary, as MLlib's LogisticRegression
@@ -551,6 +594,35 @@ def _rows(column: InputColumn, values: pa.Array, n: int) -> Any:
         )
     flat = values.flatten().to_numpy(zero_copy_only=False)
     return np.array(flat, dtype=column.stored_dtype).reshape(n, width)
+
+
+def _checked_label_stats(stats: Any) -> tuple[float, float] | None:
+    """``(mean, std)`` as two floats (a finite mean, a finite std > 0), or ``None``."""
+    if stats is None:
+        return None
+    mean, std = (float(v) for v in stats)
+    if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
+        raise DataError(
+            f"label scaling figures mean={mean!r}, std={std!r} must be finite with std > 0"
+        )
+    return mean, std
+
+
+def trained_module(
+    model: nn.Module, summary: dict[str, Any] | None = None
+) -> tuple[nn.Module, tuple[float, float] | None]:
+    """(the module ``modelFn`` built, with its trained weights; the ``(mean, std)`` of
+    label scaling or ``None``) of a :class:`~sparktrain.TrainResult`'s ``model`` and
+    ``summary``. The figures are the summary's ``label_scaling`` (the driver's float64
+    values) when it has them, else the wrapper's (float32) buffers."""
+    if not isinstance(model, LabelScaled):
+        return model, None
+    figures = (summary or {}).get("label_scaling")
+    if figures:
+        return model.inner, (float(figures["mean"]), float(figures["std"]))
+    mean = float(model.get_buffer("label_mean"))
+    std = float(model.get_buffer("label_std"))
+    return model.inner, (mean, std)
 
 
 def layout_width(layout: Layout) -> int:

@@ -3,13 +3,21 @@
 A saved model is a directory::
 
     PATH/metadata/part-00000     MLlib metadata JSON (DefaultParamsWriter): class, uid,
-                                 params, plus numFeatures / numClasses / weights file and
-                                 inputs (the trained Layout.to_dict())
-    PATH/data/weights.pt         the state_dict, written by torch.save
+                                 params, plus numFeatures / numClasses / weights file,
+                                 inputs (the trained Layout.to_dict()) and labelScaling
+                                 ({"mean", "std"} of a regressor trained on standardised
+                                 labels, else null)
+    PATH/data/weights.pt         the state_dict of the module modelFn builds, written by
+                                 torch.save (without the label scaling wrapper)
 
 Older saves load with today's defaults: params missing from the metadata (those added
 since, such as ``dataMemoryInMB`` or ``featuresCols``) keep their class defaults, and a
-model saved without ``inputs`` reads as the plain layout of its ``numFeatures``.
+model saved without ``inputs`` reads as the plain layout of its ``numFeatures``. A
+regression model saved before label scaling (no ``labelScaling`` figures) predicts its
+output as it is, and its ``labelScaling`` param defaults to ``False``, as it was trained;
+an estimator saved before it has the class default (``True``). The defaults a save
+recorded (MLlib's ``defaultParamMap``) stay its defaults: an estimator saved with the
+old ``optimizer="sgd"`` default trains with SGD when loaded.
 
 The weights file is read back with ``torch.load(weights_only=True)``, which only rebuilds
 tensors and plain containers, and the architecture is rebuilt by calling ``modelFn`` with
@@ -23,6 +31,7 @@ a local path, ``file:``, ``hdfs:``, ``s3a:``...
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
@@ -65,6 +74,7 @@ class TorchModelWriter(MLWriter):
             "weightsFile": WEIGHTS_FILE,
             "weightsFormat": WEIGHTS_FORMAT,
             "inputs": self.instance.layout.to_dict(),
+            "labelScaling": self.instance._label_stats_meta(),
         }
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession, extra)
         write_bytes(self.sparkSession, _join(path, WEIGHTS_FILE), self.instance._state_bytes)
@@ -86,6 +96,8 @@ class TorchModelReader(MLReader[M], Generic[M]):
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
+        if _names_no_label_scaling(instance, metadata):
+            instance._setDefault(labelScaling=False)  # saved before it: trained without
         check_loaded_model_fn(instance, spark, path, self.model_fn)  # before any import
         weights = _join(path, str(metadata.get("weightsFile", WEIGHTS_FILE)))
         blob = read_bytes(spark, weights)
@@ -95,6 +107,7 @@ class TorchModelReader(MLReader[M], Generic[M]):
             num_features=int(metadata["numFeatures"]),
             num_outputs=metadata["numClasses"],
             layout=saved_layout(metadata, path),
+            label_stats=saved_label_stats(metadata, path),
         )
         instance._check_state(state)  # the factory still builds a module these weights fit
         return instance
@@ -127,6 +140,35 @@ def saved_layout(metadata: dict[str, Any], path: str) -> Layout | None:
             f"{path}: the saved model's 'inputs' (its input columns) cannot be read ({exc!r}); "
             "is the metadata intact?"
         ) from exc
+
+
+def saved_label_stats(metadata: dict[str, Any], path: str) -> tuple[float, float] | None:
+    """The ``(mean, std)`` a saved regressor's labels were standardised with; ``None``
+    (outputs are predictions) for a model without them, e.g. saved before label scaling."""
+    figures = metadata.get("labelScaling")
+    if not figures:
+        return None
+    try:
+        mean, std = float(figures["mean"]), float(figures["std"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataError(
+            f"{path}: the saved model's 'labelScaling' figures cannot be read ({exc!r}); "
+            "is the metadata intact?"
+        ) from exc
+    if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+        raise DataError(
+            f"{path}: the saved model's 'labelScaling' figures (mean={mean!r}, std={std!r}) "
+            "are not a finite mean and a finite std > 0; is the metadata intact?"
+        )
+    return mean, std
+
+
+def _names_no_label_scaling(instance: Any, metadata: dict[str, Any]) -> bool:
+    """A regression model whose metadata predates the labelScaling param."""
+    if not instance.hasParam("labelScaling"):
+        return False
+    sections = (metadata.get("paramMap") or {}, metadata.get("defaultParamMap") or {})
+    return not any("labelScaling" in section for section in sections)
 
 
 def check_loaded_model_fn(

@@ -197,11 +197,13 @@ def test_regressor_on_diabetes_beats_the_mean(spark, tmp_path):  # type: ignore[
         optimizer="adam",
         learningRate=0.1,
         maxEpochs=10,
+        labelScaling=False,  # raw labels, as before label scaling (test_ml_defaults: on)
     )
     model = reg.fit(train)
     assert isinstance(model, TorchRegressionModel)
     out = model.transform(test)
     assert isinstance(out.schema["prediction"].dataType, DoubleType)
+    assert model.labelStats is None and "label_scaling" not in model.summary
     rmse = RegressionEvaluator(metricName="rmse").evaluate(out)
     baseline = float(np.sqrt(np.mean((yte - ytr.mean()) ** 2)))
     assert rmse < 0.9 * baseline, (rmse, baseline)
@@ -213,7 +215,9 @@ def test_regressor_on_diabetes_beats_the_mean(spark, tmp_path):  # type: ignore[
 def test_cross_validator_over_learning_rate_and_strategy(spark):  # type: ignore[no-untyped-def]
     train, test = pixel_frames(spark)
     train, test = assembled(train), assembled(test)
-    clf = TorchClassifier(modelFn=DIGITS_MODEL, optimizer="adam", maxEpochs=3, batchSize=64)
+    clf = TorchClassifier(
+        modelFn=DIGITS_MODEL, optimizer="adam", learningRate=0.01, maxEpochs=3, batchSize=64
+    )
     grid = (
         ParamGridBuilder()
         .addGrid(clf.learningRate, [0.0003, 0.01])
@@ -231,7 +235,7 @@ def test_cross_validator_over_learning_rate_and_strategy(spark):  # type: ignore
     winner = grid[int(np.argmax(cv_model.avgMetrics))]
     assert best.getLearningRate() == winner[clf.learningRate] == 0.01
     assert best.getStrategy() == winner[clf.strategy]
-    assert clf.getLearningRate() == 0.01 and clf.getStrategy() == "ring"  # defaults untouched
+    assert clf.getLearningRate() == 0.01 and clf.getStrategy() == "ring"  # untouched
     assert evaluator.evaluate(cv_model.transform(test)) >= 0.85
 
 

@@ -1,6 +1,7 @@
 """sparktrain.ml params without Spark: defaults, converters, copy semantics, config mapping,
 the weights format; featuresCols and the per-column options (forms, precedence, errors),
-metadata saved before them, and the typed transform's batches."""
+metadata saved before them, and the typed transform's batches; labelScaling (mapping,
+un-scaled predictions, metadata saved before it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pyspark.ml.tuning import ParamGridBuilder
 from pyspark.ml.util import DefaultParamsReader
 from torch import nn
 
+from sparktrain.builders import LabelScaled
 from sparktrain.config import TrainConfig
 from sparktrain.data.columns import BINARY, DENSE, RAGGED, Column, Layout
 from sparktrain.errors import ConfigError, DataError
@@ -25,8 +27,9 @@ from sparktrain.ml import (
     TorchRegressionModel,
     TorchRegressor,
 )
-from sparktrain.ml.model import _InferencePlan, layout_width
-from sparktrain.ml.persistence import saved_layout
+from sparktrain.ml.model import _InferencePlan, layout_width, trained_module
+from sparktrain.ml.params import ML_DEFAULTS
+from sparktrain.ml.persistence import _names_no_label_scaling, saved_label_stats, saved_layout
 from sparktrain.result import state_from_bytes, state_to_bytes
 
 OWN_PARAMS = {
@@ -60,18 +63,32 @@ def test_param_names_follow_mllib() -> None:
     clf_names = {p.name for p in TorchClassifier().params}
     reg_names = {p.name for p in TorchRegressor().params}
     assert clf_names == OWN_PARAMS | STANDARD | {"probabilityCol", "rawPredictionCol"}
-    assert reg_names == OWN_PARAMS | STANDARD
+    assert reg_names == OWN_PARAMS | STANDARD | {"labelScaling"}
     assert {p.name for p in TorchClassificationModel().params} == clf_names
     assert {p.name for p in TorchRegressionModel().params} == reg_names
     assert "learningRate" in TorchClassifier().explainParams()
 
 
-def test_defaults_come_from_train_config() -> None:
+def test_defaults_train_tabular_data_and_the_rest_come_from_train_config() -> None:
     cfg = TrainConfig()
     clf = TorchClassifier(modelFn="sparktrain.models:digits_mlp")
-    assert clf.getLearningRate() == cfg.lr
-    assert clf.getBatchSize() == cfg.batch_size
-    assert clf.getMaxEpochs() == cfg.epochs
+    reg = TorchRegressor(modelFn="sparktrain.models:mlp")
+    # the estimators' own defaults (docs/ml.md: the table and why)
+    for estimator in (clf, reg):
+        assert estimator.getOptimizer() == ML_DEFAULTS.optimizer == "adam"
+        assert estimator.getLearningRate() == ML_DEFAULTS.lr == 0.001
+        assert estimator.getMaxEpochs() == ML_DEFAULTS.epochs == 50
+        assert estimator.getBatchSize() == ML_DEFAULTS.batch_size == 32
+        trained = estimator._train_config()
+        assert (trained.optimizer, trained.lr, trained.epochs, trained.batch_size) == (
+            "adam",
+            0.001,
+            50,
+            32,
+        )
+    assert reg.getLabelScaling() is True and reg._train_config().label_scaling is True
+    assert clf._train_config().label_scaling is False and not clf.hasParam("labelScaling")
+    # every other knob is TrainConfig's
     assert clf.getNumWorkers() == cfg.num_workers
     assert clf.getStrategy() == cfg.strategy
     assert clf.getCompression() == cfg.compression
@@ -79,7 +96,6 @@ def test_defaults_come_from_train_config() -> None:
     assert clf.getSeed() == cfg.seed == 0  # not pyspark's per-process hash of the class name
     assert clf.getValidationFraction() == cfg.validation_fraction
     assert clf.getDataMemoryInMB() == cfg.data_memory_mb == 512
-    assert clf.getOptimizer() == cfg.optimizer
     assert clf.getModelKwargs() == "{}" and clf.getOptimizerKwargs() == "{}"
     assert clf.getLoss() == "cross_entropy" and TorchRegressor().getLoss() == "mse"
     assert clf.getFeaturesCol() == "features" and clf.getLabelCol() == "label"
@@ -161,7 +177,7 @@ def test_set_params_only_sets_what_is_passed() -> None:
 
 
 def test_copy_with_extra_params_leaves_the_original_alone() -> None:
-    clf = TorchClassifier(modelFn="sparktrain.models:mlp", learningRate=0.1)
+    clf = TorchClassifier(modelFn="sparktrain.models:mlp", learningRate=0.1, maxEpochs=10)
     other = clf.copy({clf.learningRate: 0.5, clf.strategy: "tree"})
     assert other.uid == clf.uid and other is not clf
     assert other.getLearningRate() == 0.5 and other.getStrategy() == "tree"
@@ -507,3 +523,137 @@ def test_typed_transform_names_the_column_of_a_bad_row() -> None:
         )
         want = linear(torch.tensor([[1.0], [2.0]]))[:, 0].double().tolist()
     assert out.field("prediction").to_pylist() == pytest.approx(want)
+
+
+# ---------------------------------------------------------------------- labelScaling
+def test_label_scaling_maps_onto_train_config_for_mse_only() -> None:
+    reg = TorchRegressor(modelFn="sparktrain.models:mlp")
+    assert reg._train_config().label_scaling is True
+    assert reg.setLabelScaling(False)._train_config().label_scaling is False
+    assert TorchRegressor(labelScaling=False).getLabelScaling() is False
+    assert reg.setParams(labelScaling=True).getLabelScaling() is True
+    # the model carries the param (persisted with it) and copies keep it apart
+    model = TorchRegressionModel()
+    assert model.getLabelScaling() is True
+    assert model.copy({model.labelScaling: False}).getLabelScaling() is False
+    # another loss: TrainConfig refuses label_scaling with it, so it is not passed on
+    other = TorchRegressor(loss="mse")
+    other._set(loss="cross_entropy")
+    assert other._train_config().label_scaling is False
+    with pytest.raises(TypeError, match="labelScaling"):
+        TorchRegressor(labelScaling="yes")  # type: ignore[arg-type]
+
+
+def test_trained_module_unwraps_label_scaled_results() -> None:
+    inner = nn.Linear(3, 1)
+    module, stats = trained_module(LabelScaled(inner, 150.0, 75.0))
+    assert module is inner and stats == (150.0, 75.0)
+    assert trained_module(inner) == (inner, None)
+    # the summary's float64 figures win over the float32 buffers
+    mean = 151.9214501510574
+    _, exact = trained_module(
+        LabelScaled(inner, mean, 75.0), {"label_scaling": {"mean": mean, "std": 75.0}}
+    )
+    assert exact == (mean, 75.0)
+
+
+def test_regression_outputs_are_brought_back_to_label_units() -> None:
+    plan = _plan(None, "regression")
+    out = torch.tensor([[-1.0], [0.0], [2.5]])
+    assert plan.outputs(out).field("prediction").to_pylist() == [-1.0, 0.0, 2.5]
+    plan.label_stats = (152.0, 77.5)
+    got = plan.outputs(out).field("prediction").to_pylist()
+    assert got == pytest.approx([152.0 - 77.5, 152.0, 152.0 + 2.5 * 77.5], rel=1e-12)
+    # the plain path: features in, label units out
+    linear = nn.Linear(2, 1)
+    features = pa.array([[1.0, 2.0], [3.0, -1.0]], pa.list_(pa.float32()))
+    plan.num_features = 2
+    with torch.no_grad():
+        want = linear(torch.tensor([[1.0, 2.0], [3.0, -1.0]]))[:, 0].double() * 77.5 + 152.0
+        got = plan.predict(linear, features).field("prediction").to_pylist()
+    assert got == pytest.approx(want.tolist(), rel=1e-9)
+    # a classifier's outputs are never shifted
+    clf = _plan(None)
+    clf.label_stats = (152.0, 77.5)
+    logits = torch.tensor([[0.0, 1.0]])
+    assert clf.outputs(logits).field("rawPrediction").to_pylist() == [[0.0, 1.0]]
+
+
+def test_a_fitted_regressor_keeps_the_figures_and_its_module_predicts_in_label_units() -> None:
+    from sparktrain.models import mlp
+
+    torch.manual_seed(0)
+    inner = mlp(2, [], 1)
+    model = TorchRegressionModel()._set_state(
+        state_to_bytes(inner.state_dict()), num_features=2, num_outputs=1, label_stats=(10, 2)
+    )
+    model._set(
+        modelFn="sparktrain.models:mlp",
+        modelKwargs={"in_features": 2, "hidden": [], "out_features": 1},
+    )
+    assert model.labelStats == (10.0, 2.0)
+    assert model._label_stats_meta() == {"mean": 10.0, "std": 2.0}
+    module = model.getModule()
+    assert isinstance(module, LabelScaled) and isinstance(module.inner, nn.Sequential)
+    x = torch.tensor([[1.0, -2.0]])
+    with torch.no_grad():
+        assert module(x).item() == pytest.approx(inner(x).item() * 2 + 10, rel=1e-6)
+    copied = model.copy()
+    assert copied.labelStats == (10.0, 2.0)
+    plain = TorchRegressionModel()._set_state(b"w", num_features=2, num_outputs=1)
+    assert plain.labelStats is None and plain._label_stats_meta() is None
+    with pytest.raises(DataError, match="std > 0"):
+        TorchRegressionModel()._set_state(b"w", num_features=2, num_outputs=1, label_stats=(1, 0))
+
+
+def test_saved_label_figures_are_read_back_or_refused() -> None:
+    assert saved_label_stats({"labelScaling": {"mean": 1.5, "std": 2}}, "/m") == (1.5, 2.0)
+    assert saved_label_stats({"labelScaling": None}, "/m") is None
+    assert saved_label_stats({}, "/m") is None  # saved before label scaling
+    with pytest.raises(DataError, match="'labelScaling' figures cannot be read"):
+        saved_label_stats({"labelScaling": {"mean": 1.0}}, "/m")
+    with pytest.raises(DataError, match="finite std > 0"):
+        saved_label_stats({"labelScaling": {"mean": 1.0, "std": float("nan")}}, "/m")
+
+
+def _before_label_scaling(instance: TorchRegressor | TorchRegressionModel) -> dict[str, object]:
+    """Metadata as a save from before labelScaling and today's defaults wrote it: no
+    labelScaling param, and the old defaults (sgd, 0.01, 10 epochs) in defaultParamMap."""
+    params = {p.name: v for p, v in instance._paramMap.items() if p.name != "labelScaling"}
+    defaults = {p.name: v for p, v in instance._defaultParamMap.items() if p.name != "labelScaling"}
+    defaults.update(optimizer="sgd", learningRate=0.01, maxEpochs=10, batchSize=32)
+    metadata = {
+        "class": f"{type(instance).__module__}.{type(instance).__name__}",
+        "timestamp": 0,
+        "sparkVersion": "4.1.0",
+        "uid": instance.uid,
+        "paramMap": params,
+        "defaultParamMap": defaults,
+    }
+    return json.loads(json.dumps(metadata))  # as read back from the file
+
+
+def test_saves_from_before_label_scaling_and_the_new_defaults_load() -> None:
+    # an estimator: the class default labelScaling=True; the defaults it was saved with
+    estimator = TorchRegressor(modelFn="sparktrain.models:mlp", maxEpochs=3)
+    metadata = _before_label_scaling(estimator)
+    loaded = TorchRegressor()
+    DefaultParamsReader.getAndSetParams(loaded, metadata)
+    assert not _names_no_label_scaling(TorchClassifier(), metadata)  # not a regressor param
+    assert loaded.getMaxEpochs() == 3 and loaded.getLabelScaling() is True
+    assert (loaded.getOptimizer(), loaded.getLearningRate()) == ("sgd", 0.01)
+    assert loaded._train_config().label_scaling is True
+    # a model: trained without label scaling, so its param says so; outputs unscaled
+    model = TorchRegressionModel()._set(modelFn="sparktrain.models:mlp")
+    metadata = {**_before_label_scaling(model), "numFeatures": 4, "numClasses": None}
+    old = TorchRegressionModel()
+    DefaultParamsReader.getAndSetParams(old, metadata)
+    assert _names_no_label_scaling(old, metadata)
+    old._setDefault(labelScaling=False)  # what TorchModelReader does
+    old._set_state(
+        b"w", num_features=4, num_outputs=None, label_stats=saved_label_stats(metadata, "/m")
+    )
+    assert old.getLabelScaling() is False and old.labelStats is None
+    # today's metadata names the param (defaultParamMap), so it is left as saved
+    today = {"paramMap": {}, "defaultParamMap": {"labelScaling": True}}
+    assert not _names_no_label_scaling(TorchRegressionModel(), today)
