@@ -13,10 +13,12 @@ from sparktrain.errors import DivergedError
 from tests.integration.fixtures import fast_config
 
 
-def _diabetes_frames(spark):  # type: ignore[no-untyped-def]
+def _diabetes_frames(spark, standardised: bool = False):  # type: ignore[no-untyped-def]
     from sklearn.datasets import load_diabetes
 
     x, y = load_diabetes(return_X_y=True)  # targets 25..346: an MSE in the tens of thousands
+    if standardised:  # what a StandardScaler stage makes of the features
+        x = (x - x.mean(axis=0)) / x.std(axis=0)
     rows = [(r.tolist(), float(t)) for r, t in zip(x, y, strict=True)]
     return spark.createDataFrame(rows, "features array<double>, label double").repartition(2)
 
@@ -39,13 +41,15 @@ def test_a_diverging_fit_stops_with_the_step_and_is_not_resubmitted(spark, strat
 def test_the_ml_regressor_says_why_instead_of_returning_nan(spark):  # type: ignore[no-untyped-def]
     from sparktrain.ml import TorchRegressor
 
+    # the estimator's defaults before labelScaling (SGD at 0.01, 10 epochs), on scaled
+    # features and raw targets: the run that used to end in NaN predictions
     reg = TorchRegressor(
         modelFn="sparktrain.models:mlp",
         modelKwargs={"in_features": 10, "hidden": [32], "out_features": 1},
-        learningRate=1.0,
-        maxEpochs=5,
-        optimizer="sgd",  # the defaults before issue 18, which diverge on raw targets
+        optimizer="sgd",
+        learningRate=0.01,
+        maxEpochs=10,
         labelScaling=False,
     )
     with pytest.raises(DivergedError, match="StandardScaler"):
-        reg.fit(_diabetes_frames(spark))
+        reg.fit(_diabetes_frames(spark, standardised=True))
