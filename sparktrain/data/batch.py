@@ -22,7 +22,7 @@ parameter out.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -293,9 +293,3 @@ def sample_batch(layout: Layout, samples: dict[str, Any] | None = None, rows: in
         else:
             columns.append(np.zeros((rows, c.width), _numpy_dtype(c.stored_dtype)))
     return collator.batch(columns, None, None, partition=-1)
-
-
-def iter_slices(n: int, size: int) -> Iterator[np.ndarray]:
-    """Row indices ``0..n`` in consecutive slices of at most ``size``."""
-    for start in range(0, n, size):
-        yield np.arange(start, min(start + size, n))

@@ -348,10 +348,6 @@ class _Ingest:
         self.bad_rows = [0] * len(layout.columns)
         self.spilling = False
 
-    @property
-    def width(self) -> int:
-        return self.layout.width
-
     def add(
         self,
         columns: Sequence[np.ndarray | Chunk],
