@@ -31,10 +31,20 @@ def diverged(
 def check_finite_weights(params: Sequence[torch.Tensor], epoch: int, lr: float) -> None:
     """Stop when a step left a non-finite weight: no such model is returned."""
     with torch.no_grad():
-        bad = [i for i, p in enumerate(params) if not bool(torch.isfinite(p).all())]
+        bad = [i for i, p in enumerate(params) if not _finite(p)]
     if bad:
         raise DivergedError(
             f"epoch {epoch + 1}: {len(bad)} of {len(params)} parameter tensors hold NaN or "
             f"infinite values after the update, so training stopped. Try a lower lr (now "
             f"{lr:g}) or standardising the features and the label"
         )
+
+
+# isfinite() builds temporaries as large as its input: a parameter near the memory bound
+# is checked a slice at a time
+_CHECK_SLICE = 1 << 20
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    flat = tensor.detach().reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(_CHECK_SLICE))

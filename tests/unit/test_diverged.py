@@ -85,3 +85,13 @@ def test_a_diverged_run_is_final_on_the_driver():
     err = WorkerError.from_spark(RuntimeError(text))
     assert isinstance(err, DivergedError)
     assert not isinstance(err, WorkerError | CommError)  # the stage runner retries only those
+
+
+def test_weights_are_checked_slice_by_slice_to_the_last_value():
+    from sparktrain.worker import divergence
+
+    big = torch.zeros(3 * divergence._CHECK_SLICE + 5)
+    check_finite_weights([big], 0, 0.1)
+    big[-1] = float("inf")  # in the short last slice
+    with pytest.raises(DivergedError, match="1 of 1 parameter tensors"):
+        check_finite_weights([big], 0, 0.1)
