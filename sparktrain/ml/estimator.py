@@ -80,16 +80,11 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         cfg, model_fn, model_kwargs = self._resolve()
         if not self._is_plain_fit():
             return self._fit_typed(dataset, cfg, model_fn, model_kwargs)
-        features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
+        features_col = self.getFeaturesCol()
         features = _features_as_float_array(dataset, features_col, "fit")
-        _check_label_column(dataset, label_col)
-        weight_col = self.getWeightCol() if self.isDefined(self.weightCol) else None
-        if weight_col:
-            _check_weight_column(dataset, weight_col)
-
-        # Import and build the model once here: an unimportable modelFn fails before Spark.
-        torch.manual_seed(cfg.seed)
-        module = build_module(model_fn, model_kwargs)
+        label_col, weight_col, module = self._checked_labels_and_module(
+            dataset, cfg, model_fn, model_kwargs
+        )
         stats = _column_stats(dataset, features, label_col)
         width = _check_stats(stats, features_col, label_col)
         num_outputs = _num_outputs(module, width)
@@ -109,6 +104,20 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         )
         return self._copyValues(model)
 
+    def _checked_labels_and_module(
+        self, dataset: DataFrame, cfg: Any, model_fn: str, model_kwargs: dict[str, Any]
+    ) -> tuple[str, str | None, torch.nn.Module]:
+        """(label column, weight column or None, the model built once, seeded): checks
+        the label and weight columns, and imports and builds the model here, so that an
+        unimportable modelFn fails before Spark."""
+        label_col = self.getLabelCol()
+        _check_label_column(dataset, label_col)
+        weight_col = self.getWeightCol() if self.isDefined(self.weightCol) else None
+        if weight_col:
+            _check_weight_column(dataset, weight_col)
+        torch.manual_seed(cfg.seed)
+        return label_col, weight_col or None, build_module(model_fn, model_kwargs)
+
     def _fit_typed(
         self, dataset: DataFrame, cfg: Any, model_fn: str, model_kwargs: dict[str, Any]
     ) -> M:
@@ -122,14 +131,9 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
                     f"fit: the input has no column {source!r} ({param}); its columns are "
                     f"{dataset.columns}. Call set{param[0].upper()}{param[1:]}(...)"
                 )
-        label_col = self.getLabelCol()
-        _check_label_column(dataset, label_col)
-        weight_col = self.getWeightCol() if self.isDefined(self.weightCol) else None
-        if weight_col:
-            _check_weight_column(dataset, weight_col)
-
-        torch.manual_seed(cfg.seed)
-        module = build_module(model_fn, model_kwargs)
+        label_col, weight_col, module = self._checked_labels_and_module(
+            dataset, cfg, model_fn, model_kwargs
+        )
         trainer = Trainer(model_fn, cfg, model_kwargs=model_kwargs, spark=dataset.sparkSession)
         # The Trainer's own column checks and model probe, run once here for the model's
         # number of outputs, which the labels are checked against; the label job runs

@@ -42,7 +42,7 @@ from sparktrain.worker.divergence import check_finite_weights, diverged
 from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
 from sparktrain.worker.memory import peak_anon_bytes, peak_rss_bytes, reset_peak_rss, sample_anon
 from sparktrain.worker.prefetch import Prefetcher
-from sparktrain.worker.probe import resolve_auto
+from sparktrain.worker.probe import needs_auto, resolve_auto
 from sparktrain.worker.state import digest, return_state, start_from_rank0
 from sparktrain.worker.sync import StepSync, load_rank_state, make_sync, rank_state
 
@@ -152,10 +152,14 @@ def _train(
     # one collator per worker: decode/collate hooks are imported once
     collator = Collator(train.layout)
     targets_dtype = label_dtype(cfg.loss)
-    # strategy/compression "auto": probe the links, then build the sync from the choice
-    sample = train.batch(np.arange(min(cfg.batch_size, train.size)), collator, ctx.rank)
-    assert sample.labels is not None
-    ctx, auto = resolve_auto(ctx, mesh, model, loss_fn, sample, sample.labels.to(targets_dtype))
+    # strategy/compression "auto": probe the links (timing one real batch), then build
+    # the sync from the choice
+    auto = None
+    if needs_auto(cfg.strategy, cfg.compression):
+        sample = train.batch(np.arange(min(cfg.batch_size, train.size)), collator, ctx.rank)
+        assert sample.labels is not None
+        labels = sample.labels.to(targets_dtype)
+        ctx, auto = resolve_auto(ctx, mesh, model, loss_fn, sample, labels)
     sync = make_sync(ctx, model, mesh)
     # epoch figures are a handful of float64 sums: latency-bound, so always the tree
     reduce_sums = make_allreduce("tree", mesh)
