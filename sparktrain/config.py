@@ -28,6 +28,11 @@ LINK_PROFILES = ("none", "lan", "5g", "4g", "wan")
 """Named link-emulation profiles; their figures live in :mod:`sparktrain.comm.link`."""
 OPTIMIZERS = ("sgd", "adam", "adamw")
 ENCRYPTIONS = ("none", "tls")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULE_INTERVALS = ("step", "epoch")
+METRICS = ("accuracy", "top_k:K", "macro_f1", "auc", "log_loss", "rmse", "mae", "r2")
+"""Validation metrics by name (``top_k:5``: top-5 accuracy); see ``worker/scores.py``."""
+EARLY_STOPPING_KEYS = ("metric", "mode", "patience", "min_delta", "restore_best")
 
 
 @dataclass
@@ -162,6 +167,47 @@ class TrainConfig:
     aggregation_depth, local_steps:
         ``tree_aggregate``: depth of ``RDD.treeAggregate``, and local SGD steps per round
         (1 = synchronous mini-batch gradient; k > 1 averages model deltas, FedAvg-style).
+    lr_schedule, lr_schedule_kwargs, lr_schedule_interval, warmup_steps:
+        A ``torch.optim.lr_scheduler`` class by name (``"CosineAnnealingLR"``,
+        ``"StepLR"``, ``"OneCycleLR"``, ``"ReduceLROnPlateau"``, ...; ``"none"``: a
+        constant rate) with its keyword arguments, stepped after every optimizer step
+        (``"step"``) or every epoch (``"epoch"``). ``CosineAnnealingLR`` without ``T_max``
+        and ``OneCycleLR`` without ``total_steps`` span the whole run;
+        ``ReduceLROnPlateau`` watches the reported metric ``monitor`` (default
+        ``"loss"``) once an epoch. ``warmup_steps`` > 0 ramps the rate linearly from
+        ``lr / warmup_steps`` to the schedule's over the first optimizer steps. The
+        schedule's state is checkpointed.
+    precision:
+        ``"fp32"``, ``"bf16"`` (autocast to bfloat16: CPU and GPU) or ``"fp16"`` (autocast
+        to float16 with a gradient scaler; meant for CUDA). Parameters and optimizer state
+        stay float32.
+    fp16_skip_limit:
+        Under ``precision="fp16"`` the gradient scaler skips steps whose gradients
+        overflow, which is normal; the run stops only after this many consecutive steps
+        with a non-finite loss.
+    accumulate_steps:
+        Mini-batches whose gradients are summed before one exchange and optimizer step:
+        the step equals one on a batch ``accumulate_steps`` times larger.
+    clip_grad_norm:
+        Clip the averaged gradients to this global L2 norm before the step (0 = off);
+        every replica clips the same averaged gradients alike.
+    early_stopping:
+        ``{metric = "accuracy", mode = "max", patience = 3, min_delta = 0.0,
+        restore_best = false}``: stop when the reported ``metric`` has not improved by more
+        than ``min_delta`` for ``patience`` epochs (reports, under ``sparktrain.run``);
+        ``mode`` defaults to ``min`` for names containing ``loss``, ``rmse``, ``mae`` or
+        ``error`` and ``max`` otherwise. With ``restore_best`` the returned model is the
+        best epoch's. Decided on rank 0 and agreed by every rank at the same step.
+    metrics:
+        Extra validation metrics computed over the whole validation set across ranks
+        (exact, not an average of per-rank figures): ``accuracy``, ``top_k:K``,
+        ``macro_f1``, ``auc`` (binary), ``log_loss``, ``rmse``, ``mae``, ``r2``, or from
+        Python a callable ``(outputs, labels) -> float`` on the gathered set.
+    tensorboard_dir, mlflow_tracking_uri, mlflow_experiment:
+        Log per-epoch metrics as TensorBoard event files into this directory (extra
+        ``sparktrain[tensorboard]``), and the run's parameters, per-epoch metrics and
+        final model to this MLflow tracking URI under this experiment (extra
+        ``sparktrain[mlflow]``). Empty: off.
     """
 
     strategy: str = "ring"
@@ -218,6 +264,19 @@ class TrainConfig:
     max_param_mb: float = 0.0
     aggregation_depth: int = 2
     local_steps: int = 1
+    lr_schedule: str = "none"
+    lr_schedule_kwargs: dict[str, Any] = field(default_factory=dict)
+    lr_schedule_interval: str = "step"
+    warmup_steps: int = 0
+    precision: str = "fp32"
+    fp16_skip_limit: int = 10
+    accumulate_steps: int = 1
+    clip_grad_norm: float = 0.0
+    early_stopping: dict[str, Any] = field(default_factory=dict)
+    metrics: list[str | Callable[..., Any]] = field(default_factory=list)
+    tensorboard_dir: str = ""
+    mlflow_tracking_uri: str = ""
+    mlflow_experiment: str = "sparktrain"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -302,6 +361,7 @@ class TrainConfig:
                 f"label_scaling standardises regression targets; loss={self.loss!r} takes "
                 "class labels: set label_scaling=false"
             )
+        _check_loop_options(self)
         strategy.validate(self)
 
     # ------------------------------------------------------------------ building
@@ -488,7 +548,105 @@ def _check_compression(spec: Any, optimizer_kwargs: Any = None) -> None:
 # Fields that live in a TOML table: the table name, then the key.
 _TABLES = ("parallelism", "link")
 # Keys whose value may itself be a table (kept whole, not flattened into dotted keys).
-_DICT_KEYS = ("compression", "feature_shapes", "feature_dtypes", "decode", "collate")
+_DICT_KEYS = (
+    "compression",
+    "feature_shapes",
+    "feature_dtypes",
+    "decode",
+    "collate",
+    "early_stopping",
+)
+
+
+def _check_loop_options(cfg: TrainConfig) -> None:
+    """The loop's schedule, precision, accumulation, clipping, early stopping, metrics."""
+    name = cfg.lr_schedule
+    if name != "none":
+        import torch.optim.lr_scheduler as schedulers  # only when a schedule is named
+
+        def is_schedule(n: object) -> bool:
+            cls = getattr(schedulers, n, None) if isinstance(n, str) else None
+            return (
+                isinstance(cls, type)
+                and n not in _NOT_SCHEDULES
+                and hasattr(cls, "step")
+                and hasattr(cls, "state_dict")
+            )
+
+        if not is_schedule(name):
+            known = sorted(n for n in dir(schedulers) if is_schedule(n))
+            raise ConfigError(
+                f"lr_schedule={name!r} is not a torch.optim.lr_scheduler class; use 'none' or "
+                f"one of {', '.join(known)}"
+            )
+    if not isinstance(cfg.lr_schedule_kwargs, dict):
+        raise ConfigError("lr_schedule_kwargs must be a table/dict, e.g. {T_max = 1000}")
+    _one_of("lr_schedule_interval", cfg.lr_schedule_interval, SCHEDULE_INTERVALS)
+    _at_least("warmup_steps", cfg.warmup_steps, 0)
+    _one_of("precision", cfg.precision, PRECISIONS)
+    _at_least("fp16_skip_limit", cfg.fp16_skip_limit, 1)
+    _at_least("accumulate_steps", cfg.accumulate_steps, 1)
+    value = cfg.clip_grad_norm
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise ConfigError(f"clip_grad_norm={value!r} must be a number >= 0 (0 = no clipping)")
+    _check_early_stopping(cfg.early_stopping)
+    if not isinstance(cfg.metrics, list):
+        raise ConfigError(
+            f'metrics must be a list, e.g. ["macro_f1", "top_k:3"]; got {cfg.metrics!r}'
+        )
+    for metric in cfg.metrics:
+        check_metric_name(metric)
+    for key in ("tensorboard_dir", "mlflow_tracking_uri", "mlflow_experiment"):
+        if not isinstance(getattr(cfg, key), str):
+            raise ConfigError(f"{key} must be a string")
+
+
+# torch.optim.lr_scheduler's names that are not schedules a run can name on its own
+_NOT_SCHEDULES = ("LRScheduler", "SequentialLR", "ChainedScheduler", "Optimizer")
+
+
+def check_metric_name(metric: Any) -> None:
+    """A validation metric by name (``top_k:K`` with an integer K >= 1) or a callable."""
+    if callable(metric):
+        return
+    if isinstance(metric, str):
+        if metric in METRICS and metric != "top_k:K":
+            return
+        head, sep, k = metric.partition(":")
+        if head == "top_k" and sep and k.isdigit() and int(k) >= 1:
+            return
+    raise ConfigError(
+        f"metrics: {metric!r} is not a metric; use one of {', '.join(METRICS)} (e.g. "
+        "'top_k:5') or, from Python, a callable (outputs, labels) -> float"
+    )
+
+
+def _check_early_stopping(table: Any) -> None:
+    if not isinstance(table, dict):
+        raise ConfigError(
+            'early_stopping must be a table, e.g. {metric = "accuracy", patience = 3}'
+        )
+    if not table:
+        return
+    unknown = sorted(set(table) - set(EARLY_STOPPING_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"early_stopping: unknown key(s) {', '.join(unknown)}; allowed: "
+            f"{', '.join(EARLY_STOPPING_KEYS)}"
+        )
+    if not isinstance(table.get("metric"), str) or not table["metric"]:
+        raise ConfigError(
+            'early_stopping needs the metric to watch, e.g. {metric = "accuracy"} (any name '
+            "the run reports: loss, the validation metric, a metrics entry, or a report key)"
+        )
+    if table.get("mode", "min") not in ("min", "max"):
+        raise ConfigError(f"early_stopping.mode={table['mode']!r} must be 'min' or 'max'")
+    _at_least("early_stopping.patience", table.get("patience", 1), 1)
+    delta = table.get("min_delta", 0.0)
+    if not isinstance(delta, int | float) or isinstance(delta, bool) or delta < 0:
+        raise ConfigError(f"early_stopping.min_delta={delta!r} must be a number >= 0")
+    if not isinstance(table.get("restore_best", False), bool):
+        raise ConfigError("early_stopping.restore_best must be true or false")
 
 
 def _check_column_options(cfg: TrainConfig) -> None:
