@@ -1,7 +1,8 @@
 """sparktrain: distributed PyTorch training on Apache Spark.
 
-The public API is these three names; everything else is reached through them, the
-``sparktrain`` command line, or ``jobs/*.py`` for spark-submit.
+The public API is these five names (``run`` takes your own training loop); everything
+else is reached through them, the ``sparktrain`` command line, or ``jobs/*.py`` for
+spark-submit.
 
 They are imported on first use (PEP 562), not with the package: ``import
 sparktrain.session`` then costs no torch import, so :func:`sparktrain.session.get_or_create_session`
@@ -16,13 +17,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
     from sparktrain.result import TrainResult
+    from sparktrain.runner import RunResult, run
     from sparktrain.trainer import Trainer
 
-__all__ = ["TrainConfig", "TrainResult", "Trainer"]
+__all__ = ["RunResult", "TrainConfig", "TrainResult", "Trainer", "run"]
 __version__ = "0.1.0"
 
 _HOMES = {"TrainConfig": "sparktrain.config", "Trainer": "sparktrain.trainer"}
 _HOMES["TrainResult"] = "sparktrain.result"
+_HOMES["run"] = _HOMES["RunResult"] = "sparktrain.runner"
 
 
 def __getattr__(name: str) -> Any:

@@ -57,6 +57,16 @@ class Batch:
         first = next(iter(self.inputs.values()))
         return int(first.shape[0])
 
+    @property
+    def x(self) -> torch.Tensor:
+        """The one input of a single-column batch (``batch.inputs[key]`` otherwise)."""
+        if len(self.inputs) != 1:
+            raise KeyError(
+                f"this batch has {len(self.inputs)} inputs ({', '.join(self.inputs)}): "
+                "read batch.inputs[name]"
+            )
+        return next(iter(self.inputs.values()))
+
     def to(self, device: torch.device | str) -> Batch:
         """The same batch on ``device``."""
 

@@ -21,9 +21,11 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from sparktrain.checkpoint import CheckpointStore, check_shared, open_for_run
 from sparktrain.comm.security import WireSecurity
@@ -72,6 +74,9 @@ class FitJob:
     num_outputs: int
     started: float
     fault: FaultPlan | None = None
+    callbacks: Sequence[Any] = ()
+    # sparktrain.run: rank 0's tensors land here as sent (no driver model to check against)
+    received: dict[str, torch.Tensor] | None = None
 
     def job_spec(self, strategy: Strategy | None) -> JobSpec:
         """A new job's spec for attempt 0 (a fresh job id and secret)."""
@@ -190,8 +195,9 @@ def train_in_stage(
                 driver,
                 display,
                 entry=entry,
-                model=job.model,
+                model=job.model if job.received is None else None,
                 senders=senders,
+                received=job.received,
             )
         finally:
             driver.stop()
@@ -212,8 +218,9 @@ def run_stage(
     display: ProgressDisplay,
     *,
     entry: TaskEntry,
-    model: nn.Module,
+    model: nn.Module | None,
     senders: Mapping[int, Collection[str]] | None = None,
+    received: dict[str, torch.Tensor] | None = None,
 ) -> StageOutcome:
     """The attempt loop: launch, and on a worker or wire failure resubmit the stage
     (``max_restarts`` times at most) from where ``driver`` says it resumes."""
@@ -225,7 +232,7 @@ def run_stage(
         driver.begin_attempt(attempt)
         spec = dataclasses.replace(base, attempt=attempt, resume_step=step, resume_history=history)
         try:
-            records = _attempt(sc, prepared, spec, display, entry, model, senders)
+            records = _attempt(sc, prepared, spec, display, entry, model, senders, received)
             return StageOutcome(records, restarts, steps_redone, time.perf_counter() - launched)
         except (WorkerError, CommError) as exc:  # data and config errors are final
             if attempt >= cfg.max_restarts:
@@ -251,12 +258,14 @@ def _attempt(
     spec: JobSpec,
     display: ProgressDisplay,
     entry: TaskEntry,
-    model: nn.Module,
+    model: nn.Module | None,
     senders: Mapping[int, Collection[str]] | None,
+    received: dict[str, torch.Tensor] | None = None,
 ) -> list[Record]:
     """One barrier stage with its own progress channel, rendezvous and state receiver:
     the ranks stream their trained state straight into ``model``
-    (:mod:`sparktrain.launch.state_server`), not as task results."""
+    (:mod:`sparktrain.launch.state_server`), not as task results; without a model,
+    rank 0's tensors as sent go into ``received``."""
     host = driver_host(sc)
     # every service authenticates this job's tasks of this attempt only
     job: dict[str, Any] = {
@@ -291,6 +300,9 @@ def _attempt(
                 f"the trained state did not reach the driver ({receiver.error}); "
                 "this is a bug, please report it"
             )
+        if received is not None:
+            received.clear()
+            received.update(receiver.received)
         return records
     finally:
         for service in reversed(services):

@@ -26,6 +26,7 @@ import json
 import logging
 import threading
 from collections.abc import Collection, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,14 +46,18 @@ class StateReceiver(DriverService):
     """Receives the trained state into ``model``: every key from rank 0 (``senders``
     None), or from each rank of ``senders`` the keys it maps to, which must split the
     model's state dict into disjoint parts that together cover it. :attr:`done` is set
-    once every part is in place."""
+    once every part is in place.
+
+    With ``model=None`` rank 0's tensors are taken as they come (``sparktrain.run``'s
+    return value, whose layout only rank 0 knows): new tensors in the sent layout, in
+    :attr:`received`."""
 
     name = "state"
 
     def __init__(
         self,
         host: str,
-        model: nn.Module,
+        model: nn.Module | None,
         *,
         secret: bytes,
         job_id: str,
@@ -60,7 +65,9 @@ class StateReceiver(DriverService):
         security: WireSecurity | None = None,
         senders: Mapping[int, Collection[str]] | None = None,
     ) -> None:
-        targets = model.state_dict(keep_vars=False)
+        self._free = model is None
+        self.received: dict[str, torch.Tensor] = {}
+        targets = model.state_dict(keep_vars=False) if model is not None else {}
         if senders is None:
             senders = {0: list(targets)}
         self._parts = _split(targets, senders)
@@ -95,6 +102,8 @@ class StateReceiver(DriverService):
             ranks = ", ".join(map(str, sorted(self._parts)))
             verb = "returns it" if len(self._parts) == 1 else "return it"
             problem: str | None = f"rank {rank} sent a state; only rank {ranks} {verb}"
+        elif self._free:
+            part, problem = _allocate(layout)
         else:
             problem = _mismatch(part, layout)
         if problem is None and not 0 < step <= conn.max_frame_bytes:
@@ -122,6 +131,8 @@ class StateReceiver(DriverService):
                     tensor.copy_(tmp)
                 got += tensor.numel() * tensor.element_size()
         with self._state_lock:
+            if self._free:
+                self.received = part
             self._arrived[rank] = got
             self.received_bytes = sum(self._arrived.values())
             if len(self._arrived) == len(self._parts):
@@ -134,6 +145,24 @@ class StateReceiver(DriverService):
         """The senders whose part has not arrived yet."""
         with self._state_lock:
             return sorted(set(self._parts) - set(self._arrived))
+
+
+def _allocate(layout: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Empty tensors for a sent layout, or why the layout is not one."""
+    part: dict[str, torch.Tensor] = {}
+    try:
+        for item in layout:
+            dtype = getattr(torch, str(item["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                return {}, f"tensor {item['name']!r}: unknown dtype {item['dtype']!r}"
+            shape = [int(n) for n in item["shape"]]
+            tensor = torch.empty(shape, dtype=dtype)
+            if tensor.numel() * tensor.element_size() != int(item["nbytes"]):
+                return {}, f"tensor {item['name']!r}: {item['nbytes']} bytes for shape {shape}"
+            part[str(item["name"])] = tensor
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        return {}, f"malformed layout: {exc}"
+    return part, None
 
 
 def _split(

@@ -58,6 +58,8 @@ class JobSpec:
     layout: Layout | None = None
     # the label_scaling std (1: labels as they are): metrics back in label units
     label_scale: float = 1.0
+    # sparktrain.run: the user's train_fn (a callable or "package.module:function")
+    train_fn: Any = None
 
     @property
     def data_layout(self) -> Layout:

@@ -83,18 +83,19 @@ def train_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
 
 
 def rendezvous(
-    ctx: WorkerContext, data: PartitionData
+    ctx: WorkerContext, data: PartitionData, *, builtin_loop: bool = True
 ) -> tuple[Mesh, list[dict[str, Any]], PartitionData, PartitionData]:
     """Split off validation rows, check labels, then one ``all_gather`` of (listener
     address, row counts, error): every rank learns its peers, and if any rank found bad
     data *all* ranks raise before a socket is used. Returns the mesh, every rank's info,
-    and this rank's train and validation rows."""
+    and this rank's train and validation rows. The built-in loop needs training rows and
+    (cross-entropy) labels in range; ``sparktrain.run`` leaves both to its train_fn."""
     job, cfg = ctx.job, ctx.job.config
     problem: str | None = None
     train, val = data, data
     try:
         train, val = data.split(cfg.validation_fraction, cfg.seed, ctx.rank)
-        if cfg.loss == "cross_entropy":
+        if builtin_loop and cfg.loss == "cross_entropy":
             check_labels(data.y, job.num_outputs, ctx.rank)
     except errors.SparkTrainError as exc:
         problem = f"{type(exc).__name__}: {exc}"
@@ -103,7 +104,7 @@ def rendezvous(
         mine = {"address": address_of(listener), "train": train.size, "val": val.size}
         infos = [json.loads(s) for s in ctx.all_gather(json.dumps({**mine, "error": problem}))]
         raise_first_error(infos)
-        if sum(i["train"] for i in infos) == 0:
+        if builtin_loop and sum(i["train"] for i in infos) == 0:
             raise errors.DataError("the training data is empty on every worker")
         mesh = Mesh(
             ctx.rank,

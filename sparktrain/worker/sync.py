@@ -253,6 +253,14 @@ class AllreduceSync:
     def step(self, count: int) -> None:
         """Reduce the buckets not yet handed over, wait for all (bounded), average, and
         take the optimizer step; ``count`` as given to :meth:`begin_step`."""
+        self.reduce(count)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def reduce(self, count: int) -> None:
+        """:meth:`step` without the optimizer step: leaves every rank's gradients
+        replaced by their sample-weighted average (for a caller that steps itself, e.g.
+        after clipping the averaged gradients)."""
         if not self.overlap or self._worker is None or self._ready is None:
             self.buckets.begin(count)
             self._total = None
@@ -277,8 +285,6 @@ class AllreduceSync:
                 raise self.mesh.abort(error) from exc
         assert self._total is not None
         self.buckets.finish(self._total)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
 
     def stats(self) -> dict[str, Any]:
         """Bucket and overlap figures; with compression, per-bucket and per-spec bytes

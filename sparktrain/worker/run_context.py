@@ -1,0 +1,602 @@
+"""``ctx``: what a user's ``train_fn`` sees in every task of :func:`sparktrain.run`.
+
+One :class:`RunContext` per rank gives the rank's place in the world, its partition's
+batches, collectives between the ranks, reports that reach the driver, checkpoints that
+survive a restarted stage, and :meth:`RunContext.distributed`, which turns a model and an
+optimizer into data-parallel ones whose ``optimizer.step()`` averages gradients through
+the configured strategy.
+
+Every collective (``allreduce``, ``broadcast``, ``barrier``, ``report``,
+``checkpoint``, the distributed ``step``) must be called by every rank, in the same
+order: they are the same collectives the built-in loop uses, and a rank that skips one
+leaves its peers waiting until ``comm_timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from sparktrain.checkpoint import RANK_SHARDS, Checkpoint, CheckpointStore
+from sparktrain.comm import Mesh, TreeAllreduce, make_allreduce
+from sparktrain.comm.chunked import broadcast_, chunk_bytes_for
+from sparktrain.comm.ring import DEFAULT_CHUNK_BYTES
+from sparktrain.data.batch import Batch, Collator
+from sparktrain.errors import CheckpointError, ConfigError
+from sparktrain.metrics import MetricsClient
+from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.data import PartitionData, epoch_batches
+from sparktrain.worker.divergence import diverged
+from sparktrain.worker.early_stop import EarlyStopping
+from sparktrain.worker.precision import Precision
+from sparktrain.worker.prefetch import Prefetcher
+from sparktrain.worker.schedule import LrSchedule
+from sparktrain.worker.state import byte_view, start_from_rank0
+from sparktrain.worker.sync import AllreduceSync, StepSync, load_rank_state, make_sync, rank_state
+
+REDUCE_OPS = ("mean", "sum", "max", "min")
+_SMALL_BYTES = 1 << 16  # below this an allreduce is latency-bound: the tree
+
+
+class RunContext:
+    """One rank's handle on the run (see the module docstring).
+
+    Attributes
+    ----------
+    rank, world_size:
+        This task's rank and the number of tasks.
+    device:
+        Where the model and batches belong (``cpu`` on CPU executors).
+    config:
+        The run's :class:`~sparktrain.config.TrainConfig`.
+    steps_per_epoch:
+        Batches :meth:`batches` yields per epoch, the same on every rank.
+    history:
+        The reports so far (reduced across ranks), as the driver records them.
+    """
+
+    def __init__(
+        self,
+        task: WorkerContext,
+        mesh: Mesh,
+        train: PartitionData,
+        val: PartitionData,
+        *,
+        steps_per_epoch: int,
+        reporter: MetricsClient | None = None,
+        store: CheckpointStore | None = None,
+    ) -> None:
+        spec = task.job
+        self.rank = task.rank
+        self.world_size = task.world_size
+        self.device = torch.device("cpu")
+        self.config = spec.config
+        self.steps_per_epoch = steps_per_epoch
+        self.history: list[dict[str, Any]] = []
+        self.global_step = 0  # batches yielded by batches(), over all epochs
+        self._task = task
+        self._mesh = mesh
+        self._train = train
+        self._val = val
+        self._collator = Collator(train.layout)
+        self._reporter = reporter
+        self._store = store
+        self._tree = TreeAllreduce(mesh)
+        self._ring = make_allreduce(
+            "ring", mesh, chunk_bytes=max(8, min(DEFAULT_CHUNK_BYTES, mesh.max_frame_bytes))
+        )
+        self._early = EarlyStopping(self.config.early_stopping)
+        self.should_stop = False
+        self._distributed: DistributedStep | None = None
+        self._restored: Checkpoint | None = None
+        self._started = time.perf_counter()
+        self._last_report = self._started
+        self.comm_s = 0.0
+        self.data_wait_s = 0.0
+
+    # ------------------------------------------------------------------ data
+    @property
+    def train_rows(self) -> int:
+        """This rank's training rows."""
+        return self._train.size
+
+    @property
+    def val_rows(self) -> int:
+        """This rank's validation rows."""
+        return self._val.size
+
+    def batches(self, epoch: int) -> Iterator[Batch]:
+        """This rank's training batches of ``epoch``: shuffled by ``(seed, rank,
+        epoch)``, ``config.batch_size`` rows each, gathered (and decoded) on a
+        background thread. Every rank yields :attr:`steps_per_epoch` batches: a rank
+        with fewer rows starts over from the beginning of its epoch's order, so steps
+        stay matched across ranks. With :meth:`distributed`, the batch that closes an
+        accumulated step arms the gradient exchange to overlap with its backward."""
+        cfg = self.config
+        if self._train.size == 0:
+            raise ConfigError(
+                f"rank {self.rank} has no training rows: call batches() only with data "
+                "(sparktrain.run(train_fn, data=...))"
+            )
+        rng = np.random.default_rng([cfg.seed, self.rank, epoch]) if cfg.shuffle else None
+        order = list(
+            epoch_batches(self._train.size, cfg.batch_size, rng, cfg.drop_last, cfg.shuffle_window)
+        )
+        if not order:  # drop_last on a partition smaller than a batch
+            order = list(epoch_batches(self._train.size, cfg.batch_size, rng))
+        plan = [order[i % len(order)] for i in range(self.steps_per_epoch)]
+        make = functools.partial(_gather, self._train, plan, self._collator, self.rank)
+        prefetch = Prefetcher(make, range(len(plan)), cfg.prefetch_batches)
+        fault = self._task.job.fault
+        try:
+            for i in range(len(plan)):
+                if fault is not None:
+                    fault.maybe_fire(self.rank, self.global_step)
+                batch = prefetch.next()
+                self.global_step += 1
+                if self._distributed is not None:
+                    self._distributed.before_backward(batch, plan, i)
+                yield batch
+        finally:
+            prefetch.close()
+            self.data_wait_s += prefetch.wait_s
+
+    def val_batches(self, batch_size: int | None = None) -> Iterator[Batch]:
+        """This rank's validation rows in order (a held-out ``validation_fraction``, or
+        the rows of ``validation_data``); no collective, so ranks may hold different
+        numbers of them."""
+        size = batch_size or max(self.config.batch_size, 256)
+        for start in range(0, self._val.size, size):
+            idx = np.arange(start, min(start + size, self._val.size))
+            yield self._val.batch(idx, self._collator, self.rank)
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` over the ranks in place (``sum``, ``mean``, ``max``,
+        ``min``) and return it; every rank gets bitwise the same result."""
+        if op not in REDUCE_OPS:
+            raise ConfigError(f"allreduce op={op!r}: use one of {', '.join(REDUCE_OPS)}")
+        started = time.perf_counter()
+        if tensor.dtype in (torch.float32, torch.float64) and tensor.is_contiguous():
+            buf = tensor.detach().reshape(-1).numpy()
+            self._reduce_array(buf, op)
+        else:  # integers, halves, strided: through a float64 copy
+            flat = tensor.detach().to(torch.float64).contiguous().reshape(-1)
+            self._reduce_array(flat.numpy(), op)
+            with torch.no_grad():
+                tensor.copy_(flat.reshape(tensor.shape).to(tensor.dtype))
+        self.comm_s += time.perf_counter() - started
+        return tensor
+
+    def _reduce_array(self, buf: np.ndarray, op: str) -> None:
+        if op in ("max", "min"):
+            self._tree.allreduce_(buf, add=_maximum if op == "max" else _minimum)
+            return
+        if buf.nbytes <= _SMALL_BYTES:
+            self._tree.allreduce_(buf)
+        else:
+            self._ring.allreduce_(buf)
+        if op == "mean":
+            buf /= self.world_size
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s, bitwise, and return it."""
+        if not 0 <= src < self.world_size:
+            raise ConfigError(f"broadcast src={src} is not a rank of a world of {self.world_size}")
+        started = time.perf_counter()
+        target = tensor if tensor.is_contiguous() else tensor.contiguous()
+        view = byte_view(target)
+        if src == 0:
+            broadcast_(self._mesh, [view], chunk_bytes_for(self._mesh.max_frame_bytes))
+        else:
+            blobs = self._tree.allgather(view.copy(), max_bytes=view.nbytes)
+            view[:] = blobs[src]
+        if target is not tensor:
+            with torch.no_grad():
+                tensor.copy_(target)
+        self.comm_s += time.perf_counter() - started
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait until every rank got here."""
+        self._tree.allreduce_(np.zeros(1))
+
+    # ------------------------------------------------------------------ reports
+    def report(
+        self, *, reduce: Mapping[str, str] | None = None, **metrics: float
+    ) -> dict[str, Any]:
+        """Record figures of this point of the run (every rank, the same names): each
+        is reduced across ranks (``mean`` unless ``reduce`` names ``sum``, ``max`` or
+        ``min`` for it), added to :attr:`history`, sent to the driver (progress,
+        ``metrics_jsonl``, callbacks, loggers) and fed to early stopping: read
+        :attr:`should_stop` afterwards. Returns the reduced record."""
+        reduce = dict(reduce or {})
+        names = sorted(metrics)
+        for name, op in reduce.items():
+            if name not in metrics or op not in REDUCE_OPS:
+                raise ConfigError(
+                    f"report reduce={{{name!r}: {op!r}}}: name a reported figure and one of "
+                    f"{', '.join(REDUCE_OPS)}"
+                )
+        values = {}
+        for name in names:
+            value = metrics[name]
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ConfigError(f"report {name}={value!r}: report numbers only")
+            values[name] = float(value)
+        self._check_same_names(names, reduce)
+        record: dict[str, Any] = {"epoch": len(self.history)}
+        for op in REDUCE_OPS:
+            group = [n for n in names if reduce.get(n, "mean") == op]
+            if group:
+                buf = np.array([values[n] for n in group], dtype=np.float64)
+                self._reduce_array(buf, op)
+                record.update(zip(group, buf.tolist(), strict=True))
+        now = time.perf_counter()
+        record["seconds"] = now - self._last_report
+        self._last_report = now
+        self._decide_stop(record)
+        self.history.append(record)
+        if self._reporter is not None:
+            self._reporter.send({"type": "report", **record})
+        return record
+
+    def _check_same_names(self, names: list[str], reduce: Mapping[str, str]) -> None:
+        """Two tiny rounds so that ranks reporting different figures fail with an error
+        instead of mismatched collectives."""
+        key = json.dumps([names, sorted(reduce.items())]).encode()
+        mine = np.array([float(zlib.crc32(key)), float(len(names))])
+        low, high = mine.copy(), mine.copy()
+        self._tree.allreduce_(low, add=_minimum)
+        self._tree.allreduce_(high, add=_maximum)
+        if not np.array_equal(low, high):
+            raise ConfigError(
+                f"rank {self.rank} reported {names}, another rank other figures: every rank "
+                "must call report() with the same names at the same points"
+            )
+
+    def _decide_stop(self, record: dict[str, Any]) -> None:
+        """Rank 0 decides (early stopping), every rank learns it in the same call."""
+        if not self._early.active:
+            return
+        flag = np.zeros(1)
+        if self.rank == 0 and self._early.update(record):
+            flag[0] = 1.0
+        self._tree.allreduce_(flag)
+        self.should_stop = bool(flag[0])
+        if self.should_stop:
+            record["early_stop"] = True
+
+    @property
+    def improved(self) -> bool:
+        """Did the last report set a new best for ``early_stopping.metric`` (rank 0's
+        view; keep-best checkpoints and models use it)?"""
+        return self._early.active and self._early.improved
+
+    @property
+    def early_stopping(self) -> EarlyStopping:
+        """The early-stopping tracker (inactive without ``config.early_stopping``)."""
+        return self._early
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Save ``state`` (tensors, state dicts, numbers, strings, lists, dicts) as a
+        checkpoint in ``config.checkpoint_dir``, with the history so far. Call it on
+        every rank at the same point: rank 0 writes the file, the other ranks their own
+        compressor state when they have any. A restarted stage resumes from the newest
+        one (:meth:`restore`). Without ``checkpoint_dir`` it does nothing."""
+        store = self._store
+        if store is None:
+            return
+        step = self._checkpoint_step(step)
+        sync = self._distributed.sync if self._distributed is not None else None
+        mine = rank_state(sync) if sync is not None else None
+        if mine is not None:
+            store.save_shard(step, self.rank, self.world_size, mine)
+        extra: dict[str, Any] = {
+            "run_state": dict(state),
+            "global_step": self.global_step,
+            "early_stopping": self._early.state_dict(),
+        }
+        if self._distributed is not None:
+            extra["step_state"] = self._distributed.state_dict()
+        if mine is not None:
+            extra[RANK_SHARDS] = self.world_size
+        if self.rank == 0:
+            ckpt = Checkpoint(step, {}, {}, torch.get_rng_state(), list(self.history), extra)
+            store.save(ckpt)
+        self.barrier()  # a restart never finds a checkpoint some rank has not reached
+
+    def _checkpoint_step(self, step: int | None) -> int:
+        last = self._restored.step if self._restored is not None else 0
+        last = max(last, getattr(self, "_last_ckpt_step", 0))
+        chosen = step if step is not None else max(self.global_step, last + 1)
+        if chosen <= last:
+            raise CheckpointError(
+                f"checkpoint step {chosen} is not after the previous one ({last}): steps "
+                "must increase"
+            )
+        self._last_ckpt_step = chosen
+        return chosen
+
+    def restore(self) -> dict[str, Any] | None:
+        """The state of the checkpoint this stage resumes from (after a failure, or with
+        ``config.resume``), or None when the run starts from scratch. Restores the
+        history, the batch counter, early stopping and the distributed step's state
+        (learning-rate schedule, gradient scaler, compressor state) as well."""
+        ckpt = self._load_resume_checkpoint()
+        if ckpt is None:
+            return None
+        self.history = list(ckpt.history)
+        self.global_step = int(ckpt.extra.get("global_step", 0))
+        self._early.load_state_dict(ckpt.extra.get("early_stopping", {}))
+        if self._distributed is not None:
+            self._distributed.load(ckpt, self)
+        return dict(ckpt.extra["run_state"])
+
+    def _load_resume_checkpoint(self) -> Checkpoint | None:
+        step = self._task.job.resume_step
+        if step is None or self._store is None:
+            return None
+        if self._restored is None:
+            ckpt = self._store.load(step)
+            if ckpt is None:
+                raise CheckpointError(f"checkpoint of step {step} vanished from {self._store.uri}")
+            if "run_state" not in ckpt.extra:
+                raise CheckpointError(
+                    f"the checkpoint of step {step} in {self._store.uri} was written by "
+                    "Trainer.fit, not sparktrain.run: give run() a checkpoint_dir of its own"
+                )
+            self._restored = ckpt
+        return self._restored
+
+    # ------------------------------------------------------------------ data parallel
+    def distributed(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Make ``model`` and ``optimizer`` data parallel: every replica starts from
+        rank 0's weights, and ``optimizer.step()`` (after ``loss.backward()``) first
+        averages the gradients over the ranks through the configured strategy (with its
+        compression and overlap, weighted by each rank's batch rows), then applies the
+        config's ``accumulate_steps``, gradient unscaling (``precision="fp16"``),
+        ``clip_grad_norm`` and learning-rate schedule with warm-up. Returns the same two
+        objects; ``optimizer`` keeps its class's behaviour otherwise (schedulers accept
+        it). Use :meth:`backward` for the loss under ``precision="fp16"``."""
+        if self._distributed is not None:
+            raise ConfigError("ctx.distributed() was already called in this run")
+        params = [p for p in model.parameters() if p.requires_grad]
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if {id(p) for p in params} != mine:
+            raise ConfigError(
+                "ctx.distributed(model, optimizer): the optimizer must hold exactly the "
+                "model's trainable parameters (build it from model.parameters())"
+            )
+        sync = make_sync(self._task, model, self._mesh)
+        if sync.optimizer is None:
+            sync.close()
+            raise ConfigError(
+                f"strategy={self.config.strategy!r} keeps the optimizer outside the task; "
+                "sparktrain.run trains with strategy='ring' or 'tree'"
+            )
+        start_from_rank0(model, self._mesh, chunk_bytes_for(self._mesh.max_frame_bytes))
+        # the class first: the schedule's torch scheduler wraps the step it finds
+        _make_distributed(optimizer)
+        step = DistributedStep(self, sync, optimizer, params)
+        optimizer._sparktrain_step = step  # type: ignore[attr-defined]
+        self._distributed = step
+        if self._restored is not None:
+            step.load(self._restored, self)
+        return model, optimizer
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The forward pass's autocast context for ``config.precision`` (a no-op for fp32)."""
+        if self._distributed is not None:
+            return self._distributed.precision.autocast()
+        return Precision(self.config.precision, self.device).autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled under ``precision="fp16"``; stops the run (on
+        every rank, in the next exchange) when the loss is not finite."""
+        value = float(loss.detach())
+        step = self._distributed
+        precision = step.precision if step is not None else None
+        finite = math.isfinite(value)
+        if precision is not None:
+            finite = precision.loss_is_finite(value)
+        if not finite:
+            epoch = self.global_step // max(1, self.steps_per_epoch)
+            raise diverged(
+                f"on rank {self.rank}",
+                epoch,
+                (self.global_step - 1) % max(1, self.steps_per_epoch),
+                self.steps_per_epoch,
+                value,
+                self.config.lr,
+            )
+        (precision.scale(loss) if precision is not None else loss).backward()
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        """Release the distributed step's threads; idempotent."""
+        if self._distributed is not None:
+            self._distributed.sync.close()
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's figures for the run summary."""
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "train_rows": self._train.size,
+            "steps_per_epoch": self.steps_per_epoch,
+            "comm_s": self.comm_s,
+            "data_wait_s": self.data_wait_s,
+            "comm": self._mesh.stats.as_dict(),
+        }
+        if self._distributed is not None:
+            out.update(self._distributed.stats())
+        return out
+
+
+class DistributedStep:
+    """What ``optimizer.step()`` does once :meth:`RunContext.distributed` wrapped it:
+    count micro-batches, average the gradients (the strategy's sync), unscale, clip,
+    step, advance the schedule."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        sync: StepSync,
+        optimizer: torch.optim.Optimizer,
+        params: list[nn.Parameter],
+    ) -> None:
+        cfg = ctx.config
+        self.sync = sync
+        self.optimizer = optimizer
+        self.params = params
+        self.accumulate = cfg.accumulate_steps
+        self.clip = float(cfg.clip_grad_norm)
+        self.precision = Precision(cfg.precision, ctx.device, skip_limit=cfg.fp16_skip_limit)
+        self.schedule = LrSchedule(
+            optimizer,
+            cfg,
+            steps_per_epoch=max(1, ctx.steps_per_epoch // self.accumulate),
+            epochs=cfg.epochs,
+        )
+        self.micro = 0  # micro-batches since the last optimizer step
+        self.rows = 0  # their rows on this rank
+        self.armed: int | None = None  # rows of the step armed before its last backward
+        self.steps = 0
+        self._ctx = ctx
+
+    def before_backward(self, batch: Batch, plan: list[np.ndarray], index: int) -> None:
+        """Called as ``batches()`` yields ``batch``: arm the overlapped exchange when this
+        batch closes an accumulated step (its backward comes next)."""
+        self.rows += len(batch)
+        closes = (self.micro + 1) % self.accumulate == 0 or index == len(plan) - 1
+        if closes and self.armed is None:
+            self.armed = self.rows
+            self.sync.begin_step(self.rows)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        """One micro-batch done; every ``accumulate_steps``-th call exchanges and steps."""
+        if closure is not None:
+            raise ConfigError("a distributed optimizer's step() takes no closure")
+        self.micro += 1
+        if self.micro < self.accumulate and self.armed is None:
+            return
+        rows = self.armed if self.armed is not None else max(self.rows, 1)
+        started = time.perf_counter()
+        assert isinstance(self.sync, AllreduceSync)
+        self.sync.reduce(rows)
+        self._ctx.comm_s += time.perf_counter() - started
+        with torch.no_grad():
+            if self.micro > 1:  # averaged sums of micro-batch means: back to one mean
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.div_(self.micro)
+        self.precision.unscale_(self.optimizer)
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.schedule.before_step()
+        self.optimizer._sparktrain_inner = True  # type: ignore[attr-defined]
+        try:
+            self.precision.step(self.optimizer)
+        finally:
+            self.optimizer._sparktrain_inner = False  # type: ignore[attr-defined]
+        self.schedule.after_step()
+        self.zero_grad()
+        self.micro = self.rows = 0
+        self.armed = None
+        self.steps += 1
+
+    def zero_grad(self) -> None:
+        """Zero in place (the gradients are views into the exchange buckets)."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def end_epoch(self, record: Mapping[str, Any]) -> None:
+        """A per-epoch schedule steps here."""
+        self.schedule.after_epoch(record)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Schedule and scaler state, for the run's checkpoint."""
+        return {"schedule": self.schedule.state_dict(), "precision": self.precision.state_dict()}
+
+    def load(self, ckpt: Checkpoint, ctx: RunContext) -> None:
+        """Continue from a checkpoint's step state and this rank's compressor state."""
+        saved = ckpt.extra.get("step_state")
+        if saved:
+            self.schedule.load_state_dict(saved["schedule"])
+            self.precision.load_state_dict(saved["precision"])
+        shards = int(ckpt.extra.get(RANK_SHARDS, 0) or 0)
+        if shards == ctx.world_size and ctx._store is not None:
+            load_rank_state(self.sync, ctx._store.load_shard(ckpt.step, ctx.rank, shards))
+
+    def stats(self) -> dict[str, Any]:
+        """The sync's figures plus the precision's."""
+        return {**self.sync.stats(), **self.precision.describe()}
+
+
+_DISTRIBUTED_CLASSES: dict[type, type] = {}
+
+
+def _make_distributed(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` a subclass of its own class whose ``step()`` and
+    ``zero_grad()`` go through its ``_sparktrain_step`` (a :class:`DistributedStep`):
+    the object stays an instance of its class (LR schedulers and ``isinstance`` checks
+    accept it) and keeps its state and groups."""
+    base = type(optimizer)
+    cls: Any = _DISTRIBUTED_CLASSES.get(base)
+    if cls is None:
+
+        def step_(self: Any, closure: Callable[[], float] | None = None) -> Any:
+            if self._sparktrain_inner:  # the real step, from DistributedStep (or a scaler)
+                return base.step(self, closure)
+            self._sparktrain_step.step(closure)
+            return None
+
+        def zero_grad_(self: Any, set_to_none: bool = True) -> None:
+            # set_to_none would unbind the gradients from the exchange buckets; within an
+            # accumulated step the gradients must add up, so only a finished step zeroes
+            if self._sparktrain_step.micro == 0:
+                self._sparktrain_step.zero_grad()
+
+        cls = type(f"Distributed{base.__name__}", (base,), {"step": step_, "zero_grad": zero_grad_})
+        _DISTRIBUTED_CLASSES[base] = cls
+    optimizer._sparktrain_inner = False  # type: ignore[attr-defined]
+    optimizer.__class__ = cls
+    if "step" in vars(optimizer):
+        # a torch LR scheduler made before distributed() bound the class's old step to
+        # the instance: route it through the distributed one, still telling it a step ran
+        def counted_step(*args: Any, **kwargs: Any) -> Any:
+            optimizer._opt_called = True  # type: ignore[attr-defined]
+            return cls.step(optimizer, *args, **kwargs)
+
+        counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = counted_step  # type: ignore[method-assign]
+
+
+def _maximum(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.maximum(a, b, out=out)
+
+
+def _minimum(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.minimum(a, b, out=out)
+
+
+def _gather(
+    data: PartitionData, plan: list[np.ndarray], collator: Collator, rank: int, index: int
+) -> Batch:
+    return data.batch(plan[index], collator, rank)

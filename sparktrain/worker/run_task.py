@@ -1,0 +1,181 @@
+"""The task side of :func:`sparktrain.run`: meet the peers, build the rank's
+:class:`~sparktrain.worker.run_context.RunContext`, call the user's ``train_fn`` and
+send rank 0's return value to the driver.
+
+The return value travels without pickle: its tensors through the state codec (streamed
+to the driver's state receiver), everything else as JSON with a placeholder per tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from sparktrain import errors
+from sparktrain.builders import import_callable
+from sparktrain.checkpoint import CheckpointStore
+from sparktrain.metrics import MetricsClient
+from sparktrain.result import Record
+from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.data import PartitionData, steps_for
+from sparktrain.worker.loop import rendezvous
+from sparktrain.worker.memory import peak_anon_bytes, peak_rss_bytes, reset_peak_rss
+from sparktrain.worker.run_context import RunContext
+from sparktrain.worker.state import return_state
+
+TENSOR_KEY = "__tensor__"
+
+
+def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
+    """Run the job's ``train_fn`` on this rank; rank 0's return value goes to the driver."""
+    spec, cfg = ctx.job, ctx.job.config
+    torch.set_num_threads(max(1, spec.threads))
+    reset_peak_rss()
+    started = time.perf_counter()
+    train_fn = resolve_train_fn(spec.train_fn)
+    mesh, infos, train, val = rendezvous(ctx, data, builtin_loop=False)
+    try:
+        rows = [int(i["train"]) for i in infos]
+        if any(rows) and not all(rows):
+            empty = [r for r, n in enumerate(rows) if n == 0]
+            raise errors.DataError(
+                f"ranks {empty} have no training rows while others do: give the data at "
+                "least as many rows as num_workers (it is repartitioned evenly)"
+            )
+        # drop_last on partitions smaller than a batch: one short batch rather than none
+        steps = max(
+            steps_for(n, cfg.batch_size, cfg.drop_last) or steps_for(n, cfg.batch_size)
+            for n in rows
+        )
+        reporter = _reporter(ctx) if ctx.rank == 0 else None
+        store = (
+            CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
+            if cfg.checkpoint_dir
+            else None
+        )
+        run = RunContext(
+            ctx, mesh, train, val, steps_per_epoch=steps, reporter=reporter, store=store
+        )
+        if reporter is not None:
+            reporter.send(
+                {
+                    "type": "start",
+                    "epochs": cfg.epochs,
+                    "steps_per_epoch": steps,
+                    "world_size": ctx.world_size,
+                    "train_samples": sum(rows),
+                }
+            )
+        try:
+            value = train_fn(run)
+        finally:
+            run.close()
+            if reporter is not None:
+                reporter.close()
+        stats = {**run.stats(), "task_s": time.perf_counter() - started}
+        records = []
+        if ctx.rank == 0:
+            skeleton, tensors = encode_value(value)
+            meta = {
+                "history": run.history,
+                "value": skeleton,
+                "early_stopping": early_stopping_summary(run),
+            }
+            records += return_state(spec, 0, tensors, meta)
+        stats["peak_rss_bytes"] = peak_rss_bytes()
+        stats["peak_anon_bytes"] = peak_anon_bytes()
+        return [Record(ctx.rank, "stats", 0, json.dumps(stats).encode()), *records]
+    finally:
+        mesh.close()
+
+
+def early_stopping_summary(run: RunContext) -> dict[str, Any] | None:
+    """Where early stopping stood at the end (None without it)."""
+    early = run.early_stopping
+    if not early.active:
+        return None
+    return {
+        "metric": early.metric,
+        "mode": early.mode,
+        "best": early.best,
+        "best_epoch": early.best_index,
+        "stopped_at": early.stopped_at,
+    }
+
+
+def resolve_train_fn(train_fn: Any) -> Callable[[RunContext], Any]:
+    """A callable, or an importable ``"package.module:function"``."""
+    if isinstance(train_fn, str):
+        return import_callable(train_fn, what="train_fn")
+    if not callable(train_fn):
+        raise errors.ConfigError(
+            f"train_fn must be a callable or a 'package.module:function' string, got {train_fn!r}"
+        )
+    return train_fn
+
+
+def _reporter(ctx: WorkerContext) -> MetricsClient | None:
+    spec = ctx.job
+    if not spec.metrics_address:
+        return None
+    return MetricsClient(
+        spec.metrics_address,
+        secret=spec.secret,
+        job_id=spec.job_id,
+        attempt=spec.attempt,
+        timeout=min(spec.config.comm_timeout, 10.0),
+        security=spec.security,
+    )
+
+
+def encode_value(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``value`` as JSON with ``{"__tensor__": "t<i>"}`` in place of each tensor (numpy
+    arrays become tensors), and the tensors by those names."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(item: Any, where: str) -> Any:
+        if isinstance(item, np.ndarray):
+            item = torch.from_numpy(np.ascontiguousarray(item))
+        if isinstance(item, torch.Tensor):
+            name = f"t{len(tensors)}"
+            tensors[name] = item.detach().cpu().contiguous()
+            return {TENSOR_KEY: name}
+        if isinstance(item, np.generic):
+            return item.item()
+        if item is None or isinstance(item, bool | int | float | str):
+            return item
+        if isinstance(item, Mapping):
+            out = {}
+            for key, sub in item.items():
+                if not isinstance(key, str):
+                    raise errors.ConfigError(
+                        f"train_fn returned a dict with the key {key!r} at {where}: keys "
+                        "must be strings (the value travels as JSON plus tensors)"
+                    )
+                out[key] = walk(sub, f"{where}[{key!r}]")
+            return out
+        if isinstance(item, list | tuple):
+            return [walk(sub, f"{where}[{i}]") for i, sub in enumerate(item)]
+        raise errors.ConfigError(
+            f"train_fn returned a {type(item).__name__} at {where}: return tensors, state "
+            "dicts, numbers, strings, lists or dicts (no pickle travels back; return "
+            "model.state_dict() rather than the model)"
+        )
+
+    return walk(value, "the top"), tensors
+
+
+def decode_value(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`encode_value` (tuples come back as lists)."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {TENSOR_KEY}:
+            return tensors[skeleton[TENSOR_KEY]]
+        return {k: decode_value(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [decode_value(v, tensors) for v in skeleton]
+    return skeleton

@@ -1,0 +1,229 @@
+"""``sparktrain.run``'s task side with ranks as threads: the context's collectives,
+reports, early stopping, checkpoints and the distributed optimizer, against the built-in
+loop and single-process references."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparktrain.builders import build_optimizer
+from sparktrain.checkpoint import CheckpointStore
+from sparktrain.errors import CommError, ConfigError
+from sparktrain.models import mlp
+from sparktrain.result import load_state_records
+from sparktrain.worker.faults import FaultPlan, InjectedFaultError
+from sparktrain.worker.run_context import RunContext
+from sparktrain.worker.run_task import decode_value, encode_value, run_partition
+from tests.unit.fixtures import (
+    ThreadCollectives,
+    loop_spec,
+    random_parts,
+    run_ranks,
+    train_in_threads,
+    worker_context,
+)
+
+# ranks are threads here: torch's global RNG is shared, so seeding and building a model
+# must not interleave (in Spark each task has its own Python worker)
+_INIT = threading.Lock()
+
+
+def seeded_mlp(seed: int) -> torch.nn.Module:
+    with _INIT:
+        torch.manual_seed(seed)
+        return mlp(4, (8,), 3)
+
+
+def run_in_threads(spec: Any, parts: list[Any], train_fn: Any) -> list[Any]:
+    spec = dataclasses.replace(spec, train_fn=train_fn)
+    world = len(parts)
+
+    def rank_fn(rank: int, coll: ThreadCollectives) -> Any:
+        return run_partition(worker_context(rank, world, coll, spec), parts[rank])
+
+    return run_ranks(world, rank_fn, timeout=60.0)
+
+
+def rank0_value(outputs: list[Any]) -> Any:
+    records = [r for out in outputs for r in out]
+    meta = json.loads(next(r.data for r in records if r.kind == "meta"))
+    return decode_value(meta["value"], load_state_records(records, 0, meta)), meta
+
+
+def mlp_train_fn(ctx: RunContext) -> dict[str, Any]:
+    """The built-in loop's arithmetic written as a train_fn."""
+    cfg = ctx.config
+    model = seeded_mlp(cfg.seed)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, {})
+    model, optimizer = ctx.distributed(model, optimizer)
+    for epoch in range(cfg.epochs):
+        total = rows = 0.0
+        for batch in ctx.batches(epoch):
+            loss = F.cross_entropy(model(batch.x), batch.labels.long())
+            ctx.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            total += float(loss) * len(batch)
+            rows += len(batch)
+        ctx.report(loss=total / rows)
+    return {"state": model.state_dict(), "epochs": cfg.epochs, "note": ("a", 1)}
+
+
+def test_a_train_fn_matches_the_builtin_loop() -> None:
+    spec = loop_spec(batch_size=16, shuffle=True, epochs=2, lr=0.2)
+    parts = random_parts([64, 64])
+    builtin = [r for out in train_in_threads(spec, parts) for r in out]
+    meta = json.loads(next(r.data for r in builtin if r.kind == "meta"))
+    want = load_state_records(builtin, 0, meta)
+    value, run_meta = rank0_value(run_in_threads(spec, parts, mlp_train_fn))
+    assert value["epochs"] == 2 and value["note"] == ["a", 1]
+    for name, tensor in want.items():
+        torch.testing.assert_close(value["state"][name], tensor, rtol=0, atol=1e-6)
+    assert [h["epoch"] for h in run_meta["history"]] == [0, 1]
+
+
+def test_accumulated_steps_equal_the_larger_batch_in_float64() -> None:
+    def train_fn(ctx: RunContext) -> dict[str, Any]:
+        model = seeded_mlp(0).double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+        model, optimizer = ctx.distributed(model, optimizer)
+        for epoch in range(2):
+            for batch in ctx.batches(epoch):
+                loss = F.cross_entropy(model(batch.x.double()), batch.labels.long())
+                ctx.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+        return model.state_dict()
+
+    parts = random_parts([64, 64], seed=3)
+    small = loop_spec(batch_size=8, accumulate_steps=2, shuffle=False)
+    large = loop_spec(batch_size=16, shuffle=False)
+    got, _ = rank0_value(run_in_threads(small, parts, train_fn))
+    want, _ = rank0_value(run_in_threads(large, parts, train_fn))
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_collectives_reduce_and_broadcast_on_every_rank() -> None:
+    def train_fn(ctx: RunContext) -> dict[str, Any]:
+        r = ctx.rank
+        out = {
+            "sum": ctx.allreduce(torch.tensor([1.0, r], dtype=torch.float64)),
+            "mean": ctx.allreduce(torch.tensor([2.0 * r]), op="mean"),
+            "max": ctx.allreduce(torch.tensor([r, -r], dtype=torch.int64), op="max"),
+            "min": ctx.allreduce(torch.tensor([float(r)]), op="min"),
+            "from1": ctx.broadcast(torch.full((3,), float(r), dtype=torch.bfloat16), src=1),
+            "from0": ctx.broadcast(torch.arange(4) + 10 * r),
+        }
+        ctx.barrier()
+        record = ctx.report(rows=float(r), peak=float(r), reduce={"peak": "max"})
+        out["record"] = [record["rows"], record["peak"]]
+        # every rank returns; only rank 0's value travels, so check the rest here
+        assert torch.equal(out["from1"], torch.ones(3, dtype=torch.bfloat16))
+        return out
+
+    value, _ = rank0_value(
+        run_in_threads(loop_spec(num_workers=3), random_parts([4, 4, 4]), train_fn)
+    )
+    assert value["sum"].tolist() == [3.0, 3.0]
+    assert value["mean"].tolist() == [2.0]
+    assert value["max"].tolist() == [2, 0]
+    assert value["min"].tolist() == [0.0]
+    assert value["from0"].tolist() == [0, 1, 2, 3]
+    assert value["record"] == [1.0, 2.0]
+
+
+def test_reports_with_other_names_on_a_rank_fail_on_every_rank() -> None:
+    def train_fn(ctx: RunContext) -> None:
+        ctx.report(**({"loss": 1.0} if ctx.rank == 0 else {"lost": 1.0}))
+
+    with pytest.raises(ConfigError, match="same names"):
+        run_in_threads(loop_spec(), random_parts([4, 4]), train_fn)
+
+
+def test_early_stopping_is_agreed_by_every_rank_and_shows_in_the_history() -> None:
+    aucs = [0.6, 0.7, 0.72, 0.71, 0.70, 0.69, 0.8]
+
+    def train_fn(ctx: RunContext) -> int:
+        for epoch, auc in enumerate(aucs):
+            ctx.report(val_auc=auc + 0.001 * ctx.rank)  # ranks differ; the mean decides
+            if ctx.should_stop:
+                return epoch
+        return -1
+
+    spec = loop_spec(early_stopping={"metric": "val_auc", "patience": 3})
+    outputs = run_in_threads(spec, random_parts([4, 4]), train_fn)
+    value, meta = rank0_value(outputs)
+    assert value == 5  # best at epoch 2, three reports without improvement
+    assert meta["history"][5]["early_stop"] is True
+    assert meta["early_stopping"]["best_epoch"] == 2
+
+
+def resumable_train_fn(ctx: RunContext) -> dict[str, Any]:
+    """Adam on the MLP, a checkpoint every epoch, continuing from ctx.restore()."""
+    cfg = ctx.config
+    model = seeded_mlp(cfg.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, optimizer = ctx.distributed(model, optimizer)
+    state = ctx.restore()
+    start = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["epoch"] + 1
+    for epoch in range(start, cfg.epochs):
+        for batch in ctx.batches(epoch):
+            ctx.backward(F.cross_entropy(model(batch.x), batch.labels.long()))
+            optimizer.step()
+            optimizer.zero_grad()
+        ctx.report(epoch_done=float(epoch))
+        ctx.checkpoint(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+        )
+    return {"state": model.state_dict(), "started_at": start}
+
+
+def test_a_killed_run_resumes_from_its_checkpoint(tmp_path: Any) -> None:
+    parts = random_parts([48, 48], seed=5)
+    base = dict(batch_size=16, epochs=4, lr_schedule="StepLR", lr_schedule_kwargs={"step_size": 4})
+    clean = loop_spec(**base, checkpoint_dir=str(tmp_path / "clean"))
+    want, _ = rank0_value(run_in_threads(clean, parts, resumable_train_fn))
+
+    spec = loop_spec(**base, checkpoint_dir=str(tmp_path / "killed"))
+    marker = str(tmp_path / "fired")
+    with pytest.raises((InjectedFaultError, CommError)):  # the first rank's error surfaces
+        run_in_threads(
+            dataclasses.replace(spec, fault=FaultPlan(1, 7, marker)), parts, resumable_train_fn
+        )
+    assert os.path.exists(marker)
+    step = CheckpointStore(spec.config.checkpoint_dir).newest_intact()
+    assert step == 6  # after epoch 1 (3 steps an epoch)
+    resumed = dataclasses.replace(spec, resume_step=step)
+    got, meta = rank0_value(run_in_threads(resumed, parts, resumable_train_fn))
+    assert got["started_at"] == 2
+    assert [h["epoch_done"] for h in meta["history"]] == [0.0, 1.0, 2.0, 3.0]
+    for name, tensor in want["state"].items():
+        torch.testing.assert_close(got["state"][name], tensor, rtol=0, atol=0)
+
+
+def test_return_values_travel_as_json_and_tensors() -> None:
+    value = {"a": [1, 2.5, "x", None, True], "t": torch.arange(3), "n": np.ones(2), "k": (1,)}
+    skeleton, tensors = encode_value(value)
+    json.dumps(skeleton)  # JSON-able
+    back = decode_value(skeleton, tensors)
+    assert back["a"] == [1, 2.5, "x", None, True] and back["k"] == [1]
+    assert torch.equal(back["t"], torch.arange(3))
+    assert torch.equal(back["n"], torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ConfigError, match="state_dict"):
+        encode_value({"model": torch.nn.Linear(1, 1)})
+    with pytest.raises(ConfigError, match="keys must be strings"):
+        encode_value({1: 2})
