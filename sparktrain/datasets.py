@@ -104,3 +104,26 @@ def decode_digit(value: bytes) -> np.ndarray:
     if pixels.size != 64:
         raise ValueError(f"a digit image has 64 pixels, this value has {pixels.size} bytes")
     return (pixels.astype(np.float32) / 16.0).reshape(1, 8, 8)
+
+
+ORDER_A, ORDER_B = 1, 2
+"""The two marker tokens of :func:`order_task` (0 is never drawn: it may pad)."""
+
+
+def order_task(
+    n: int, seed: int = 0, vocab: int = 16, lengths: tuple[int, int] = (8, 24)
+) -> tuple[list[list[int]], np.ndarray]:
+    """A sequence task where only order matters: each sequence (random length in
+    ``lengths``) holds filler tokens from ``3..vocab-1`` and exactly one ``ORDER_A`` and
+    one ``ORDER_B``; the label is 1 when A comes before B. Every sequence holds the same
+    multiset of markers, so a bag-of-tokens model cannot beat 0.5."""
+    rng = np.random.default_rng(seed)
+    sequences, labels = [], np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        length = int(rng.integers(lengths[0], lengths[1] + 1))
+        seq = rng.integers(3, vocab, length)
+        a, b = rng.choice(length, size=2, replace=False)
+        seq[a], seq[b] = ORDER_A, ORDER_B
+        sequences.append(seq.tolist())
+        labels[i] = int(a < b)
+    return sequences, labels

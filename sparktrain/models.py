@@ -152,3 +152,40 @@ class TokenGRU(nn.Module):
 def token_gru(vocab: int = 100, dim: int = 16, hidden: int = 32, out_features: int = 2) -> TokenGRU:
     """A :class:`TokenGRU` model."""
     return TokenGRU(vocab, dim, hidden, out_features)
+
+
+class SequenceTransformer(nn.Module):
+    """A small transformer encoder classifier over a variable-length token column:
+    token plus learned position embeddings, ``layers`` encoder layers that ignore the
+    padding (``tokens_mask`` False), a mean over the real positions, logits."""
+
+    def __init__(
+        self, vocab: int, dim: int, heads: int, layers: int, max_len: int, out_features: int
+    ) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.position = nn.Embedding(max_len, dim)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, out_features)
+
+    def forward(self, tokens: torch.Tensor, tokens_mask: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embedding(tokens) + self.position(positions)
+        x = self.encoder(x, src_key_padding_mask=~tokens_mask)
+        keep = tokens_mask.unsqueeze(-1).to(x.dtype)
+        return self.head((x * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0))
+
+
+def sequence_transformer(
+    vocab: int = 16,
+    dim: int = 32,
+    heads: int = 4,
+    layers: int = 2,
+    max_len: int = 64,
+    out_features: int = 2,
+) -> SequenceTransformer:
+    """A :class:`SequenceTransformer` model."""
+    return SequenceTransformer(vocab, dim, heads, layers, max_len, out_features)

@@ -3,7 +3,9 @@ the executors and the driver-side tree_aggregate rounds)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,8 +13,10 @@ import torch
 from torch import nn
 
 from sparktrain.builders import is_classification
+from sparktrain.comm.tree import TreeAllreduce
 from sparktrain.data.batch import Collator, forward
 from sparktrain.worker.data import PartitionData
+from sparktrain.worker.scores import Scores
 
 # Validation runs in slices so that memory stays bounded on large partitions.
 EVAL_SLICE = 8192
@@ -74,3 +78,47 @@ def finish_metric(total: float, rows: float, loss: Any, label_scale: float = 1.0
     if is_classification(loss):
         return total / rows
     return math.sqrt(total / rows) * label_scale
+
+
+def feed_scores(
+    model: nn.Module,
+    data: PartitionData,
+    scores: Scores,
+    collator: Collator | None = None,
+    partition: int = 0,
+    autocast: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+) -> None:
+    """Run ``model`` over ``data`` in slices and feed outputs, labels and weights to
+    ``scores`` (no collective: ranks may hold different numbers of rows)."""
+    collator = collator or Collator(data.layout)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, data.size, EVAL_SLICE):
+            rows = np.arange(start, min(start + EVAL_SLICE, data.size))
+            batch = data.batch(rows, collator, partition)
+            assert batch.labels is not None
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                out = forward(model, batch)
+            scores.update(out.float(), batch.labels, batch.weights)
+    model.train(was_training)
+
+
+def finish_scores(scores: Scores, tree: TreeAllreduce) -> dict[str, float]:
+    """:meth:`Scores.finish` over the mesh: sums by the tree allreduce, rows (AUC,
+    callables) by its all-gather. Every rank calls it at the same point."""
+
+    def reduce_sum(values: np.ndarray) -> np.ndarray:
+        buf = np.array(values, dtype=np.float64)
+        tree.allreduce_(buf)
+        return buf
+
+    def gather(rows: np.ndarray) -> np.ndarray:
+        width = rows.shape[1]
+        blob = np.ascontiguousarray(rows, dtype=np.float64).reshape(-1).view(np.uint8)
+        parts = tree.allgather(blob, max_bytes=tree.mesh.max_frame_bytes)
+        return np.concatenate(
+            [np.frombuffer(p.tobytes(), dtype=np.float64).reshape(-1, width) for p in parts]
+        )
+
+    return scores.finish(reduce_sum, gather)

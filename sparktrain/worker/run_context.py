@@ -20,7 +20,7 @@ import json
 import math
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,18 +31,20 @@ from sparktrain.checkpoint import RANK_SHARDS, Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, TreeAllreduce, make_allreduce
 from sparktrain.comm.chunked import broadcast_, chunk_bytes_for
 from sparktrain.comm.ring import DEFAULT_CHUNK_BYTES
-from sparktrain.data.batch import Batch, Collator
+from sparktrain.data.batch import Batch, Collator, forward
 from sparktrain.errors import CheckpointError, ConfigError
 from sparktrain.metrics import MetricsClient
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, epoch_batches
 from sparktrain.worker.divergence import diverged
 from sparktrain.worker.early_stop import EarlyStopping
+from sparktrain.worker.evaluate import feed_scores, finish_scores
 from sparktrain.worker.precision import Precision
 from sparktrain.worker.prefetch import Prefetcher
-from sparktrain.worker.schedule import LrSchedule
+from sparktrain.worker.scores import Scores
 from sparktrain.worker.state import byte_view, start_from_rank0
-from sparktrain.worker.sync import AllreduceSync, StepSync, load_rank_state, make_sync, rank_state
+from sparktrain.worker.stepping import DistributedStep
+from sparktrain.worker.sync import make_sync
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 _SMALL_BYTES = 1 << 16  # below this an allreduce is latency-bound: the tree
@@ -144,8 +146,11 @@ class RunContext:
                     fault.maybe_fire(self.rank, self.global_step)
                 batch = prefetch.next()
                 self.global_step += 1
-                if self._distributed is not None:
-                    self._distributed.before_backward(batch, plan, i)
+                step = self._distributed
+                if step is not None:
+                    step.add_rows(len(batch))
+                    if step.closes(i, len(plan)):
+                        step.arm()
                 yield batch
         finally:
             prefetch.close()
@@ -159,6 +164,31 @@ class RunContext:
         for start in range(0, self._val.size, size):
             idx = np.arange(start, min(start + size, self._val.size))
             yield self._val.batch(idx, self._collator, self.rank)
+
+    def evaluate(
+        self, model: nn.Module, metrics: Sequence[str | Callable[..., float]] | None = None
+    ) -> dict[str, float]:
+        """``metrics`` (default ``config.metrics``: ``accuracy``, ``top_k:K``,
+        ``macro_f1``, ``auc``, ``log_loss``, ``rmse``, ``mae``, ``r2`` or callables) of
+        ``model`` over every rank's validation rows, exact (a collective)."""
+        chosen = list(metrics if metrics is not None else self.config.metrics)
+        if not chosen:
+            raise ConfigError(
+                "ctx.evaluate needs metrics: ctx.evaluate(model, ['accuracy']) or "
+                "config.metrics = ['accuracy', ...]"
+            )
+        width = np.zeros(1)
+        if self._val.size:
+            probe = self._val.batch(np.arange(1), self._collator, self.rank)
+            with torch.no_grad(), self.autocast():
+                out = forward(model, probe)
+            width[0] = out.shape[1] if out.ndim == 2 else 1
+        self._tree.allreduce_(width, add=_maximum)
+        scores = Scores(
+            chosen, num_outputs=max(1, int(width[0])), label_scale=self._task.job.label_scale
+        )
+        feed_scores(model, self._val, scores, self._collator, self.rank, self.autocast)
+        return finish_scores(scores, self._tree)
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -248,6 +278,8 @@ class RunContext:
         record["seconds"] = now - self._last_report
         self._last_report = now
         self._decide_stop(record)
+        if self._distributed is not None:
+            self._distributed.end_epoch(record)  # a per-epoch schedule
         self.history.append(record)
         if self._reporter is not None:
             self._reporter.send({"type": "report", **record})
@@ -301,8 +333,7 @@ class RunContext:
         if store is None:
             return
         step = self._checkpoint_step(step)
-        sync = self._distributed.sync if self._distributed is not None else None
-        mine = rank_state(sync) if sync is not None else None
+        mine = self._distributed.rank_state() if self._distributed is not None else None
         if mine is not None:
             store.save_shard(step, self.rank, self.world_size, mine)
         extra: dict[str, Any] = {
@@ -343,8 +374,15 @@ class RunContext:
         self.global_step = int(ckpt.extra.get("global_step", 0))
         self._early.load_state_dict(ckpt.extra.get("early_stopping", {}))
         if self._distributed is not None:
-            self._distributed.load(ckpt, self)
+            self._load_step_state(ckpt)
         return dict(ckpt.extra["run_state"])
+
+    def _load_step_state(self, ckpt: Checkpoint) -> None:
+        assert self._distributed is not None
+        shard = None
+        if int(ckpt.extra.get(RANK_SHARDS, 0) or 0) == self.world_size and self._store is not None:
+            shard = self._store.load_shard(ckpt.step, self.rank, self.world_size)
+        self._distributed.load_state_dict(ckpt.extra.get("step_state") or {}, shard)
 
     def _load_resume_checkpoint(self) -> Checkpoint | None:
         step = self._task.job.resume_step
@@ -393,11 +431,13 @@ class RunContext:
         start_from_rank0(model, self._mesh, chunk_bytes_for(self._mesh.max_frame_bytes))
         # the class first: the schedule's torch scheduler wraps the step it finds
         _make_distributed(optimizer)
-        step = DistributedStep(self, sync, optimizer, params)
+        step = DistributedStep(
+            sync, optimizer, params, self.config, self.device, steps_per_epoch=self.steps_per_epoch
+        )
         optimizer._sparktrain_step = step  # type: ignore[attr-defined]
         self._distributed = step
         if self._restored is not None:
-            step.load(self._restored, self)
+            self._load_step_state(self._restored)
         return model, optimizer
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -435,118 +475,18 @@ class RunContext:
 
     def stats(self) -> dict[str, Any]:
         """This rank's figures for the run summary."""
+        step = self._distributed
         out: dict[str, Any] = {
             "rank": self.rank,
             "train_rows": self._train.size,
             "steps_per_epoch": self.steps_per_epoch,
-            "comm_s": self.comm_s,
+            "comm_s": self.comm_s + (step.comm_s if step is not None else 0.0),
             "data_wait_s": self.data_wait_s,
             "comm": self._mesh.stats.as_dict(),
         }
         if self._distributed is not None:
             out.update(self._distributed.stats())
         return out
-
-
-class DistributedStep:
-    """What ``optimizer.step()`` does once :meth:`RunContext.distributed` wrapped it:
-    count micro-batches, average the gradients (the strategy's sync), unscale, clip,
-    step, advance the schedule."""
-
-    def __init__(
-        self,
-        ctx: RunContext,
-        sync: StepSync,
-        optimizer: torch.optim.Optimizer,
-        params: list[nn.Parameter],
-    ) -> None:
-        cfg = ctx.config
-        self.sync = sync
-        self.optimizer = optimizer
-        self.params = params
-        self.accumulate = cfg.accumulate_steps
-        self.clip = float(cfg.clip_grad_norm)
-        self.precision = Precision(cfg.precision, ctx.device, skip_limit=cfg.fp16_skip_limit)
-        self.schedule = LrSchedule(
-            optimizer,
-            cfg,
-            steps_per_epoch=max(1, ctx.steps_per_epoch // self.accumulate),
-            epochs=cfg.epochs,
-        )
-        self.micro = 0  # micro-batches since the last optimizer step
-        self.rows = 0  # their rows on this rank
-        self.armed: int | None = None  # rows of the step armed before its last backward
-        self.steps = 0
-        self._ctx = ctx
-
-    def before_backward(self, batch: Batch, plan: list[np.ndarray], index: int) -> None:
-        """Called as ``batches()`` yields ``batch``: arm the overlapped exchange when this
-        batch closes an accumulated step (its backward comes next)."""
-        self.rows += len(batch)
-        closes = (self.micro + 1) % self.accumulate == 0 or index == len(plan) - 1
-        if closes and self.armed is None:
-            self.armed = self.rows
-            self.sync.begin_step(self.rows)
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:
-        """One micro-batch done; every ``accumulate_steps``-th call exchanges and steps."""
-        if closure is not None:
-            raise ConfigError("a distributed optimizer's step() takes no closure")
-        self.micro += 1
-        if self.micro < self.accumulate and self.armed is None:
-            return
-        rows = self.armed if self.armed is not None else max(self.rows, 1)
-        started = time.perf_counter()
-        assert isinstance(self.sync, AllreduceSync)
-        self.sync.reduce(rows)
-        self._ctx.comm_s += time.perf_counter() - started
-        with torch.no_grad():
-            if self.micro > 1:  # averaged sums of micro-batch means: back to one mean
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.div_(self.micro)
-        self.precision.unscale_(self.optimizer)
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.schedule.before_step()
-        self.optimizer._sparktrain_inner = True  # type: ignore[attr-defined]
-        try:
-            self.precision.step(self.optimizer)
-        finally:
-            self.optimizer._sparktrain_inner = False  # type: ignore[attr-defined]
-        self.schedule.after_step()
-        self.zero_grad()
-        self.micro = self.rows = 0
-        self.armed = None
-        self.steps += 1
-
-    def zero_grad(self) -> None:
-        """Zero in place (the gradients are views into the exchange buckets)."""
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_()
-
-    def end_epoch(self, record: Mapping[str, Any]) -> None:
-        """A per-epoch schedule steps here."""
-        self.schedule.after_epoch(record)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Schedule and scaler state, for the run's checkpoint."""
-        return {"schedule": self.schedule.state_dict(), "precision": self.precision.state_dict()}
-
-    def load(self, ckpt: Checkpoint, ctx: RunContext) -> None:
-        """Continue from a checkpoint's step state and this rank's compressor state."""
-        saved = ckpt.extra.get("step_state")
-        if saved:
-            self.schedule.load_state_dict(saved["schedule"])
-            self.precision.load_state_dict(saved["precision"])
-        shards = int(ckpt.extra.get(RANK_SHARDS, 0) or 0)
-        if shards == ctx.world_size and ctx._store is not None:
-            load_rank_state(self.sync, ctx._store.load_shard(ckpt.step, ctx.rank, shards))
-
-    def stats(self) -> dict[str, Any]:
-        """The sync's figures plus the precision's."""
-        return {**self.sync.stats(), **self.precision.describe()}
 
 
 _DISTRIBUTED_CLASSES: dict[type, type] = {}

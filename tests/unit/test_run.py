@@ -72,7 +72,7 @@ def mlp_train_fn(ctx: RunContext) -> dict[str, Any]:
             ctx.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            total += float(loss) * len(batch)
+            total += loss.item() * len(batch)
             rows += len(batch)
         ctx.report(loss=total / rows)
     return {"state": model.state_dict(), "epochs": cfg.epochs, "note": ("a", 1)}

@@ -1,0 +1,171 @@
+"""One optimizer step after ``backward()``, the same for the built-in loop and for
+``ctx.distributed`` under :func:`sparktrain.run`.
+
+A step may span ``accumulate_steps`` micro-batches. On the micro-batch that closes it
+the loop arms the exchange (:meth:`DistributedStep.arm`, so gradient hooks can start it
+during that backward), then :meth:`DistributedStep.step`:
+
+1. average the gradients over the ranks, weighted by rows (the strategy's sync);
+2. turn the summed micro-batch means back into one mean (divide by the micro-batches);
+3. unscale them (``precision="fp16"``) and clip them to ``clip_grad_norm``: after
+   averaging, so every replica clips the same numbers alike;
+4. step the optimizer (the fp16 scaler may skip a step whose gradients overflowed: the
+   same on every rank, since the averaged gradients are) and the learning-rate schedule.
+
+With the parameter server the optimizer lives in the driver: the averaged step is the
+server's, so only accumulation and bf16 apply (the strategy refuses the rest).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError
+from sparktrain.worker.precision import Precision
+from sparktrain.worker.schedule import LrSchedule
+from sparktrain.worker.sync import AllreduceSync, StepSync, load_rank_state, rank_state
+
+
+class DistributedStep:
+    """Accumulation, averaging, unscaling, clipping, the step and the schedule."""
+
+    def __init__(
+        self,
+        sync: StepSync,
+        optimizer: torch.optim.Optimizer | None,
+        params: list[nn.Parameter],
+        cfg: TrainConfig,
+        device: torch.device,
+        *,
+        steps_per_epoch: int,
+    ) -> None:
+        self.sync = sync
+        self.optimizer = optimizer  # None: the parameter server steps
+        self.params = params
+        self.accumulate = cfg.accumulate_steps
+        self.clip = float(cfg.clip_grad_norm)
+        self.precision = Precision(cfg.precision, device, skip_limit=cfg.fp16_skip_limit)
+        self.schedule = (
+            LrSchedule(
+                optimizer,
+                cfg,
+                steps_per_epoch=max(1, -(-steps_per_epoch // self.accumulate)),
+                epochs=cfg.epochs,
+            )
+            if optimizer is not None
+            else None
+        )
+        self.micro = 0  # micro-batches since the last step
+        self.rows = 0  # their rows on this rank
+        self.armed = False
+        self.steps = 0
+        self.comm_s = 0.0
+
+    def closes(self, index: int, steps_per_epoch: int) -> bool:
+        """Does micro-batch ``index`` of an epoch close an accumulated step (the same
+        answer on every rank)?"""
+        return (index + 1) % self.accumulate == 0 or index == steps_per_epoch - 1
+
+    def add_rows(self, rows: int) -> None:
+        """A micro-batch of ``rows`` rows of this rank is about to go through backward."""
+        self.rows += rows
+
+    def arm(self) -> None:
+        """Before the closing micro-batch's backward: let gradient hooks start the
+        exchange of this step's rows (overlap)."""
+        if not self.armed:
+            self.armed = True
+            self.sync.begin_step(self.rows)
+
+    def step(self, closure: Callable[[], float] | None = None, *, force: bool = False) -> bool:
+        """One micro-batch's backward is done: exchange and step when it closes the
+        accumulated step (armed, ``force``, or the ``accumulate_steps``-th); returns
+        whether the parameters changed."""
+        if closure is not None:
+            raise ConfigError("a distributed optimizer's step() takes no closure")
+        self.micro += 1
+        if not (self.armed or force or self.micro >= self.accumulate):
+            return False
+        rows, micro = self.rows, self.micro
+        self.micro = self.rows = 0
+        self.armed = False
+        started = time.perf_counter()
+        if self.optimizer is None:  # parameter server: push the mean, pull the weights
+            self._to_one_mean(micro)
+            self.sync.step(rows)
+            self.comm_s += time.perf_counter() - started
+            self.steps += 1
+            return True
+        assert isinstance(self.sync, AllreduceSync), "a local optimizer needs an allreduce sync"
+        self.sync.reduce(rows)
+        self.comm_s += time.perf_counter() - started
+        self._to_one_mean(micro)
+        self.precision.unscale_(self.optimizer)
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        assert self.schedule is not None
+        self.schedule.before_step()
+        self.optimizer._sparktrain_inner = True  # type: ignore[attr-defined]
+        try:
+            stepped = self.precision.step(self.optimizer)
+        finally:
+            self.optimizer._sparktrain_inner = False  # type: ignore[attr-defined]
+        self.schedule.after_step()
+        self.zero_grad()
+        self.steps += 1
+        return stepped
+
+    def _to_one_mean(self, micro: int) -> None:
+        """Averaged sums of ``micro`` micro-batch means, back to one mean."""
+        if micro <= 1:
+            return
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(micro)
+
+    def zero_grad(self) -> None:
+        """Zero in place (the gradients are views into the exchange buckets)."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def end_epoch(self, record: Mapping[str, Any]) -> None:
+        """An epoch (a report, under ``sparktrain.run``) ended: a per-epoch schedule steps."""
+        if self.schedule is not None:
+            self.schedule.after_epoch(record)
+
+    @property
+    def lr(self) -> float | None:
+        """The rate the next step uses (None with the parameter server)."""
+        return self.schedule.lr if self.schedule is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Schedule and scaler state, for checkpoints."""
+        out: dict[str, Any] = {"precision": self.precision.state_dict()}
+        if self.schedule is not None:
+            out["schedule"] = self.schedule.state_dict()
+        return out
+
+    def rank_state(self) -> dict[str, Any] | None:
+        """This rank's own state (compressor residuals), or None."""
+        return rank_state(self.sync)
+
+    def load_state_dict(self, state: Mapping[str, Any], shard: dict[str, Any] | None) -> None:
+        """Continue from :meth:`state_dict` and this rank's :meth:`rank_state`."""
+        if "precision" in state:
+            self.precision.load_state_dict(state["precision"])
+        if "schedule" in state and self.schedule is not None:
+            self.schedule.load_state_dict(state["schedule"])
+        if shard is not None:
+            load_rank_state(self.sync, shard)
+
+    def stats(self) -> dict[str, Any]:
+        """The sync's figures plus the precision's."""
+        return {**self.sync.stats(), **self.precision.describe()}
