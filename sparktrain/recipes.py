@@ -32,16 +32,14 @@ def digits_train_fn(ctx: RunContext) -> dict[str, Any]:
         loss_sum, rows = 0.0, 0
         for batch in ctx.batches(epoch):
             with ctx.autocast():
-                loss = F.cross_entropy(model(batch.x), batch.labels.long())
+                loss = F.cross_entropy(model(batch.x), batch.y.long())
             ctx.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             loss_sum, rows = loss_sum + loss.item() * len(batch), rows + len(batch)
-        scores = ctx.evaluate(model, ["accuracy", "log_loss"])
-        ctx.report(loss=loss_sum / rows, **scores)
-        ctx.checkpoint(
-            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
-        )
+        ctx.report({"loss": loss_sum / rows, **ctx.evaluate(model, ["accuracy", "log_loss"])})
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+        ctx.checkpoint(state)
         if ctx.should_stop:
             break
     return {"model": model.state_dict(), "history": ctx.history}
@@ -61,11 +59,11 @@ def transformer_train_fn(ctx: RunContext) -> dict[str, Any]:
         for batch in ctx.batches(epoch):
             with ctx.autocast():
                 logits = model(batch.inputs["tokens"], batch.masks["tokens"])
-                loss = F.cross_entropy(logits, batch.labels.long())
+                loss = F.cross_entropy(logits, batch.y.long())
             ctx.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-        ctx.report(loss=loss.item(), **ctx.evaluate(model, ["accuracy", "auc"]))
+        ctx.report({"loss": loss.item(), **ctx.evaluate(model, ["accuracy", "auc"])})
         if ctx.should_stop:
             break
     return {"model": model.state_dict(), "history": ctx.history}

@@ -58,6 +58,13 @@ class Batch:
         return int(first.shape[0])
 
     @property
+    def y(self) -> torch.Tensor:
+        """The labels (an error for a batch without them, e.g. in ``transform``)."""
+        if self.labels is None:
+            raise KeyError("this batch has no labels")
+        return self.labels
+
+    @property
     def x(self) -> torch.Tensor:
         """The one input of a single-column batch (``batch.inputs[key]`` otherwise)."""
         if len(self.inputs) != 1:

@@ -21,7 +21,7 @@ import math
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -47,6 +47,8 @@ from sparktrain.worker.stepping import DistributedStep
 from sparktrain.worker.sync import make_sync
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
+ModelT = TypeVar("ModelT", bound=nn.Module)
+OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 _SMALL_BYTES = 1 << 16  # below this an allreduce is latency-bound: the tree
 
 
@@ -243,13 +245,20 @@ class RunContext:
 
     # ------------------------------------------------------------------ reports
     def report(
-        self, *, reduce: Mapping[str, str] | None = None, **metrics: float
+        self,
+        figures: Mapping[str, float] | None = None,
+        /,
+        *,
+        reduce: Mapping[str, str] | None = None,
+        **more: float,
     ) -> dict[str, Any]:
-        """Record figures of this point of the run (every rank, the same names): each
+        """Record figures of this point of the run (a mapping and/or keywords; every rank,
+        the same names): each
         is reduced across ranks (``mean`` unless ``reduce`` names ``sum``, ``max`` or
         ``min`` for it), added to :attr:`history`, sent to the driver (progress,
         ``metrics_jsonl``, callbacks, loggers) and fed to early stopping: read
         :attr:`should_stop` afterwards. Returns the reduced record."""
+        metrics = {**(figures or {}), **more}
         reduce = dict(reduce or {})
         names = sorted(metrics)
         for name, op in reduce.items():
@@ -401,9 +410,7 @@ class RunContext:
         return self._restored
 
     # ------------------------------------------------------------------ data parallel
-    def distributed(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def distributed(self, model: ModelT, optimizer: OptimizerT) -> tuple[ModelT, OptimizerT]:
         """Make ``model`` and ``optimizer`` data parallel: every replica starts from
         rank 0's weights, and ``optimizer.step()`` (after ``loss.backward()``) first
         averages the gradients over the ranks through the configured strategy (with its

@@ -89,11 +89,11 @@ def val_auc_train_fn(ctx):  # type: ignore[no-untyped-def]
         for batch in ctx.batches(epoch):
             # a binary task: is the digit odd?
             ctx.backward(
-                torch.nn.functional.cross_entropy(model(batch.x)[:, :2], batch.labels.long() % 2)
+                torch.nn.functional.cross_entropy(model(batch.x)[:, :2], batch.y.long() % 2)
             )
             optimizer.step()
             optimizer.zero_grad()
-        ctx.report(**{"val_auc": ctx.evaluate(_TwoLogits(model), ["auc"])["auc"]})
+        ctx.report(val_auc=ctx.evaluate(_TwoLogits(model), ["auc"])["auc"])
         if ctx.should_stop:
             break
     return len(ctx.history)

@@ -68,7 +68,7 @@ def mlp_train_fn(ctx: RunContext) -> dict[str, Any]:
     for epoch in range(cfg.epochs):
         total = rows = 0.0
         for batch in ctx.batches(epoch):
-            loss = F.cross_entropy(model(batch.x), batch.labels.long())
+            loss = F.cross_entropy(model(batch.x), batch.y.long())
             ctx.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -98,7 +98,7 @@ def test_accumulated_steps_equal_the_larger_batch_in_float64() -> None:
         model, optimizer = ctx.distributed(model, optimizer)
         for epoch in range(2):
             for batch in ctx.batches(epoch):
-                loss = F.cross_entropy(model(batch.x.double()), batch.labels.long())
+                loss = F.cross_entropy(model(batch.x.double()), batch.y.long())
                 ctx.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -182,7 +182,7 @@ def resumable_train_fn(ctx: RunContext) -> dict[str, Any]:
         start = state["epoch"] + 1
     for epoch in range(start, cfg.epochs):
         for batch in ctx.batches(epoch):
-            ctx.backward(F.cross_entropy(model(batch.x), batch.labels.long()))
+            ctx.backward(F.cross_entropy(model(batch.x), batch.y.long()))
             optimizer.step()
             optimizer.zero_grad()
         ctx.report(epoch_done=float(epoch))
