@@ -150,6 +150,7 @@ class RunContext:
                 self.global_step += 1
                 step = self._distributed
                 if step is not None:
+                    step.counts_rows = True
                     step.add_rows(len(batch))
                     if step.closes(i, len(plan)):
                         step.arm()
@@ -439,7 +440,13 @@ class RunContext:
         # the class first: the schedule's torch scheduler wraps the step it finds
         _make_distributed(optimizer)
         step = DistributedStep(
-            sync, optimizer, params, self.config, self.device, steps_per_epoch=self.steps_per_epoch
+            sync,
+            optimizer,
+            params,
+            self.config,
+            self.device,
+            steps_per_epoch=self.steps_per_epoch,
+            counts_rows=False,  # until batches() announces rows
         )
         optimizer._sparktrain_step = step  # type: ignore[attr-defined]
         self._distributed = step

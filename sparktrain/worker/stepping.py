@@ -44,8 +44,12 @@ class DistributedStep:
         device: torch.device,
         *,
         steps_per_epoch: int,
+        counts_rows: bool = True,
     ) -> None:
         self.sync = sync
+        # weigh each rank by the rows add_rows() announced; False: every step() is one
+        # micro-batch of weight 1 (a train_fn feeding batches of its own)
+        self.counts_rows = counts_rows
         self.optimizer = optimizer  # None: the parameter server steps
         self.params = params
         self.accumulate = cfg.accumulate_steps
@@ -62,6 +66,7 @@ class DistributedStep:
             else None
         )
         self.micro = 0  # micro-batches since the last step
+        self.filled = 0  # of them, the ones with rows on this rank
         self.rows = 0  # their rows on this rank
         self.armed = False
         self.steps = 0
@@ -75,6 +80,7 @@ class DistributedStep:
     def add_rows(self, rows: int) -> None:
         """A micro-batch of ``rows`` rows of this rank is about to go through backward."""
         self.rows += rows
+        self.filled += 1
 
     def arm(self) -> None:
         """Before the closing micro-batch's backward: let gradient hooks start the
@@ -92,8 +98,12 @@ class DistributedStep:
         self.micro += 1
         if not (self.armed or force or self.micro >= self.accumulate):
             return False
-        rows, micro = self.rows, self.micro
-        self.micro = self.rows = 0
+        # the gradients hold one mean per micro-batch with rows (a rank out of rows in
+        # the epoch's last step has fewer)
+        rows, micro = self.rows, self.filled
+        if not self.counts_rows:
+            rows = micro = self.micro
+        self.micro = self.rows = self.filled = 0
         self.armed = False
         started = time.perf_counter()
         if self.optimizer is None:  # parameter server: push the mean, pull the weights
