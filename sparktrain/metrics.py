@@ -1,9 +1,11 @@
 """Progress and metrics: a small authenticated channel from rank 0 to the driver.
 
-Rank 0 sends JSON messages (``start``, ``step``, ``epoch``) over the same wire as the
-allreduce (``KIND_METRICS`` frames, never pickle). The driver shows a live progress bar
-and appends one JSON line per epoch to ``metrics_jsonl``. Progress is a convenience:
-if the channel breaks, training goes on and a warning is logged.
+Rank 0 sends JSON messages (``start``, ``step``, ``epoch``; ``report`` under
+``sparktrain.run``) over the same wire as the allreduce (``KIND_METRICS`` frames, never
+pickle). The driver shows a live progress bar, appends one JSON line per epoch or report
+to ``metrics_jsonl`` and hands the run's events to its listeners (callbacks, TensorBoard,
+MLflow: :mod:`sparktrain.loggers`). Progress is a convenience: if the channel breaks,
+training goes on and a warning is logged.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparktrain.comm.connection import Connection
 from sparktrain.comm.frames import KIND_METRICS
@@ -23,6 +25,10 @@ from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError
+from sparktrain.loggers import ListenerGroup, RunListener, figures
+
+if TYPE_CHECKING:
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +144,31 @@ class MetricsServer(DriverService):
 
 
 class ProgressDisplay:
-    """A tqdm bar (epoch, step, loss, samples/s) on a terminal, a log line per epoch, and
-    per-epoch JSON lines in ``jsonl_path``."""
+    """A tqdm bar (epoch, step, loss, samples/s) on a terminal, a log line per epoch or
+    report, per-record JSON lines in ``jsonl_path``, and the run's events for
+    ``listeners`` (:mod:`sparktrain.loggers`; ``config``, the run's config dict, goes to
+    their ``on_start``).
 
-    def __init__(self, enabled: bool, jsonl_path: str = "") -> None:
+    ``epochs`` holds every epoch record received (a redone epoch twice); ``history``, what
+    listeners get, holds the run's epoch and report records as one run: when a
+    resubmitted stage reports an epoch again, the failed attempt's records from that
+    epoch on are dropped from it first. Call :meth:`finish` or :meth:`fail` once the fit
+    ended."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        jsonl_path: str = "",
+        listeners: Sequence[RunListener] = (),
+        *,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
         self.enabled = enabled
         self.jsonl_path = jsonl_path
         self.epochs: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = []
+        self._listeners = ListenerGroup(listeners, config)
+        self._rewind = False  # a resubmitted stage started: its first record rewinds history
         self._bar: Any = None
         self._steps_per_epoch = 0
         self.last_global_step = 0  # as far as rank 0 reported (steps are throttled)
@@ -169,6 +193,8 @@ class ProgressDisplay:
                 )
             elif kind == "epoch":
                 self._epoch(message)
+            elif kind == "report":
+                self._record(message)
 
     def _start(self, message: dict[str, Any]) -> None:
         self._steps_per_epoch = int(message.get("steps_per_epoch", 0))
@@ -181,26 +207,45 @@ class ProgressDisplay:
             total = int(message.get("epochs", 0)) * self._steps_per_epoch
             # disable=None: a bar on a terminal only, never \r-garbage in CI logs
             self._bar = tqdm(total=total, unit="step", desc="training", disable=None)
+        self._rewind = self._listeners.started  # every attempt sends a start
+        self._listeners.start(message)
 
     def _epoch(self, message: dict[str, Any]) -> None:
         self.epochs.append(message)
         self.last_global_step = max(
             self.last_global_step, (int(message["epoch"]) + 1) * self._steps_per_epoch
         )
+        if self._bar is not None and not self._bar.disable:
+            self._advance((int(message["epoch"]) + 1) * self._steps_per_epoch)
+        self._record(message)
+
+    def _record(self, message: dict[str, Any]) -> None:
+        """An epoch or report record: the JSON line, the log line, the listeners."""
         if self.jsonl_path:
             path = Path(self.jsonl_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as fh:
                 fh.write(json.dumps(message) + "\n")
-        line = (
-            f"epoch {message['epoch'] + 1}: loss {message['loss']:.4f} "
-            f"{message['metric_name']} {message['metric']:.4f} ({message['seconds']:.2f} s)"
-        )
+        line = record_line(message)
         if self._bar is not None and not self._bar.disable:
-            self._advance((int(message["epoch"]) + 1) * self._steps_per_epoch)
             self._bar.write(line)
         elif self.enabled:
             log.info(line)
+        if self._rewind and "epoch" in message:
+            self.history = [h for h in self.history if h.get("epoch", -1) < message["epoch"]]
+        self._rewind = False
+        self.history.append(message)
+        self._listeners.record(message, self.history)
+
+    def finish(self, summary: dict[str, Any], model: nn.Module | None) -> None:
+        """The fit succeeded: listeners' ``on_finish`` (MLflow uploads the model here)."""
+        with self._lock:
+            self._listeners.finish(summary, model)
+
+    def fail(self, error: BaseException) -> None:
+        """The fit raised ``error``: listeners' ``on_error`` (an MLflow run ends FAILED)."""
+        with self._lock:
+            self._listeners.error(error)
 
     def history_before(self, step: int) -> tuple[dict[str, Any], ...]:
         """Epoch records of the epochs completed by global ``step`` (the latest report of
@@ -219,3 +264,24 @@ class ProgressDisplay:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+
+
+def record_line(record: dict[str, Any]) -> str:
+    """The log line of an epoch or report record (epochs counted from 1).
+
+    An epoch record with a ``metric_name``: ``epoch 3: loss 0.2345 accuracy 0.9123
+    (1.20 s)`` (further figures before the time); any other: every figure in order,
+    ``epoch 3: val_auc 0.9123 loss 0.2345``."""
+    head = f"epoch {int(record.get('epoch', 0)) + 1}:"
+    values = figures(record)
+    if "metric_name" in record and {"loss", "metric", "seconds"} <= record.keys():
+        name = record["metric_name"]
+        extra = {k: v for k, v in values.items() if k not in ("loss", name, "seconds")}
+        parts = [f"loss {record['loss']:.4f}", f"{name} {record['metric']:.4f}"]
+        parts += [f"{k} {_number(v)}" for k, v in extra.items()]
+        return f"{head} {' '.join(parts)} ({record['seconds']:.2f} s)"
+    return " ".join([head, *(f"{k} {_number(v)}" for k, v in values.items())])
+
+
+def _number(value: int | float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.4f}"

@@ -84,6 +84,7 @@ class Trainer:
         label_col: str | Sequence[str] = "label",
         validation_data: Any = None,
         weight_col: str | None = None,
+        callbacks: Sequence[Any] = (),
     ) -> TrainResult:
         """Train on ``data`` and return the model, history and summary.
 
@@ -112,7 +113,9 @@ class Trainer:
         job = self if cfg is self.config else self._with_config(cfg)
         parse_columns(features_col)  # a malformed spec fails before any Spark job
         parse_labels(label_col)
-        return job._fit(sc, started, data, features_col, label_col, validation_data, weight_col)
+        return job._fit(
+            sc, started, data, features_col, label_col, validation_data, weight_col, callbacks
+        )
 
     def _with_config(self, cfg: TrainConfig) -> Trainer:
         job = copy.copy(self)
@@ -128,6 +131,7 @@ class Trainer:
         label_col: str | Sequence[str],
         validation_data: Any,
         weight_col: str | None,
+        callbacks: Sequence[Any] = (),
     ) -> TrainResult:
         cfg = self.config
         strategy = strategies.get(cfg.strategy)
@@ -167,6 +171,7 @@ class Trainer:
             num_outputs=num_outputs,
             started=started,
             fault=self._fault_plan,
+            callbacks=tuple(callbacks),
         )
         if cfg.parallelism_pipeline > 1:
             result = run_pipeline(job, strategy)

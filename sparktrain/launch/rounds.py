@@ -75,7 +75,7 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,6 +92,7 @@ from sparktrain.launch.resources import task_cpus
 from sparktrain.launch.round_runner import RoundRunner, cache_blocks
 from sparktrain.launch.spark_volume import SparkVolume
 from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
+from sparktrain.loggers import make_listeners
 from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
 from sparktrain.result import TrainResult, state_to_bytes
 from sparktrain.worker.data import steps_for
@@ -133,9 +134,12 @@ def run_rounds(
     num_outputs: int,
     started: float,
     task_hook: Callable[[int, int], None] | None = None,
+    callbacks: Sequence[Any] = (),
 ) -> TrainResult:
     """Train ``model`` (built and seeded on the driver from ``model_fn`` and
-    ``model_kwargs``, which the executors build it from too) with one Spark job per round."""
+    ``model_kwargs``, which the executors build it from too) with one Spark job per round;
+    ``callbacks`` and the config's loggers get every epoch's record on the driver."""
+    listeners = make_listeners(cfg, callbacks)  # a missing logger package fails first
     try:  # fail on the driver, before any Spark job, for a spec the rounds cannot use
         make_codec(cfg.compression)
         download_compressor(cfg.compression)
@@ -146,7 +150,7 @@ def run_rounds(
     group = f"sparktrain-{job_id}"
     previous_group = sc.getLocalProperty("spark.jobGroup.id")
     previous_description = sc.getLocalProperty("spark.job.description")
-    display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
+    display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl, listeners, config=cfg.to_dict())
     launched = time.perf_counter()
     blocks = cache_blocks(prepared, cfg, num_outputs)
     model_handle = None
@@ -235,6 +239,9 @@ def run_rounds(
         first_volume.poll(final=True)
         # the first round's payloads are task results like every other round's
         volume.result_bytes += first_volume.result_bytes
+    except BaseException as exc:
+        display.fail(exc)
+        raise
     finally:
         display.close()
         blocks.unpersist(blocking=False)
@@ -293,6 +300,7 @@ def run_rounds(
     summary["compression_ratio"] = (
         summary["bytes_sent"] / summary["wire_bytes"] if summary["wire_bytes"] else 1.0
     )
+    display.finish(summary, model)
     return TrainResult(model=model, history=summary["history"], summary=summary)
 
 

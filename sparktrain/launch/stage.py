@@ -36,6 +36,7 @@ from sparktrain.launch.prepare import PreparedData
 from sparktrain.launch.rendezvous import RendezvousServer
 from sparktrain.launch.resources import SlotWatchdog, check_can_launch, is_local, task_cpus
 from sparktrain.launch.state_server import StateReceiver
+from sparktrain.loggers import make_listeners
 from sparktrain.metrics import MetricsServer, ProgressDisplay
 from sparktrain.result import Record, TrainResult, assemble
 from sparktrain.worker.context import JobSpec
@@ -74,6 +75,7 @@ class FitJob:
     num_outputs: int
     started: float
     fault: FaultPlan | None = None
+    # user callbacks (sparktrain.loggers.Callback or fn(record, history)), on the driver
     callbacks: Sequence[Any] = ()
     # sparktrain.run: rank 0's tensors land here as sent (no driver model to check against)
     received: dict[str, torch.Tensor] | None = None
@@ -176,13 +178,18 @@ def train_in_stage(
 ) -> TrainResult:
     """Open the checkpoint store, start the strategy's driver half, run the stage
     (:func:`run_stage`), stop the services and assemble the result. ``spec`` is the
-    job's spec when the entry already holds it (else a new one)."""
+    job's spec when the entry already holds it (else a new one). The run's listeners
+    (callbacks, TensorBoard, MLflow) are built first: a missing package fails before
+    anything starts."""
     cfg = job.config
+    listeners = make_listeners(cfg, job.callbacks)
     spec = spec or job.job_spec(strategy)
     store = open_store(
         cfg, str(job.sc.master), executors_write=strategy.executors_write_checkpoints
     )
-    display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl)
+    display = ProgressDisplay(
+        cfg.progress, cfg.metrics_jsonl, listeners=listeners, config=cfg.to_dict()
+    )
     host = driver_host(job.sc)
     log.info("job %s: %s on %d workers%s", spec.job_id, cfg.strategy, cfg.num_workers, describe)
     try:
@@ -201,12 +208,20 @@ def train_in_stage(
             )
         finally:
             driver.stop()
+    except BaseException as exc:  # KeyboardInterrupt too: an MLflow run ends KILLED
+        display.fail(exc)
+        raise
     finally:
         display.close()
-    result = assemble_result(outcome.records, outcome.stage_s)
-    result.summary.update(restarts=outcome.restarts, steps_redone=outcome.steps_redone)
-    result.summary["driver_peak_rss_bytes"] = peak_rss_bytes()
-    driver.finish(result)
+    try:
+        result = assemble_result(outcome.records, outcome.stage_s)
+        result.summary.update(restarts=outcome.restarts, steps_redone=outcome.steps_redone)
+        result.summary["driver_peak_rss_bytes"] = peak_rss_bytes()
+        driver.finish(result)
+    except BaseException as exc:
+        display.fail(exc)
+        raise
+    display.finish(result.summary, result.model)
     return result
 
 

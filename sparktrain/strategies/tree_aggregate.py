@@ -55,6 +55,7 @@ class TreeAggregate(Strategy):
             num_outputs=job.num_outputs,
             started=job.started,
             task_hook=job.fault.maybe_fire if job.fault else None,
+            callbacks=job.callbacks,
         )
 
     def comm_s(
