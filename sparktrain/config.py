@@ -407,6 +407,8 @@ class TrainConfig:
             value = getattr(self, f.name)
             if isinstance(value, dict):  # decode/collate tables may hold callables
                 value = {k: _callable_name(v) if callable(v) else v for k, v in value.items()}
+            elif isinstance(value, list):  # and so may metrics
+                value = [_callable_name(v) if callable(v) else v for v in value]
             out[f.name] = value if not callable(value) else _callable_name(value)
         return out
 

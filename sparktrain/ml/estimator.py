@@ -281,6 +281,61 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         """Sets the value of :py:attr:`dataMemoryInMB`."""
         return self._set(dataMemoryInMB=value)
 
+    def setLrSchedule(self, value: str) -> Self:
+        """Sets the value of :py:attr:`lrSchedule` (a ``torch.optim.lr_scheduler`` class
+        name, or ``"none"``)."""
+        return self._set(lrSchedule=value)
+
+    def setLrScheduleKwargs(self, value: str | dict[str, Any]) -> Self:
+        """Sets the value of :py:attr:`lrScheduleKwargs` (a dict or JSON object text)."""
+        return self._set(lrScheduleKwargs=value)
+
+    def setLrScheduleInterval(self, value: str) -> Self:
+        """Sets the value of :py:attr:`lrScheduleInterval` (``"step"`` or ``"epoch"``)."""
+        return self._set(lrScheduleInterval=value)
+
+    def setWarmupSteps(self, value: int) -> Self:
+        """Sets the value of :py:attr:`warmupSteps`."""
+        return self._set(warmupSteps=value)
+
+    def setPrecision(self, value: str) -> Self:
+        """Sets the value of :py:attr:`precision` (``"fp32"``, ``"bf16"`` or ``"fp16"``)."""
+        return self._set(precision=value)
+
+    def setFp16SkipLimit(self, value: int) -> Self:
+        """Sets the value of :py:attr:`fp16SkipLimit`."""
+        return self._set(fp16SkipLimit=value)
+
+    def setAccumulateSteps(self, value: int) -> Self:
+        """Sets the value of :py:attr:`accumulateSteps`."""
+        return self._set(accumulateSteps=value)
+
+    def setClipGradNorm(self, value: float) -> Self:
+        """Sets the value of :py:attr:`clipGradNorm` (0: no clipping)."""
+        return self._set(clipGradNorm=value)
+
+    def setEarlyStopping(self, value: str | dict[str, Any]) -> Self:
+        """Sets the value of :py:attr:`earlyStopping` (a dict or JSON object text;
+        ``{}``: off)."""
+        return self._set(earlyStopping=value)
+
+    def setMetrics(self, value: list[str]) -> Self:
+        """Sets the value of :py:attr:`metrics` (metric names, e.g. ``["macro_f1",
+        "top_k:3"]``)."""
+        return self._set(metrics=value)
+
+    def setTensorboardDir(self, value: str) -> Self:
+        """Sets the value of :py:attr:`tensorboardDir` (``""``: off)."""
+        return self._set(tensorboardDir=value)
+
+    def setMlflowTrackingUri(self, value: str) -> Self:
+        """Sets the value of :py:attr:`mlflowTrackingUri` (``""``: off)."""
+        return self._set(mlflowTrackingUri=value)
+
+    def setMlflowExperiment(self, value: str) -> Self:
+        """Sets the value of :py:attr:`mlflowExperiment`."""
+        return self._set(mlflowExperiment=value)
+
     # ------------------------------------------------------------------ persistence
     @classmethod
     def read(cls) -> DefaultParamsReader[Self]:
@@ -345,7 +400,7 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         Samples per worker per step (32).
     maxEpochs : int
         Passes over the training data (50: enough for tables of a few hundred rows;
-        lower it for large tables).
+        lower it for large tables, or set ``earlyStopping``).
     numWorkers : int
         Training tasks; each needs a free task slot at once (except for
         ``strategy="tree_aggregate"``).
@@ -362,6 +417,24 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
     dataMemoryInMB : float
         MiB a worker may hold its partition's rows in (512); a larger partition spills to
         a memory-mapped file under ``spark.local.dir`` (see docs/data.md).
+    lrSchedule, lrScheduleKwargs, lrScheduleInterval, warmupSteps : str, str or dict, str, int
+        A ``torch.optim.lr_scheduler`` class by name (``"none"``: a constant rate) with its
+        keyword arguments (JSON or dict), stepped every ``"step"`` or ``"epoch"``, after a
+        linear warm-up over ``warmupSteps`` optimizer steps (TrainConfig ``lr_schedule``...).
+    precision, fp16SkipLimit : str, int
+        ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast; parameters stay float32); with
+        fp16, the consecutive non-finite steps after which the run stops.
+    accumulateSteps, clipGradNorm : int, float
+        Mini-batches per optimizer step (1), and the global gradient norm to clip to (0:
+        no clipping).
+    earlyStopping : str or dict
+        ``{"metric": "accuracy", "patience": 3}`` (also ``mode``, ``min_delta``,
+        ``restore_best``) stops when the metric stops improving; ``{}`` (default): off.
+    metrics : list of str
+        Extra validation metrics by name, e.g. ``["macro_f1", "top_k:3"]`` (``[]``).
+    tensorboardDir, mlflowTrackingUri, mlflowExperiment : str
+        Log per-epoch metrics to TensorBoard event files there, and the run to MLflow
+        (``""``: off; experiment ``"sparktrain"``).
 
     Examples
     --------
@@ -415,6 +488,19 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         featureDtypes: str | dict[str, str] = "{}",
         decode: str | dict[str, str] = "{}",
         collate: str | dict[str, str] = "{}",
+        lrSchedule: str = "none",
+        lrScheduleKwargs: str | dict[str, Any] = "{}",
+        lrScheduleInterval: str = "step",
+        warmupSteps: int = 0,
+        precision: str = "fp32",
+        fp16SkipLimit: int = 10,
+        accumulateSteps: int = 1,
+        clipGradNorm: float = 0.0,
+        earlyStopping: str | dict[str, Any] = "{}",
+        metrics: list[str] | None = None,
+        tensorboardDir: str = "",
+        mlflowTrackingUri: str = "",
+        mlflowExperiment: str = "sparktrain",
     ) -> None:
         super().__init__()
         self._set(**self._input_kwargs)
@@ -449,6 +535,19 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         featureDtypes: str | dict[str, str] = "{}",
         decode: str | dict[str, str] = "{}",
         collate: str | dict[str, str] = "{}",
+        lrSchedule: str = "none",
+        lrScheduleKwargs: str | dict[str, Any] = "{}",
+        lrScheduleInterval: str = "step",
+        warmupSteps: int = 0,
+        precision: str = "fp32",
+        fp16SkipLimit: int = 10,
+        accumulateSteps: int = 1,
+        clipGradNorm: float = 0.0,
+        earlyStopping: str | dict[str, Any] = "{}",
+        metrics: list[str] | None = None,
+        tensorboardDir: str = "",
+        mlflowTrackingUri: str = "",
+        mlflowExperiment: str = "sparktrain",
     ) -> Self:
         """Sets params for this TorchClassifier (only the ones passed)."""
         return self._set(**self._input_kwargs)
@@ -555,6 +654,19 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         featureDtypes: str | dict[str, str] = "{}",
         decode: str | dict[str, str] = "{}",
         collate: str | dict[str, str] = "{}",
+        lrSchedule: str = "none",
+        lrScheduleKwargs: str | dict[str, Any] = "{}",
+        lrScheduleInterval: str = "step",
+        warmupSteps: int = 0,
+        precision: str = "fp32",
+        fp16SkipLimit: int = 10,
+        accumulateSteps: int = 1,
+        clipGradNorm: float = 0.0,
+        earlyStopping: str | dict[str, Any] = "{}",
+        metrics: list[str] | None = None,
+        tensorboardDir: str = "",
+        mlflowTrackingUri: str = "",
+        mlflowExperiment: str = "sparktrain",
     ) -> None:
         super().__init__()
         self._set(**self._input_kwargs)
@@ -588,6 +700,19 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         featureDtypes: str | dict[str, str] = "{}",
         decode: str | dict[str, str] = "{}",
         collate: str | dict[str, str] = "{}",
+        lrSchedule: str = "none",
+        lrScheduleKwargs: str | dict[str, Any] = "{}",
+        lrScheduleInterval: str = "step",
+        warmupSteps: int = 0,
+        precision: str = "fp32",
+        fp16SkipLimit: int = 10,
+        accumulateSteps: int = 1,
+        clipGradNorm: float = 0.0,
+        earlyStopping: str | dict[str, Any] = "{}",
+        metrics: list[str] | None = None,
+        tensorboardDir: str = "",
+        mlflowTrackingUri: str = "",
+        mlflowExperiment: str = "sparktrain",
     ) -> Self:
         """Sets params for this TorchRegressor (only the ones passed)."""
         return self._set(**self._input_kwargs)

@@ -23,6 +23,20 @@ box (docs/ml.md has the table and why), and the regressor's ``labelScaling=True`
     featureShapes -> feature_shapes   featureDtypes -> feature_dtypes   (JSON objects)
     decode, collate (JSON objects), loss, optimizer, strategy, compression, seed -> the keys
                                                                           of the same name
+    lrSchedule -> lr_schedule     lrScheduleKwargs -> lr_schedule_kwargs (JSON)
+    lrScheduleInterval -> lr_schedule_interval   warmupSteps -> warmup_steps
+    fp16SkipLimit -> fp16_skip_limit   accumulateSteps -> accumulate_steps
+    clipGradNorm -> clip_grad_norm     earlyStopping -> early_stopping (JSON object)
+    tensorboardDir -> tensorboard_dir  mlflowTrackingUri -> mlflow_tracking_uri
+    mlflowExperiment -> mlflow_experiment   precision, metrics (names only) -> the keys
+                                                                          of the same name
+
+The training-loop params (schedule to metrics and loggers) have TrainConfig's defaults.
+Their converters check a value when it is set, with TrainConfig's wording under the
+param's name; ``lrSchedule`` and ``earlyStopping`` are checked by TrainConfig itself, so
+the two cannot disagree on what a schedule name or an early-stopping table is. ``metrics``
+takes names only: a param must be JSON for MLlib metadata, so a callable metric goes
+through :class:`~sparktrain.Trainer` (TrainConfig ``metrics``).
 
 The model's inputs: ``featuresCol`` names one column (``model(x)``); ``featuresCols``, when
 set and non-empty, overrides it with several columns, ``["a", "b"]`` for ``model(a, b)``
@@ -34,7 +48,7 @@ per-column options is the *plain* fit of one float vector column.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pyspark.ml.param import Param, Params, TypeConverters
@@ -48,32 +62,55 @@ from pyspark.ml.param.shared import (
     HasWeightCol,
 )
 
-from sparktrain.config import LOSSES, OPTIMIZERS, PS_MODES, TrainConfig
+from sparktrain.config import (
+    LOSSES,
+    METRICS,
+    OPTIMIZERS,
+    PRECISIONS,
+    PS_MODES,
+    SCHEDULE_INTERVALS,
+    TrainConfig,
+    check_metric_name,
+)
 from sparktrain.data.columns import ColumnsSpec, check_dtype, check_shape
+from sparktrain.errors import ConfigError
 from sparktrain.strategies import registry
 
 __all__ = [
     "ML_DEFAULTS",
+    "HasAccumulateSteps",
     "HasBatchSize",
+    "HasClipGradNorm",
     "HasCollate",
     "HasCompression",
     "HasDataMemoryInMB",
     "HasDecode",
+    "HasEarlyStopping",
     "HasFeatureDtypes",
     "HasFeatureShapes",
     "HasFeaturesCols",
+    "HasFp16SkipLimit",
     "HasLabelScaling",
     "HasLearningRate",
     "HasLoss",
+    "HasLrSchedule",
+    "HasLrScheduleInterval",
+    "HasLrScheduleKwargs",
     "HasMaxEpochs",
+    "HasMetrics",
+    "HasMlflowExperiment",
+    "HasMlflowTrackingUri",
     "HasModelFn",
     "HasModelKwargs",
     "HasNumWorkers",
     "HasOptimizer",
     "HasOptimizerKwargs",
+    "HasPrecision",
     "HasPsMode",
     "HasStrategy",
+    "HasTensorboardDir",
     "HasValidationFraction",
+    "HasWarmupSteps",
 ]
 
 _DEFAULTS = TrainConfig()
@@ -261,6 +298,59 @@ def _to_spec(value: Any) -> str:
     if not text:
         raise ValueError("compression must be a compression spec such as 'none'")
     return text
+
+
+def _non_negative_float(name: str, note: str) -> Any:
+    def convert(value: Any) -> float:
+        number = TypeConverters.toFloat(value)
+        if not number >= 0:  # also refuses NaN
+            raise ValueError(f"{name}={number!r} must be a number >= 0 ({note})")
+        return number
+
+    return convert
+
+
+def _checked_by_train_config(
+    name: str,
+    key: str,
+    convert: Callable[[Any], Any],
+    as_config: Callable[[Any], Any] = lambda stored: stored,
+) -> Any:
+    """``convert``, then TrainConfig's own check of ``key`` on the result (``as_config``
+    turns the stored form into the key's value). Used where the rule is more than a range
+    (a torch class name, a table's keys), so the param and the TOML key cannot drift
+    apart; the message is TrainConfig's, with the param's name in place of the key's."""
+
+    def check(value: Any) -> Any:
+        stored = convert(value)
+        try:
+            _DEFAULTS.replace(**{key: as_config(stored)})
+        except ConfigError as exc:
+            message = str(exc)
+            if message.startswith(key):
+                message = name + message.removeprefix(key)
+            else:
+                message = f"{name}: {message}"
+            raise ValueError(message) from exc
+        return stored
+
+    return check
+
+
+def _to_metric_names(value: Any) -> list[str]:
+    """``metrics``: validation metric names, checked as TrainConfig checks them."""
+    names = TypeConverters.toListString(value)
+    for name in names:
+        try:
+            check_metric_name(name)
+        except ConfigError as exc:
+            # TrainConfig's message offers callables too, which a param cannot hold.
+            raise ValueError(
+                f"metrics: {name!r} is not a metric; use one of {', '.join(METRICS)} (e.g. "
+                "'top_k:5'). A callable metric needs the Trainer (TrainConfig metrics): "
+                "params hold names only"
+            ) from exc
+    return names
 
 
 # ---------------------------------------------------------------------- mixins
@@ -662,6 +752,272 @@ class HasCollate(Params):
         return self.getOrDefault(self.collate)
 
 
+class HasLrSchedule(Params):
+    """Mixin for param lrSchedule: a ``torch.optim.lr_scheduler`` class by name."""
+
+    lrSchedule: Param[str] = Param(
+        Params._dummy(),
+        "lrSchedule",
+        "learning-rate schedule: a torch.optim.lr_scheduler class by name "
+        "('CosineAnnealingLR', 'StepLR', 'OneCycleLR', 'ReduceLROnPlateau', ...) or 'none' "
+        "for a constant rate (TrainConfig lr_schedule)",
+        typeConverter=_checked_by_train_config(
+            "lrSchedule", "lr_schedule", TypeConverters.toString
+        ),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(lrSchedule=_DEFAULTS.lr_schedule)
+
+    def getLrSchedule(self) -> str:
+        """Gets the value of lrSchedule or its default ``"none"``."""
+        return self.getOrDefault(self.lrSchedule)
+
+
+class HasLrScheduleKwargs(Params):
+    """Mixin for param lrScheduleKwargs: the schedule's keyword arguments, as JSON."""
+
+    lrScheduleKwargs: Param[str] = Param(
+        Params._dummy(),
+        "lrScheduleKwargs",
+        "keyword arguments of lrSchedule as a JSON object, e.g. '{\"T_max\": 1000}' "
+        "(TrainConfig lr_schedule_kwargs)",
+        typeConverter=_json_object("lrScheduleKwargs"),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(lrScheduleKwargs=json.dumps(_DEFAULTS.lr_schedule_kwargs))
+
+    def getLrScheduleKwargs(self) -> str:
+        """Gets the value of lrScheduleKwargs (JSON text) or its default ``"{}"``."""
+        return self.getOrDefault(self.lrScheduleKwargs)
+
+
+class HasLrScheduleInterval(Params):
+    """Mixin for param lrScheduleInterval: when the schedule steps."""
+
+    lrScheduleInterval: Param[str] = Param(
+        Params._dummy(),
+        "lrScheduleInterval",
+        f"step the schedule after every optimizer step or every epoch, one of "
+        f"{', '.join(SCHEDULE_INTERVALS)} (TrainConfig lr_schedule_interval)",
+        typeConverter=_one_of("lrScheduleInterval", SCHEDULE_INTERVALS),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(lrScheduleInterval=_DEFAULTS.lr_schedule_interval)
+
+    def getLrScheduleInterval(self) -> str:
+        """Gets the value of lrScheduleInterval or its default ``"step"``."""
+        return self.getOrDefault(self.lrScheduleInterval)
+
+
+class HasWarmupSteps(Params):
+    """Mixin for param warmupSteps: linear learning-rate warm-up."""
+
+    warmupSteps: Param[int] = Param(
+        Params._dummy(),
+        "warmupSteps",
+        "optimizer steps over which the rate ramps linearly up to the schedule's (>= 0; "
+        "0 = none) (TrainConfig warmup_steps)",
+        typeConverter=_int_at_least("warmupSteps", 0),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(warmupSteps=_DEFAULTS.warmup_steps)
+
+    def getWarmupSteps(self) -> int:
+        """Gets the value of warmupSteps or its default 0."""
+        return self.getOrDefault(self.warmupSteps)
+
+
+class HasPrecision(Params):
+    """Mixin for param precision: the forward and backward passes' float type."""
+
+    precision: Param[str] = Param(
+        Params._dummy(),
+        "precision",
+        f"training precision, one of {', '.join(PRECISIONS)}: bf16 and fp16 autocast the "
+        "passes, parameters stay float32 (TrainConfig precision)",
+        typeConverter=_one_of("precision", PRECISIONS),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(precision=_DEFAULTS.precision)
+
+    def getPrecision(self) -> str:
+        """Gets the value of precision or its default ``"fp32"``."""
+        return self.getOrDefault(self.precision)
+
+
+class HasFp16SkipLimit(Params):
+    """Mixin for param fp16SkipLimit: overflowing fp16 steps tolerated in a row."""
+
+    fp16SkipLimit: Param[int] = Param(
+        Params._dummy(),
+        "fp16SkipLimit",
+        "with precision='fp16', consecutive steps with a non-finite loss after which the "
+        "run stops (>= 1) (TrainConfig fp16_skip_limit)",
+        typeConverter=_int_at_least("fp16SkipLimit", 1),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(fp16SkipLimit=_DEFAULTS.fp16_skip_limit)
+
+    def getFp16SkipLimit(self) -> int:
+        """Gets the value of fp16SkipLimit or its default."""
+        return self.getOrDefault(self.fp16SkipLimit)
+
+
+class HasAccumulateSteps(Params):
+    """Mixin for param accumulateSteps: mini-batches per optimizer step."""
+
+    accumulateSteps: Param[int] = Param(
+        Params._dummy(),
+        "accumulateSteps",
+        "mini-batches whose gradients are summed before one exchange and optimizer step "
+        "(>= 1) (TrainConfig accumulate_steps)",
+        typeConverter=_int_at_least("accumulateSteps", 1),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(accumulateSteps=_DEFAULTS.accumulate_steps)
+
+    def getAccumulateSteps(self) -> int:
+        """Gets the value of accumulateSteps or its default 1."""
+        return self.getOrDefault(self.accumulateSteps)
+
+
+class HasClipGradNorm(Params):
+    """Mixin for param clipGradNorm: global gradient-norm clipping."""
+
+    clipGradNorm: Param[float] = Param(
+        Params._dummy(),
+        "clipGradNorm",
+        "clip the averaged gradients to this global L2 norm before each step (>= 0; "
+        "0 = no clipping) (TrainConfig clip_grad_norm)",
+        typeConverter=_non_negative_float("clipGradNorm", "0 = no clipping"),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(clipGradNorm=_DEFAULTS.clip_grad_norm)
+
+    def getClipGradNorm(self) -> float:
+        """Gets the value of clipGradNorm or its default 0.0."""
+        return self.getOrDefault(self.clipGradNorm)
+
+
+class HasEarlyStopping(Params):
+    """Mixin for param earlyStopping: stop when a metric stops improving, as JSON."""
+
+    earlyStopping: Param[str] = Param(
+        Params._dummy(),
+        "earlyStopping",
+        "early stopping as a JSON object with keys metric (required), mode ('min' or "
+        "'max'), patience (epochs), min_delta, restore_best, e.g. "
+        '{"metric": "accuracy", "patience": 3}; {} = off (TrainConfig early_stopping)',
+        typeConverter=_checked_by_train_config(
+            "earlyStopping", "early_stopping", _json_object("earlyStopping"), json.loads
+        ),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(earlyStopping=json.dumps(_DEFAULTS.early_stopping))
+
+    def getEarlyStopping(self) -> str:
+        """Gets the value of earlyStopping (JSON text) or its default ``"{}"`` (off)."""
+        return self.getOrDefault(self.earlyStopping)
+
+
+class HasMetrics(Params):
+    """Mixin for param metrics: extra validation metrics by name."""
+
+    metrics: Param[list[str]] = Param(
+        Params._dummy(),
+        "metrics",
+        f"extra validation metrics over the whole validation set, by name: "
+        f"{', '.join(METRICS)} (e.g. 'top_k:5') (TrainConfig metrics)",
+        typeConverter=_to_metric_names,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(metrics=[str(m) for m in _DEFAULTS.metrics])
+
+    def getMetrics(self) -> list[str]:
+        """Gets the value of metrics or its default ``[]``."""
+        value: list[str] | None = self.getOrDefault(self.metrics)
+        return list(value or [])
+
+
+class HasTensorboardDir(Params):
+    """Mixin for param tensorboardDir: where TensorBoard event files go."""
+
+    tensorboardDir: Param[str] = Param(
+        Params._dummy(),
+        "tensorboardDir",
+        "directory for per-epoch TensorBoard event files (extra sparktrain[tensorboard]); "
+        "'' = off (TrainConfig tensorboard_dir)",
+        typeConverter=TypeConverters.toString,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(tensorboardDir=_DEFAULTS.tensorboard_dir)
+
+    def getTensorboardDir(self) -> str:
+        """Gets the value of tensorboardDir or its default ``""`` (off)."""
+        return self.getOrDefault(self.tensorboardDir)
+
+
+class HasMlflowTrackingUri(Params):
+    """Mixin for param mlflowTrackingUri: where the run is logged to MLflow."""
+
+    mlflowTrackingUri: Param[str] = Param(
+        Params._dummy(),
+        "mlflowTrackingUri",
+        "MLflow tracking URI to log the run's parameters, per-epoch metrics and model to "
+        "(extra sparktrain[mlflow]); '' = off (TrainConfig mlflow_tracking_uri)",
+        typeConverter=TypeConverters.toString,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(mlflowTrackingUri=_DEFAULTS.mlflow_tracking_uri)
+
+    def getMlflowTrackingUri(self) -> str:
+        """Gets the value of mlflowTrackingUri or its default ``""`` (off)."""
+        return self.getOrDefault(self.mlflowTrackingUri)
+
+
+class HasMlflowExperiment(Params):
+    """Mixin for param mlflowExperiment: the MLflow experiment a run is logged under."""
+
+    mlflowExperiment: Param[str] = Param(
+        Params._dummy(),
+        "mlflowExperiment",
+        "MLflow experiment name, used with mlflowTrackingUri (TrainConfig mlflow_experiment)",
+        typeConverter=TypeConverters.toString,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(mlflowExperiment=_DEFAULTS.mlflow_experiment)
+
+    def getMlflowExperiment(self) -> str:
+        """Gets the value of mlflowExperiment or its default ``"sparktrain"``."""
+        return self.getOrDefault(self.mlflowExperiment)
+
+
 # ---------------------------------------------------------------------- shared sets
 class _TorchParams(
     HasFeaturesCol,
@@ -688,6 +1044,19 @@ class _TorchParams(
     HasFeatureDtypes,
     HasDecode,
     HasCollate,
+    HasLrSchedule,
+    HasLrScheduleKwargs,
+    HasLrScheduleInterval,
+    HasWarmupSteps,
+    HasPrecision,
+    HasFp16SkipLimit,
+    HasAccumulateSteps,
+    HasClipGradNorm,
+    HasEarlyStopping,
+    HasMetrics,
+    HasTensorboardDir,
+    HasMlflowTrackingUri,
+    HasMlflowExperiment,
 ):
     """Params shared by :class:`TorchEstimator` and :class:`TorchModel`."""
 
@@ -714,7 +1083,27 @@ class _TorchParams(
             validation_fraction=self.getValidationFraction(),
             data_memory_mb=self.getDataMemoryInMB(),
             **self._column_options(),
+            **self._loop_options(),
         )
+
+    def _loop_options(self) -> dict[str, Any]:
+        """The training loop's schedule, precision, accumulation, clipping, early
+        stopping, metrics and loggers as TrainConfig keys."""
+        return {
+            "lr_schedule": self.getLrSchedule(),
+            "lr_schedule_kwargs": json.loads(self.getLrScheduleKwargs()),
+            "lr_schedule_interval": self.getLrScheduleInterval(),
+            "warmup_steps": self.getWarmupSteps(),
+            "precision": self.getPrecision(),
+            "fp16_skip_limit": self.getFp16SkipLimit(),
+            "accumulate_steps": self.getAccumulateSteps(),
+            "clip_grad_norm": self.getClipGradNorm(),
+            "early_stopping": json.loads(self.getEarlyStopping()),
+            "metrics": self.getMetrics(),
+            "tensorboard_dir": self.getTensorboardDir(),
+            "mlflow_tracking_uri": self.getMlflowTrackingUri(),
+            "mlflow_experiment": self.getMlflowExperiment(),
+        }
 
     def _column_options(self) -> dict[str, dict[str, Any]]:
         """The per-column options as TrainConfig keys (empty tables when unset)."""

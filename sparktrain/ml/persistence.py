@@ -11,7 +11,8 @@ A saved model is a directory::
                                  torch.save (without the label scaling wrapper)
 
 Older saves load with today's defaults: params missing from the metadata (those added
-since, such as ``dataMemoryInMB`` or ``featuresCols``) keep their class defaults, and a
+since, such as ``dataMemoryInMB``, ``featuresCols`` or the training loop's ``lrSchedule``
+to ``mlflowExperiment``) keep their class defaults, and a
 model saved without ``inputs`` reads as the plain layout of its ``numFeatures``. A
 regression model saved before label scaling (no ``labelScaling`` figures) predicts its
 output as it is, and its ``labelScaling`` param defaults to ``False``, as it was trained;

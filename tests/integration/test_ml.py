@@ -564,3 +564,60 @@ def test_a_model_saved_before_typed_inputs_loads_as_the_plain_layout(spark, tmp_
     rows = loaded.transform(vectors).select("id", "rawPrediction").orderBy("id").collect()
     want = model.transform(vectors).select("id", "rawPrediction").orderBy("id").collect()
     assert [r.rawPrediction for r in rows] == [r.rawPrediction for r in want]
+
+
+LOOP_PARAMS = (
+    "lrSchedule",
+    "lrScheduleKwargs",
+    "lrScheduleInterval",
+    "warmupSteps",
+    "precision",
+    "fp16SkipLimit",
+    "accumulateSteps",
+    "clipGradNorm",
+    "earlyStopping",
+    "metrics",
+    "tensorboardDir",
+    "mlflowTrackingUri",
+    "mlflowExperiment",
+)
+
+
+def _strip_params(path, names) -> None:  # type: ignore[no-untyped-def]
+    """Rewrite a save's metadata as if ``names`` had not existed when it was written."""
+    part = next((path / "metadata").glob("part-*"))
+    meta = json.loads(part.read_text())
+    for section in ("paramMap", "defaultParamMap"):
+        meta[section] = {k: v for k, v in meta[section].items() if k not in names}
+    part.write_text(json.dumps(meta) + "\n")
+    part.with_name(f".{part.name}.crc").unlink(missing_ok=True)  # Hadoop's checksum
+
+
+def test_saves_from_before_the_loop_params_load_with_their_defaults(spark, tmp_path):  # type: ignore[no-untyped-def]
+    import torch
+
+    from sparktrain.models import digits_mlp
+    from sparktrain.result import state_to_bytes
+
+    defaults = TorchClassifier()
+    estimator = TorchClassifier(modelFn=DIGITS_MODEL, maxEpochs=3, precision="bf16")
+    estimator.save(str(tmp_path / "estimator"))
+    _strip_params(tmp_path / "estimator", LOOP_PARAMS)
+    loaded = TorchClassifier.load(str(tmp_path / "estimator"))
+    assert loaded.uid == estimator.uid and loaded.getMaxEpochs() == 3
+    for name in LOOP_PARAMS:
+        param = loaded.getParam(name)
+        assert not loaded.isSet(param)
+        assert loaded.getOrDefault(param) == defaults.getOrDefault(defaults.getParam(name))
+    assert loaded._train_config().precision == "fp32"
+
+    torch.manual_seed(0)
+    model = TorchClassificationModel()._set_state(
+        state_to_bytes(digits_mlp().state_dict()), num_features=64, num_outputs=10
+    )
+    model._set(modelFn=DIGITS_MODEL)
+    model.save(str(tmp_path / "model"))
+    _strip_params(tmp_path / "model", LOOP_PARAMS)
+    again = TorchClassificationModel.load(str(tmp_path / "model"))
+    assert again.getPrecision() == "fp32" and again.getEarlyStopping() == "{}"
+    assert again.getMetrics() == [] and again.numClasses == 10

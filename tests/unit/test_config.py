@@ -127,3 +127,173 @@ def test_column_option_tables_come_from_toml_and_set_whole(tmp_path: Path):
 def test_column_options_are_checked_by_key(key, value, needle):
     with pytest.raises(ConfigError, match=needle):
         TrainConfig(**{key: value})
+
+
+# ---------------------------------------------------------------------- the loop's keys
+LOOP_TOML = """\
+lr_schedule = "CosineAnnealingLR"
+lr_schedule_kwargs = {T_max = 100}
+lr_schedule_interval = "epoch"
+warmup_steps = 50
+precision = "bf16"
+fp16_skip_limit = 5
+accumulate_steps = 4
+clip_grad_norm = 1
+metrics = ["macro_f1", "top_k:3"]
+tensorboard_dir = "runs/digits"
+mlflow_tracking_uri = "file:///tmp/mlruns"
+mlflow_experiment = "digits"
+
+[early_stopping]
+metric = "accuracy"
+patience = 3
+"""
+
+
+def test_loop_keys_come_from_toml(tmp_path: Path):
+    path = tmp_path / "loop.toml"
+    path.write_text(LOOP_TOML)
+    cfg = TrainConfig.from_toml(path)
+    assert (cfg.lr_schedule, cfg.lr_schedule_kwargs, cfg.lr_schedule_interval) == (
+        "CosineAnnealingLR",
+        {"T_max": 100},
+        "epoch",
+    )
+    assert (cfg.warmup_steps, cfg.precision, cfg.fp16_skip_limit) == (50, "bf16", 5)
+    assert cfg.accumulate_steps == 4
+    assert cfg.clip_grad_norm == 1.0 and isinstance(cfg.clip_grad_norm, float)
+    # a [early_stopping] table stays one table (it is not flattened into dotted keys)
+    assert cfg.early_stopping == {"metric": "accuracy", "patience": 3}
+    assert cfg.metrics == ["macro_f1", "top_k:3"]
+    assert (cfg.tensorboard_dir, cfg.mlflow_tracking_uri, cfg.mlflow_experiment) == (
+        "runs/digits",
+        "file:///tmp/mlruns",
+        "digits",
+    )
+    # the JSON view (summaries, MLflow parameters) shows them as read
+    view = cfg.to_dict()
+    assert view["early_stopping"] == {"metric": "accuracy", "patience": 3}
+    assert view["metrics"] == ["macro_f1", "top_k:3"]
+
+
+def test_loop_keys_default_to_a_plain_loop():
+    cfg = TrainConfig()
+    assert (cfg.lr_schedule, cfg.lr_schedule_kwargs, cfg.warmup_steps) == ("none", {}, 0)
+    assert (cfg.precision, cfg.accumulate_steps, cfg.clip_grad_norm) == ("fp32", 1, 0.0)
+    assert (cfg.early_stopping, cfg.metrics) == ({}, [])
+    assert (cfg.tensorboard_dir, cfg.mlflow_tracking_uri) == ("", "")
+
+
+def test_loop_keys_come_from_set_overrides(tmp_path: Path):
+    path = tmp_path / "loop.toml"
+    path.write_text(LOOP_TOML)
+    cfg = TrainConfig.from_toml(
+        path,
+        [
+            "lr_schedule=StepLR",  # a bare word is a string
+            "lr_schedule_kwargs={step_size = 10, gamma = 0.5}",
+            "lr_schedule_interval=step",
+            "warmup_steps=0",
+            "precision=fp16",
+            "fp16_skip_limit=20",
+            "accumulate_steps=2",
+            "clip_grad_norm=0.5",
+            'early_stopping={metric = "loss", min_delta = 0.01, restore_best = true}',
+            'metrics=["auc", "log_loss"]',
+            "tensorboard_dir=/tmp/tb",
+            'mlflow_tracking_uri="http://mlflow:5000"',
+            "mlflow_experiment=exp",
+        ],
+    )
+    assert (cfg.lr_schedule, cfg.lr_schedule_kwargs) == ("StepLR", {"step_size": 10, "gamma": 0.5})
+    assert (cfg.lr_schedule_interval, cfg.warmup_steps) == ("step", 0)
+    assert (cfg.precision, cfg.fp16_skip_limit, cfg.accumulate_steps) == ("fp16", 20, 2)
+    assert cfg.clip_grad_norm == 0.5
+    # --set gives the whole table: the file's patience is gone, not merged
+    assert cfg.early_stopping == {"metric": "loss", "min_delta": 0.01, "restore_best": True}
+    assert cfg.metrics == ["auc", "log_loss"]
+    assert (cfg.tensorboard_dir, cfg.mlflow_tracking_uri, cfg.mlflow_experiment) == (
+        "/tmp/tb",
+        "http://mlflow:5000",
+        "exp",
+    )
+    # overrides alone, without a file, and a JSON object for a table
+    values = apply_overrides({}, ['early_stopping={"metric": "accuracy", "mode": "max"}'])
+    assert TrainConfig.from_dict(values).early_stopping == {"metric": "accuracy", "mode": "max"}
+    # from Python, a metric may be a callable
+    cfg = TrainConfig(metrics=["accuracy", test_defaults_validate])
+    assert cfg.to_dict()["metrics"] == ["accuracy", f"{__name__}:test_defaults_validate"]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (
+            "lr_schedule=Cosine",
+            r"lr_schedule='Cosine' is not a torch.optim.lr_scheduler class; use 'none' or one "
+            r"of .*CosineAnnealingLR, .*OneCycleLR, .*ReduceLROnPlateau, StepLR",
+        ),
+        ("lr_schedule=SequentialLR", "lr_schedule='SequentialLR' is not a torch.optim"),
+        ("lr_schedule_kwargs=[1, 2]", "config key 'lr_schedule_kwargs' expects dict"),
+        ("lr_schedule_interval=batch", "allowed values: step, epoch"),
+        ("warmup_steps=-1", "warmup_steps=-1 must be an integer >= 0"),
+        ("precision=fp8", "precision='fp8' is not supported; allowed values: fp32, bf16, fp16"),
+        ("fp16_skip_limit=0", "fp16_skip_limit=0 must be an integer >= 1"),
+        ("accumulate_steps=0", "accumulate_steps=0 must be an integer >= 1"),
+        ("accumulate_steps=1.5", "config key 'accumulate_steps' expects int"),
+        ("clip_grad_norm=-1", r"clip_grad_norm=-1.0 must be a number >= 0 \(0 = no clipping\)"),
+        ("clip_grad_norm=nan", "clip_grad_norm=nan must be a number >= 0"),
+        (
+            'early_stopping={metric = "loss", patiance = 3}',
+            r"early_stopping: unknown key\(s\) patiance; allowed: metric, mode, patience, "
+            "min_delta, restore_best",
+        ),
+        ("early_stopping={patience = 3}", "early_stopping needs the metric to watch"),
+        ('early_stopping={metric = ""}', "early_stopping needs the metric to watch"),
+        ('early_stopping={metric = "loss", mode = "up"}', "mode='up' must be 'min' or 'max'"),
+        (
+            'early_stopping={metric = "loss", patience = 0}',
+            "early_stopping.patience=0 must be an integer >= 1",
+        ),
+        (
+            'early_stopping={metric = "loss", min_delta = -0.1}',
+            "early_stopping.min_delta=-0.1 must be a number >= 0",
+        ),
+        (
+            'early_stopping={metric = "loss", restore_best = "yes"}',
+            "early_stopping.restore_best must be true or false",
+        ),
+        ("early_stopping=accuracy", "config key 'early_stopping' expects dict"),
+        (
+            'metrics=["f1"]',
+            r"metrics: 'f1' is not a metric; use one of accuracy, top_k:K, macro_f1, auc",
+        ),
+        ('metrics=["top_k:0"]', "metrics: 'top_k:0' is not a metric"),
+        ('metrics=["top_k:x"]', "metrics: 'top_k:x' is not a metric"),
+        ('metrics=["top_k"]', "metrics: 'top_k' is not a metric"),
+        ('metrics=["top_k:K"]', "metrics: 'top_k:K' is not a metric"),  # K is a placeholder
+        ("metrics=macro_f1", "config key 'metrics' expects list"),
+        ("tensorboard_dir=3", None),  # a number is taken as its text: allowed
+    ],
+)
+def test_bad_loop_values_name_the_key_and_what_it_takes(tmp_path: Path, override, needle):
+    path = tmp_path / "loop.toml"
+    path.write_text(LOOP_TOML)
+    if needle is None:
+        assert TrainConfig.from_toml(path, [override]).tensorboard_dir == "3"
+        return
+    with pytest.raises(ConfigError, match=needle):
+        TrainConfig.from_toml(path, [override])
+
+
+def test_bad_loop_values_from_python_get_the_same_errors():
+    with pytest.raises(ConfigError, match="metrics: 'f1' is not a metric.*callable"):
+        TrainConfig(metrics=["f1"])
+    with pytest.raises(ConfigError, match="metrics must be a list"):
+        TrainConfig(metrics="macro_f1")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="clip_grad_norm=True must be a number >= 0"):
+        TrainConfig(clip_grad_norm=True)
+    with pytest.raises(ConfigError, match="early_stopping must be a table"):
+        TrainConfig(early_stopping="accuracy")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="mlflow_experiment must be a string"):
+        TrainConfig(mlflow_experiment=None)  # type: ignore[arg-type]

@@ -1,13 +1,16 @@
 """sparktrain.ml params without Spark: defaults, converters, copy semantics, config mapping,
 the weights format; featuresCols and the per-column options (forms, precedence, errors),
 metadata saved before them, and the typed transform's batches; labelScaling (mapping,
-un-scaled predictions, metadata saved before it)."""
+un-scaled predictions, metadata saved before it); the training loop's params (schedule,
+precision, accumulation, clipping, early stopping, metrics, loggers: defaults, mapping,
+errors, metadata saved before them)."""
 
 from __future__ import annotations
 
 import io
 import json
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +57,23 @@ OWN_PARAMS = {
     "decode",
     "collate",
 }
+# the training loop's params and the TrainConfig key each one sets
+LOOP_PARAMS = {
+    "lrSchedule": "lr_schedule",
+    "lrScheduleKwargs": "lr_schedule_kwargs",
+    "lrScheduleInterval": "lr_schedule_interval",
+    "warmupSteps": "warmup_steps",
+    "precision": "precision",
+    "fp16SkipLimit": "fp16_skip_limit",
+    "accumulateSteps": "accumulate_steps",
+    "clipGradNorm": "clip_grad_norm",
+    "earlyStopping": "early_stopping",
+    "metrics": "metrics",
+    "tensorboardDir": "tensorboard_dir",
+    "mlflowTrackingUri": "mlflow_tracking_uri",
+    "mlflowExperiment": "mlflow_experiment",
+}
+OWN_PARAMS |= set(LOOP_PARAMS)
 # the params added with typed inputs: metadata saved before them lacks them
 TYPED_PARAMS = ("featuresCols", "featureShapes", "featureDtypes", "decode", "collate")
 STANDARD = {"featuresCol", "labelCol", "predictionCol", "weightCol"}
@@ -657,3 +677,258 @@ def test_saves_from_before_label_scaling_and_the_new_defaults_load() -> None:
     # today's metadata names the param (defaultParamMap), so it is left as saved
     today = {"paramMap": {}, "defaultParamMap": {"labelScaling": True}}
     assert not _names_no_label_scaling(TorchRegressionModel(), today)
+
+
+# ---------------------------------------------------------------------- training loop
+def _getter(instance: object, param: str) -> object:
+    return getattr(instance, f"get{param[0].upper()}{param[1:]}")()
+
+
+def test_loop_params_default_to_train_config() -> None:
+    cfg = TrainConfig()
+    stages = (TorchClassifier(), TorchRegressor(), TorchClassificationModel())
+    for stage in stages:
+        trained = stage._train_config()
+        for param, key in LOOP_PARAMS.items():
+            # the ml side documents no defaults of its own for these
+            assert getattr(trained, key) == getattr(cfg, key) == getattr(ML_DEFAULTS, key), param
+    clf = TorchClassifier()
+    assert (clf.getLrSchedule(), clf.getLrScheduleKwargs(), clf.getLrScheduleInterval()) == (
+        "none",
+        "{}",
+        "step",
+    )
+    assert (clf.getWarmupSteps(), clf.getPrecision(), clf.getFp16SkipLimit()) == (0, "fp32", 10)
+    assert (clf.getAccumulateSteps(), clf.getClipGradNorm()) == (1, 0.0)
+    assert (clf.getEarlyStopping(), clf.getMetrics()) == ("{}", [])
+    assert (clf.getTensorboardDir(), clf.getMlflowTrackingUri()) == ("", "")
+    assert clf.getMlflowExperiment() == cfg.mlflow_experiment == "sparktrain"
+    # defaults are not "set": a saved estimator records them as defaults only
+    assert not any(clf.isSet(clf.getParam(p)) for p in LOOP_PARAMS)
+
+
+LOOP_VALUES: dict[str, Any] = {
+    "lrSchedule": "CosineAnnealingLR",
+    "lrScheduleKwargs": {"T_max": 100},
+    "lrScheduleInterval": "epoch",
+    "warmupSteps": 50,
+    "precision": "bf16",
+    "fp16SkipLimit": 5,
+    "accumulateSteps": 4,
+    "clipGradNorm": 1,
+    "earlyStopping": {"metric": "accuracy", "patience": 3, "restore_best": True},
+    "metrics": ["macro_f1", "top_k:3"],
+    "tensorboardDir": "/tmp/tb",
+    "mlflowTrackingUri": "file:///tmp/mlruns",
+    "mlflowExperiment": "digits",
+}
+# what TrainConfig receives for LOOP_VALUES (JSON params parsed, int -> float)
+LOOP_CONFIG = {
+    "lr_schedule": "CosineAnnealingLR",
+    "lr_schedule_kwargs": {"T_max": 100},
+    "lr_schedule_interval": "epoch",
+    "warmup_steps": 50,
+    "precision": "bf16",
+    "fp16_skip_limit": 5,
+    "accumulate_steps": 4,
+    "clip_grad_norm": 1.0,
+    "early_stopping": {"metric": "accuracy", "patience": 3, "restore_best": True},
+    "metrics": ["macro_f1", "top_k:3"],
+    "tensorboard_dir": "/tmp/tb",
+    "mlflow_tracking_uri": "file:///tmp/mlruns",
+    "mlflow_experiment": "digits",
+}
+
+
+def _loop_config(stage: TorchClassifier | TorchRegressor) -> dict[str, object]:
+    cfg = stage._train_config()
+    return {key: getattr(cfg, key) for key in LOOP_PARAMS.values()}
+
+
+def test_loop_params_are_set_and_map_onto_train_config() -> None:
+    assert set(LOOP_VALUES) == set(LOOP_PARAMS)
+    # keyword arguments, of both estimators
+    clf = TorchClassifier(modelFn="sparktrain.models:mlp", **LOOP_VALUES)
+    reg = TorchRegressor(modelFn="sparktrain.models:mlp", **LOOP_VALUES)
+    for stage in (clf, reg):
+        assert _loop_config(stage) == LOOP_CONFIG
+        assert stage.getClipGradNorm() == 1.0 and isinstance(stage.getClipGradNorm(), float)
+        assert stage.getLrScheduleKwargs() == '{"T_max": 100}'  # canonical JSON text
+        assert json.loads(stage.getEarlyStopping()) == LOOP_VALUES["earlyStopping"]
+        assert stage.getMetrics() == ["macro_f1", "top_k:3"]
+    assert clf._resolve()[0].precision == "bf16"  # what fit trains with
+    # setters (chained), and setParams
+    other = TorchClassifier(modelFn="sparktrain.models:mlp")
+    for param, value in LOOP_VALUES.items():
+        setter = getattr(other, f"set{param[0].upper()}{param[1:]}")
+        assert setter(value) is other
+    assert _loop_config(other) == LOOP_CONFIG
+    third = TorchRegressor(modelFn="sparktrain.models:mlp").setParams(**LOOP_VALUES)
+    assert _loop_config(third) == LOOP_CONFIG
+    # JSON text is accepted as well as a dict; getMetrics hands out a copy
+    other.setEarlyStopping('{"metric": "loss"}').setLrScheduleKwargs('{"step_size": 2}')
+    assert other._train_config().early_stopping == {"metric": "loss"}
+    assert other._train_config().lr_schedule_kwargs == {"step_size": 2}
+    other.getMetrics().append("auc")
+    assert other.getMetrics() == ["macro_f1", "top_k:3"]
+    assert other.setMetrics(["auc"]).getMetrics() == ["auc"]
+
+
+def test_the_fitted_model_carries_the_loop_params_it_was_trained_with() -> None:
+    clf = TorchClassifier(modelFn="sparktrain.models:mlp", **LOOP_VALUES)
+    model = clf._copyValues(TorchClassificationModel())  # what fit does
+    assert all(_getter(model, p) == _getter(clf, p) for p in LOOP_PARAMS)
+    # read-only there: the params describe the training, not the transform
+    assert not any(hasattr(model, f"set{p[0].upper()}{p[1:]}") for p in LOOP_PARAMS)
+    regression = TorchRegressor(precision="bf16")._copyValues(TorchRegressionModel())
+    assert regression.getPrecision() == "bf16"
+
+
+def test_loop_params_in_a_param_grid_go_through_converters() -> None:
+    clf = TorchClassifier(modelFn="sparktrain.models:mlp")
+    grid = (
+        ParamGridBuilder()
+        .addGrid(clf.precision, ["fp32", "bf16"])
+        .addGrid(clf.clipGradNorm, [0, 1])
+        .addGrid(clf.earlyStopping, [{}, {"patience": 2, "metric": "loss"}])
+        .build()
+    )
+    copies = [clf.copy(m) for m in grid]
+    assert len(copies) == 8
+    assert all(isinstance(c.getClipGradNorm(), float) for c in copies)
+    stops = Counter(c.getEarlyStopping() for c in copies)
+    assert stops == Counter({"{}": 4, '{"metric": "loss", "patience": 2}': 4})  # sorted keys
+    assert {c._train_config().precision for c in copies} == {"fp32", "bf16"}
+
+
+@pytest.mark.parametrize(
+    ("param", "value", "error", "match"),
+    [
+        (
+            "lrSchedule",
+            "Cosine",
+            ValueError,
+            r"lrSchedule='Cosine' is not a torch.optim.lr_scheduler class; use 'none' or one "
+            r"of .*CosineAnnealingLR.*StepLR",
+        ),
+        ("lrSchedule", "SequentialLR", ValueError, "lrSchedule='SequentialLR' is not a torch"),
+        ("lrSchedule", 3, TypeError, 'param "lrSchedule"'),
+        ("lrScheduleKwargs", "[100]", ValueError, "lrScheduleKwargs must be a JSON object"),
+        ("lrScheduleKwargs", "{T_max: 100}", ValueError, "lrScheduleKwargs is not valid JSON"),
+        ("lrScheduleInterval", "batch", ValueError, "lrScheduleInterval='batch'.*step, epoch"),
+        ("warmupSteps", -1, ValueError, "warmupSteps=-1 must be an integer >= 0"),
+        ("warmupSteps", 2.5, TypeError, 'param "warmupSteps"'),
+        ("precision", "fp8", ValueError, "precision='fp8' is not supported.*fp32, bf16, fp16"),
+        ("fp16SkipLimit", 0, ValueError, "fp16SkipLimit=0 must be an integer >= 1"),
+        ("accumulateSteps", 0, ValueError, "accumulateSteps=0 must be an integer >= 1"),
+        ("clipGradNorm", -1, ValueError, r"clipGradNorm=-1.0 must be a number >= 0 \(0 = no"),
+        ("clipGradNorm", float("nan"), ValueError, "clipGradNorm=nan must be a number >= 0"),
+        ("clipGradNorm", "1", TypeError, 'param "clipGradNorm"'),
+        (
+            "earlyStopping",
+            {"metric": "loss", "patiance": 3},
+            ValueError,
+            r"earlyStopping: unknown key\(s\) patiance; allowed: metric, mode, patience",
+        ),
+        ("earlyStopping", {"patience": 3}, ValueError, "earlyStopping needs the metric"),
+        (
+            "earlyStopping",
+            '{"metric": "loss", "patience": 0}',
+            ValueError,
+            "earlyStopping.patience=0 must be an integer >= 1",
+        ),
+        (
+            "earlyStopping",
+            {"metric": "loss", "mode": "up"},
+            ValueError,
+            "earlyStopping.mode='up' must be 'min' or 'max'",
+        ),
+        ("earlyStopping", '["loss"]', ValueError, "earlyStopping must be a JSON object"),
+        ("earlyStopping", "{metric: loss}", ValueError, "earlyStopping is not valid JSON"),
+        ("earlyStopping", 3, TypeError, "earlyStopping must be a dict or a JSON object"),
+        (
+            "metrics",
+            ["macro_f1", "f1"],
+            ValueError,
+            r"metrics: 'f1' is not a metric; use one of accuracy, top_k:K, macro_f1.*names only",
+        ),
+        ("metrics", ["top_k:0"], ValueError, "metrics: 'top_k:0' is not a metric"),
+        ("metrics", "macro_f1", TypeError, 'param "metrics"'),  # a list, not one string
+        ("metrics", [len], TypeError, 'param "metrics"'),  # callables go through the Trainer
+        ("tensorboardDir", 3, TypeError, 'param "tensorboardDir"'),
+        ("mlflowTrackingUri", ["x"], TypeError, 'param "mlflowTrackingUri"'),
+        ("mlflowExperiment", 1.0, TypeError, 'param "mlflowExperiment"'),
+    ],
+)
+def test_loop_params_refuse_bad_values_naming_the_param(
+    param: str, value: Any, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        TorchClassifier(**{param: value})
+    setter = getattr(TorchRegressor(), f"set{param[0].upper()}{param[1:]}")
+    with pytest.raises(error, match=match):
+        setter(value)
+
+
+def _before_loop_params(instance: Any, **extra: object) -> dict[str, Any]:
+    """Metadata as a save from before the loop params wrote it: none of them, in either
+    section."""
+    params = {p.name: v for p, v in instance._paramMap.items() if p.name not in LOOP_PARAMS}
+    defaults = {
+        p.name: v for p, v in instance._defaultParamMap.items() if p.name not in LOOP_PARAMS
+    }
+    metadata = {
+        "class": f"{type(instance).__module__}.{type(instance).__name__}",
+        "timestamp": 0,
+        "sparkVersion": "4.1.0",
+        "uid": instance.uid,
+        "paramMap": params,
+        "defaultParamMap": defaults,
+        **extra,
+    }
+    return json.loads(json.dumps(metadata))  # as read back from the file
+
+
+def test_saves_from_before_the_loop_params_load_with_their_defaults() -> None:
+    cfg = TrainConfig()
+    loop_defaults = {key: getattr(cfg, key) for key in LOOP_PARAMS.values()}
+    estimators = (
+        TorchClassifier(modelFn="sparktrain.models:mlp", maxEpochs=3),
+        TorchRegressor(modelFn="sparktrain.models:mlp", maxEpochs=3),
+    )
+    for estimator in estimators:
+        metadata = _before_loop_params(estimator)
+        saved = set(metadata["paramMap"]) | set(metadata["defaultParamMap"])
+        assert not set(LOOP_PARAMS) & saved
+        loaded = type(estimator)()
+        DefaultParamsReader.getAndSetParams(loaded, metadata)
+        assert loaded.getMaxEpochs() == 3 and loaded.getModelFn() == "sparktrain.models:mlp"
+        assert _loop_config(loaded) == loop_defaults
+    # models: the same, and they still say what they were trained with (the defaults)
+    models = (
+        TorchClassificationModel()._set(modelFn="sparktrain.models:digits_mlp", learningRate=0.1),
+        TorchRegressionModel()._set(modelFn="sparktrain.models:mlp"),
+    )
+    for model in models:
+        metadata = _before_loop_params(model, numFeatures=64, numClasses=None)
+        old = type(model)()
+        DefaultParamsReader.getAndSetParams(old, metadata)
+        assert all(_getter(old, p) == _getter(type(model)(), p) for p in LOOP_PARAMS)
+        assert {key: getattr(old._train_config(), key) for key in LOOP_PARAMS.values()} == (
+            loop_defaults
+        )
+    # and a save with them reads back the values it was saved with
+    clf = TorchClassifier(modelFn="sparktrain.models:mlp", **LOOP_VALUES)
+    metadata = json.loads(
+        json.dumps(
+            {
+                "class": "x",
+                "sparkVersion": "4.1.0",
+                "paramMap": {p.name: v for p, v in clf._paramMap.items()},
+                "defaultParamMap": {p.name: v for p, v in clf._defaultParamMap.items()},
+            }
+        )
+    )
+    again = TorchClassifier()
+    DefaultParamsReader.getAndSetParams(again, metadata)
+    assert _loop_config(again) == LOOP_CONFIG
