@@ -604,7 +604,16 @@ def _check_loop_options(cfg: TrainConfig) -> None:
 
 
 # torch.optim.lr_scheduler's names that are not schedules a run can name on its own
-_NOT_SCHEDULES = ("LRScheduler", "SequentialLR", "ChainedScheduler", "Optimizer")
+_NOT_SCHEDULES = (
+    "LRScheduler",
+    "_LRScheduler",
+    "SequentialLR",
+    "ChainedScheduler",
+    "Optimizer",
+    # these take a Python function, which neither TOML nor a Param can hold
+    "LambdaLR",
+    "MultiplicativeLR",
+)
 
 
 def check_metric_name(metric: Any) -> None:
