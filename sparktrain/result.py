@@ -185,6 +185,7 @@ def stage_summary(
         "compression": cfg.compression,
         "world_size": world_size,
         "epochs": cfg.epochs,
+        "epochs_run": len(history),  # fewer when early stopping stopped the run
         "train_samples": train_samples,
         "train_rows_per_worker": [s["train_rows"] for s in stats],
         "steps_per_epoch": stats[0]["steps_per_epoch"],
@@ -205,8 +206,13 @@ def stage_summary(
         # each rank's process peak (VmHWM; ranks sharing a process report one figure)
         "peak_rss_bytes_per_worker": [s.get("peak_rss_bytes", 0) for s in stats],
         **data_summary(stats),
-        "history": [{k: h[k] for k in ("epoch", "loss", "metric", "seconds")} for h in history],
+        # each epoch's figures: loss, the metric (also by its name), the config's extra
+        # metrics, the learning rate, and where early stopping stopped the run
+        "history": [
+            {k: v for k, v in h.items() if k not in ("type", "metric_name")} for h in history
+        ],
         "config": cfg.to_dict(),
+        **({"early_stopping": meta["early_stopping"]} if "early_stopping" in meta else {}),
         # strategy/compression "auto": what the stage-start probe chose and why
         **({"auto": stats[0]["auto"]} if "auto" in stats[0] else {}),
         **sync_summary(stats),
@@ -231,7 +237,7 @@ def sync_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
     keys the strategy reported)."""
     out: dict[str, Any] = {}
     first = stats[0]
-    for key in ("overlap", "compression_path"):
+    for key in ("overlap", "compression_path", "precision", "skipped_steps"):
         if key in first:
             out[key] = first[key]
     launched = [s[k] for s in stats for k in ("buckets_launched_in_backward",) if k in s]

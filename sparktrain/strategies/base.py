@@ -34,6 +34,27 @@ if TYPE_CHECKING:
     from sparktrain.worker.sync import StepSync
 
 
+def loop_knobs(cfg: TrainConfig) -> dict[str, Any]:
+    """The loop options of ``cfg`` that differ from their defaults, by config key."""
+    defaults: dict[str, Any] = {
+        "lr_schedule": "none",
+        "warmup_steps": 0,
+        "precision": "fp32",
+        "accumulate_steps": 1,
+        "clip_grad_norm": 0.0,
+        "early_stopping": {},
+        "metrics": [],
+    }
+    return {k: getattr(cfg, k) for k, v in defaults.items() if getattr(cfg, k) != v}
+
+
+def refuse_loop_options(cfg: TrainConfig, knobs: Mapping[str, Any], where: str, hint: str) -> None:
+    """A clear error naming the loop options ``where`` does not run with."""
+    if knobs:
+        listed = ", ".join(f"{k}={v!r}" for k, v in knobs.items())
+        raise ConfigError(f"{where} does not run with {listed}: {hint}")
+
+
 class DriverHalf:
     """A strategy's driver-side services for one job, across all its attempts.
 
@@ -138,6 +159,13 @@ class Strategy:
             raise ConfigError(
                 f"strategy={cfg.strategy!r} does not combine with parallelism.pipeline > 1: the "
                 "replicas of a stage average gradients with the ring; use strategy='ring'"
+            )
+        if self.launcher == "rounds" or cfg.parallelism_pipeline > 1:
+            refuse_loop_options(
+                cfg,
+                loop_knobs(cfg),
+                f"strategy={self.name!r}" if self.launcher == "rounds" else "pipeline parallelism",
+                "use strategy='ring', 'tree' or 'ps' (data parallel) for them",
             )
 
     def opens_sockets(self, cfg: TrainConfig) -> bool:

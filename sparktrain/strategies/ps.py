@@ -14,7 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from sparktrain.config import single_spec
-from sparktrain.strategies.base import DriverHalf, Strategy
+from sparktrain.strategies.base import DriverHalf, Strategy, loop_knobs, refuse_loop_options
 from sparktrain.strategies.registry import register
 
 if TYPE_CHECKING:
@@ -43,6 +43,20 @@ class ParameterServer(Strategy):
         from sparktrain.ps.protocol import make_compression
 
         make_compression(single_spec(cfg.compression, cfg.strategy))  # e.g. delta+powersgd
+        # the server steps: a schedule, clipping after averaging and a gradient scaler
+        # would have to run there (accumulation and bf16 happen in the workers)
+        server_side = {
+            k: v
+            for k, v in loop_knobs(cfg).items()
+            if k in ("lr_schedule", "warmup_steps", "clip_grad_norm")
+            or (k == "precision" and v == "fp16")
+        }
+        refuse_loop_options(
+            cfg,
+            server_side,
+            "strategy='ps' (the optimizer steps in the driver's server)",
+            "use strategy='ring' or 'tree' for them",
+        )
 
     def driver(self, job: DriverJob) -> DriverHalf:
         return _ServerHalf(job)

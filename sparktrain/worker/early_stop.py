@@ -56,6 +56,19 @@ class EarlyStopping:
         """Whether the last :meth:`update` set a new best."""
         return self._improved
 
+    def summary(self, *, restored: bool = False) -> dict[str, Any]:
+        """Where it stood at the end of the run, for the run summary (``restored``: the
+        returned model is the best record's)."""
+        return {
+            "metric": self.metric,
+            "mode": self.mode,
+            "patience": self.patience,
+            "best": self.best,
+            "best_epoch": self.best_index,
+            "stopped_at": self.stopped_at,
+            "restored_best": restored,
+        }
+
     def update(self, record: Mapping[str, Any]) -> bool:
         """Feed one record; True when the run should stop now (and on every later call)."""
         if not self.active:

@@ -29,7 +29,7 @@ from torch import nn
 from sparktrain import errors
 from sparktrain.builders import build_loss, build_model, label_dtype, resolve_model_fn
 from sparktrain.checkpoint import PIPELINE_LAYOUT, RANK_SHARDS, Checkpoint, CheckpointStore
-from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
+from sparktrain.comm import Mesh, TreeAllreduce, address_of, open_listener
 from sparktrain.comm.chunked import chunk_bytes_for
 from sparktrain.comm.link import link_from_config
 from sparktrain.data.batch import Batch, Collator, forward
@@ -39,12 +39,22 @@ from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
 from sparktrain.worker.divergence import check_finite_weights, diverged
-from sparktrain.worker.evaluate import evaluate, finish_metric, metric_name, target_like
+from sparktrain.worker.early_stop import EarlyStopping
+from sparktrain.worker.evaluate import (
+    evaluate,
+    feed_scores,
+    finish_metric,
+    finish_scores,
+    metric_name,
+    target_like,
+)
 from sparktrain.worker.memory import peak_anon_bytes, peak_rss_bytes, reset_peak_rss, sample_anon
 from sparktrain.worker.prefetch import Prefetcher
 from sparktrain.worker.probe import needs_auto, resolve_auto
+from sparktrain.worker.scores import Scores
 from sparktrain.worker.state import digest, return_state, start_from_rank0
-from sparktrain.worker.sync import StepSync, load_rank_state, make_sync, rank_state
+from sparktrain.worker.stepping import DistributedStep
+from sparktrain.worker.sync import make_sync
 
 # torch's global RNG is per process; ranks run as threads (in tests, or several tasks in one
 # reused Python worker) must not interleave seeding and initialisation.
@@ -162,8 +172,15 @@ def _train(
         labels = sample.labels.to(targets_dtype)
         ctx, auto = resolve_auto(ctx, mesh, model, loss_fn, sample, labels)
     sync = make_sync(ctx, model, mesh)
+    device = torch.device("cpu")
+    stepper = DistributedStep(
+        sync, sync.optimizer, params, cfg, device, steps_per_epoch=steps_per_epoch
+    )
+    precision = stepper.precision
+    early = EarlyStopping(cfg.early_stopping)
+    best_state: dict[str, torch.Tensor] | None = None
     # epoch figures are a handful of float64 sums: latency-bound, so always the tree
-    reduce_sums = make_allreduce("tree", mesh)
+    reduce_sums = TreeAllreduce(mesh)
     if sync.optimizer is not None:  # with a parameter server, the server's model rules
         start_from_rank0(model, mesh, chunk_bytes_for(mesh.max_frame_bytes))
 
@@ -204,11 +221,10 @@ def _train(
             raise CheckpointError(
                 f"checkpoint of step {spec.resume_step} vanished from {store.uri}"
             )
-        _restore(store, ctx, ckpt, model, sync)
+        _restore(store, ctx, ckpt, model, stepper, early)
         global_step, history = ckpt.step, ckpt.history
     # checkpoint_every is in epochs; fractions of an epoch are rounded to whole steps
     every = max(1, round(cfg.checkpoint_every * steps_per_epoch))
-    comm_s = 0.0
     prefetch: Prefetcher[Batch] | None = None
     data_wait_s = 0.0  # the training thread's waits for its next batch
     train_started = time.perf_counter()
@@ -232,32 +248,38 @@ def _train(
             for step in range(first, steps_per_epoch):
                 if spec.fault is not None:
                     spec.fault.maybe_fire(ctx.rank, global_step)
-                count = 0
+                closes = stepper.closes(step, steps_per_epoch)
                 if step < len(batches):
                     batch = prefetch.next()
                     assert batch.labels is not None
-                    out = forward(model, batch)
-                    target = target_like(batch.labels.to(targets_dtype), out)
-                    loss = loss_fn(out, target, batch.weights)
+                    with precision.autocast():
+                        out = forward(model, batch)
+                        target = target_like(batch.labels.to(targets_dtype), out)
+                        loss = loss_fn(out.float(), target, batch.weights)
                     value = float(loss.detach())
-                    if not math.isfinite(value):
+                    if not precision.loss_is_finite(value):
                         # before any exchange: the peers stop in this step's exchange
                         raise diverged(
                             f"on rank {ctx.rank}", epoch, step, steps_per_epoch, value, cfg.lr
                         )
-                    # before backward: gradient hooks may start the exchange (overlap)
-                    sync.begin_step(len(batch))
-                    loss.backward()
-                    count = len(batch)
-                    loss_sum += value * count
-                    loss_rows += count
-                t = time.perf_counter()
-                sync.step(count)
-                comm_s += time.perf_counter() - t
+                    stepper.add_rows(len(batch))
+                    if closes:  # before backward: gradient hooks may start the exchange
+                        stepper.arm()
+                    precision.scale(loss).backward()
+                    if math.isfinite(value):
+                        loss_sum += value * len(batch)
+                        loss_rows += len(batch)
+                stepper.step(force=closes)
                 global_step += 1
-                # a checkpoint at an epoch's end waits for the epoch's figures (below)
-                if store and global_step % every == 0 and step + 1 < steps_per_epoch:
-                    _save(store, ctx, global_step, model, sync, history)
+                # a checkpoint at an epoch's end waits for the epoch's figures (below);
+                # none inside an accumulated step, whose gradients it would not hold
+                if (
+                    store
+                    and global_step % every == 0
+                    and step + 1 < steps_per_epoch
+                    and stepper.micro == 0
+                ):
+                    _save(store, ctx, global_step, model, stepper, early, history)
                 if reporter is not None and reporter.step_due():
                     elapsed = time.perf_counter() - epoch_started
                     reporter.send(
@@ -279,21 +301,37 @@ def _train(
             figures = evaluate(model, evaluation, cfg.loss, collator, ctx.rank)
             sums = np.array([loss_sum, loss_rows, *figures])
             reduce_sums.allreduce_(sums)
-            record = {
+            value = finish_metric(sums[2], sums[3], cfg.loss, spec.label_scale)
+            record: dict[str, Any] = {
                 "type": "epoch",
                 "epoch": epoch,
                 "loss": float(sums[0] / max(sums[1], 1)),
                 "metric_name": metric,
-                "metric": finish_metric(sums[2], sums[3], cfg.loss, spec.label_scale),
+                "metric": value,
+                metric: value,  # by name too, for early stopping and schedules
                 "seconds": time.perf_counter() - epoch_started,
             }
+            if cfg.metrics:
+                record.update(
+                    _extra_metrics(model, evaluation, collator, ctx.rank, spec, reduce_sums)
+                )
+            if stepper.lr is not None:
+                record["lr"] = stepper.lr
             # replicas hold the same weights, so every rank decides alike
             check_finite_weights(params, epoch, cfg.lr)
+            stop = _agree_to_stop(early, record, ctx.rank, reduce_sums)
+            if stop:
+                record["early_stop"] = True
+            if ctx.rank == 0 and early.active and early.improved and early.restore_best:
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            stepper.end_epoch(record)
             history.append(record)
-            if store is not None and global_step % every == 0:
-                _save(store, ctx, global_step, model, sync, history)
+            if store is not None and (global_step % every == 0 or stop):
+                _save(store, ctx, global_step, model, stepper, early, history)
             if reporter is not None:
                 reporter.send(record)
+            if stop:
+                break
     finally:
         if prefetch is not None:
             prefetch.close()  # an epoch cut short by an error
@@ -307,19 +345,23 @@ def _train(
         "train_rows": train.size,
         "steps_per_epoch": steps_per_epoch,
         "train_s": train_s,
-        "comm_s": comm_s,
+        "comm_s": stepper.comm_s,
         "task_s": time.perf_counter() - started,
         "data_path": train.path,
         "spilled_bytes": train.spilled_bytes,
         "data_wait_s": data_wait_s,
         "comm": mesh.stats.as_dict(),
-        **sync.stats(),
+        **stepper.stats(),
         **({"auto": auto} if auto is not None else {}),
         "param_digest": digest(params),
     }
     records = []
     if ctx.rank == 0:
-        meta = {"history": history, "metric_name": metric}
+        meta: dict[str, Any] = {"history": history, "metric_name": metric}
+        if early.active:
+            meta["early_stopping"] = early.summary(restored=best_state is not None)
+        if best_state is not None:  # early_stopping.restore_best: the best epoch's model
+            model.load_state_dict(best_state)
         records += return_state(spec, 0, model.state_dict(), meta)
     # after the state went out: their true peaks
     stats["peak_rss_bytes"] = peak_rss_bytes()
@@ -338,17 +380,24 @@ def _save(
     ctx: WorkerContext,
     step: int,
     model: nn.Module,
-    sync: StepSync,
+    stepper: DistributedStep,
+    early: EarlyStopping,
     history: list[dict[str, Any]],
 ) -> None:
     """Every rank with state of its own (compression) writes its shard; rank 0 then
     writes the main file, the commit: the checkpoint counts once all shards are there."""
-    mine = rank_state(sync)
+    mine = stepper.rank_state()
     if mine is not None:
         store.save_shard(step, ctx.rank, ctx.world_size, mine)
     if ctx.rank != 0:
         return
-    optimizer = sync.optimizer
+    optimizer = stepper.optimizer
+    extra: dict[str, Any] = {
+        "step_state": stepper.state_dict(),
+        "early_stopping": early.state_dict(),
+    }
+    if mine is not None:
+        extra[RANK_SHARDS] = ctx.world_size
     store.save(
         Checkpoint(
             step=step,
@@ -356,13 +405,18 @@ def _save(
             optimizer_state=optimizer.state_dict() if optimizer is not None else {},
             rng_state=torch.get_rng_state(),
             history=history,
-            extra={RANK_SHARDS: ctx.world_size} if mine is not None else {},
+            extra=extra,
         )
     )
 
 
 def _restore(
-    store: CheckpointStore, ctx: WorkerContext, ckpt: Checkpoint, model: nn.Module, sync: StepSync
+    store: CheckpointStore,
+    ctx: WorkerContext,
+    ckpt: Checkpoint,
+    model: nn.Module,
+    stepper: DistributedStep,
+    early: EarlyStopping,
 ) -> None:
     if PIPELINE_LAYOUT in ckpt.extra:
         raise CheckpointError(
@@ -370,15 +424,22 @@ def _restore(
             f"run ({ckpt.extra[PIPELINE_LAYOUT]['stages']} stages): resume it with the same "
             "parallelism.pipeline"
         )
+    if "run_state" in ckpt.extra:
+        raise CheckpointError(
+            f"the checkpoint of step {ckpt.step} in {store.uri} was written by "
+            "sparktrain.run, not Trainer.fit: give the fit a checkpoint_dir of its own"
+        )
     model.load_state_dict(ckpt.model_state)
-    optimizer = sync.optimizer
+    optimizer = stepper.optimizer
     if optimizer is not None and ckpt.optimizer_state:
         optimizer.load_state_dict(ckpt.optimizer_state)
     torch.set_rng_state(ckpt.rng_state)
+    early.load_state_dict(ckpt.extra.get("early_stopping", {}))
     shards = int(ckpt.extra.get(RANK_SHARDS, 0) or 0)
+    shard = None
     if shards == ctx.world_size:
-        load_rank_state(sync, store.load_shard(ckpt.step, ctx.rank, shards))
-    elif rank_state(sync) is not None:
+        shard = store.load_shard(ckpt.step, ctx.rank, shards)
+    elif stepper.rank_state() is not None:
         log.warning(
             "rank %d: the checkpoint of step %d holds compressor state for %d ranks, this "
             "run has %d: error-feedback residuals and similar state start from zero",
@@ -387,3 +448,33 @@ def _restore(
             shards,
             ctx.world_size,
         )
+    stepper.load_state_dict(ckpt.extra.get("step_state") or {}, shard)
+
+
+def _agree_to_stop(
+    early: EarlyStopping, record: dict[str, Any], rank: int, tree: TreeAllreduce
+) -> bool:
+    """Early stopping: rank 0 decides on the epoch's figures, every rank learns it in
+    the same epoch (one tiny allreduce; none without early stopping)."""
+    if not early.active:
+        return False
+    flag = np.zeros(1)
+    if rank == 0 and early.update(record):
+        flag[0] = 1.0
+    tree.allreduce_(flag)
+    return bool(flag[0])
+
+
+def _extra_metrics(
+    model: nn.Module,
+    data: PartitionData,
+    collator: Collator,
+    rank: int,
+    spec: Any,
+    tree: TreeAllreduce,
+) -> dict[str, float]:
+    """The config's ``metrics`` over every rank's validation rows, exact."""
+    cfg = spec.config
+    scores = Scores(cfg.metrics, num_outputs=spec.num_outputs, label_scale=spec.label_scale)
+    feed_scores(model, data, scores, collator, rank)
+    return finish_scores(scores, tree)

@@ -84,7 +84,9 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
             meta = {
                 "history": run.history,
                 "value": skeleton,
-                "early_stopping": early_stopping_summary(run),
+                "early_stopping": (
+                    run.early_stopping.summary() if run.early_stopping.active else None
+                ),
             }
             records += return_state(spec, 0, tensors, meta)
         stats["peak_rss_bytes"] = peak_rss_bytes()
@@ -92,20 +94,6 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
         return [Record(ctx.rank, "stats", 0, json.dumps(stats).encode()), *records]
     finally:
         mesh.close()
-
-
-def early_stopping_summary(run: RunContext) -> dict[str, Any] | None:
-    """Where early stopping stood at the end (None without it)."""
-    early = run.early_stopping
-    if not early.active:
-        return None
-    return {
-        "metric": early.metric,
-        "mode": early.mode,
-        "best": early.best,
-        "best_epoch": early.best_index,
-        "stopped_at": early.stopped_at,
-    }
 
 
 def resolve_train_fn(train_fn: Any) -> Callable[[RunContext], Any]:

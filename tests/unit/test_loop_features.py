@@ -1,0 +1,106 @@
+"""The built-in loop's schedule, precision, accumulation, clipping, early stopping and
+extra metrics, with ranks as threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError
+from tests.unit.fixtures import (
+    assert_close_params,
+    loop_spec,
+    random_parts,
+    spec_with,
+    train_and_assemble,
+)
+
+
+def separable_parts(sizes: list[int], seed: int = 0) -> list:  # type: ignore[type-arg]
+    """Labels a linear function of the features decides: the model can learn them."""
+    parts = random_parts(sizes, seed=seed)
+    w = np.random.default_rng(seed + 1).standard_normal((4, 3))
+    for part in parts:
+        part.y[:] = np.argmax(part.x @ w, axis=1)
+    return parts
+
+
+def test_accumulated_steps_equal_the_larger_batch() -> None:
+    parts = random_parts([64, 64], seed=2)
+    small = train_and_assemble(loop_spec(batch_size=8, accumulate_steps=2, epochs=2), parts)
+    large = train_and_assemble(loop_spec(batch_size=16, epochs=2), parts)
+    assert_close_params(small.model, large.model, 1e-5)  # float32 sums in another order
+
+
+def test_a_step_schedule_with_warmup_shows_its_rates_in_the_history() -> None:
+    spec = loop_spec(
+        batch_size=16,
+        epochs=4,
+        lr_schedule="StepLR",
+        lr_schedule_kwargs={"step_size": 1, "gamma": 0.5},
+        lr_schedule_interval="epoch",
+    )
+    result = train_and_assemble(spec, random_parts([32, 32]))
+    assert [h["lr"] for h in result.history] == pytest.approx(
+        [0.5, 0.25, 0.125, 0.0625]
+    )  # the rate each epoch ran at
+
+
+def test_clipping_bounds_every_step_after_averaging() -> None:
+    parts = random_parts([16, 16])
+    base = loop_spec(batch_size=16, epochs=1, lr=1.0)
+    torch.manual_seed(0)
+    start = base.model_fn()
+    clipped = train_and_assemble(
+        spec_with(base, config=base.config.replace(clip_grad_norm=0.01)), parts
+    )
+    moved = torch.sqrt(
+        sum(
+            ((a - b) ** 2).sum()
+            for a, b in zip(clipped.model.parameters(), start.parameters(), strict=True)
+        )
+    )
+    assert float(moved) <= 0.01 * 1.0 + 1e-6  # one step of lr 1 on a gradient of norm <= 0.01
+
+
+def test_bf16_trains_and_the_summary_says_so() -> None:
+    spec = loop_spec(batch_size=16, epochs=15, lr=0.3, precision="bf16")
+    result = train_and_assemble(spec, separable_parts([128, 128]))
+    assert result.summary["precision"] == "bf16"
+    assert result.history[-1]["metric"] > 0.85
+
+
+def test_early_stopping_stops_every_rank_and_can_return_the_best_model() -> None:
+    # a large rate makes the loss bounce: the best epoch is not the last one
+    spec = loop_spec(
+        batch_size=8,
+        epochs=40,
+        lr=2.0,
+        early_stopping={"metric": "loss", "patience": 2, "restore_best": True},
+    )
+    parts = separable_parts([64, 64], seed=4)
+    result = train_and_assemble(spec, parts)
+    stop = result.summary["early_stopping"]
+    assert result.summary["epochs_run"] == len(result.history) < 40
+    assert result.history[-1]["early_stop"] is True
+    assert stop["stopped_at"] == len(result.history) - 1
+    assert stop["best_epoch"] == stop["stopped_at"] - 2 and stop["restored_best"]
+    assert min(h["loss"] for h in result.history) == stop["best"]
+
+
+def test_extra_metrics_are_reported_every_epoch() -> None:
+    spec = loop_spec(batch_size=16, epochs=3, metrics=["macro_f1", "top_k:2", "log_loss"])
+    result = train_and_assemble(spec, separable_parts([40, 24]))
+    for record in result.history:
+        assert 0.0 <= record["macro_f1"] <= 1.0
+        assert record["top_k:2"] >= record["metric"]  # top-2 never below top-1 accuracy
+        assert record["log_loss"] > 0
+
+
+def test_knobs_a_strategy_cannot_run_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="clip_grad_norm"):
+        TrainConfig(strategy="ps", clip_grad_norm=1.0)
+    with pytest.raises(ConfigError, match="early_stopping"):
+        TrainConfig(strategy="tree_aggregate", early_stopping={"metric": "loss"})
