@@ -148,12 +148,19 @@ class ShardClient:
         )
 
     def push(
-        self, step: int, count: int, grad: np.ndarray | None, *, attempt: int | None = None
+        self,
+        step: int,
+        count: int,
+        grad: np.ndarray | None,
+        *,
+        attempt: int | None = None,
+        lr: float = math.nan,
     ) -> int:
         """Push the gradient of ``step`` (``count`` samples; ``grad`` None when 0).
 
         Returns ``OK`` or ``DUPLICATE`` (acknowledged, not applied again); raises for
-        every other status. ``attempt`` overrides the stage attempt (tests only).
+        every other status. ``attempt`` overrides the stage attempt (tests only); ``lr``
+        (unless NaN) is the rate the worker's schedule gives this step.
         """
         has = count > 0 and grad is not None
         payload: np.ndarray | None = None
@@ -163,7 +170,7 @@ class ShardClient:
             payload = self.codec.encode(grad) if self.codec.compressed else grad
         for tries in itertools.count():
             try:
-                status, lost = self._push_once(step, count, grad, payload, attempt)
+                status, lost = self._push_once(step, count, grad, payload, attempt, lr)
                 break
             except (CommError, OSError) as exc:
                 self._reconnect_or_raise(exc, tries, f"push of step {step}")
@@ -178,6 +185,7 @@ class ShardClient:
         grad: np.ndarray | None,
         payload: np.ndarray | None,
         attempt: int | None,
+        lr: float = math.nan,
     ) -> tuple[int, int]:
         chunk = self.chunk_bytes
         header = protocol.PUSH.pack(
@@ -190,6 +198,7 @@ class ShardClient:
             1 if payload is not None else 0,
             0 if payload is None else payload.nbytes,
             chunk,
+            lr,
         )
         self.conn.send_bytes(header, protocol.KIND_PUSH)
         if payload is not None:
@@ -471,6 +480,8 @@ class ParameterServerSync:
         self.timeout = cfg.comm_timeout
         # the global step: a resumed stage continues the count the server's ledger keeps
         self.step_index = spec.resume_step or 0
+        # the rate of the next push's step from the worker's schedule (NaN: the server's)
+        self.lr = math.nan
         self._failed = False
         self._closed = False
         self._step_s = 0.0
@@ -572,7 +583,7 @@ class ParameterServerSync:
         step, count = self.step_index, self._count
         if count > 0:
             self._copy_grads(c.lo, c.hi)
-        c.push(step, count, self.grad[c.lo : c.hi] if count > 0 else None)
+        c.push(step, count, self.grad[c.lo : c.hi] if count > 0 else None, lr=self.lr)
         c.pull(step, self.flat[c.lo : c.hi])
 
     def _on_ready(self, index: int) -> None:

@@ -94,8 +94,9 @@ KIND_CPAYLOAD = KIND_USER_MIN + 6
 """A compressed push or pull message: counted as wire bytes only (the sender adds the
 uncompressed equivalent to ``raw_bytes_sent`` itself)."""
 
-# job tag, attempt, rank, step, count, version, has payload, payload bytes, chunk bytes
-PUSH = struct.Struct("<QqqqqqBqq")
+# job tag, attempt, rank, step, count, version, has payload, payload bytes, chunk bytes,
+# learning rate (NaN: the server's own; else the worker's schedule sets the step's rate)
+PUSH = struct.Struct("<QqqqqqBqqd")
 ACK = struct.Struct("<Biq")  # status, lost rank, version
 PULL = struct.Struct("<qqqq")  # attempt, rank, step (-1: before the first), version held
 # status, lost rank, version, encoding, elements, payload bytes, chunk bytes

@@ -41,6 +41,7 @@ answered with a ``LOST`` status naming that rank, so every other worker fails wi
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -261,8 +262,8 @@ class Shard(DriverService):
 
     def _push(self, conn: Connection, header: bytes, grad: np.ndarray) -> None:
         srv = self.server
-        tag, attempt, rank, step, count, version, has_payload, nbytes, chunk = protocol.PUSH.unpack(
-            header
+        (tag, attempt, rank, step, count, version, has_payload, nbytes, chunk, lr) = (
+            protocol.PUSH.unpack(header)
         )
         decode_error = ""
         wire = 0
@@ -307,6 +308,8 @@ class Shard(DriverService):
             if status == protocol.OK:
                 self.ledger.record_push(rank, step)
                 self.counters.pushes += 1
+                if math.isfinite(lr) and lr > 0:  # the workers' schedule sets the rate
+                    self._base_lrs = [lr] * len(self._base_lrs)
                 if isinstance(self.ledger, SyncLedger):
                     if count > 0:
                         self._acc += grad * count  # float32 ops as the ring's buckets
@@ -331,6 +334,8 @@ class Shard(DriverService):
             return
         if self._acc_count > 0:
             self._grad.div_(self._acc_count)  # the sample-weighted mean, as buckets.py
+            for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+                g["lr"] = base
             self.optimizer.step()
             self.counters.updates += 1
         ledger.close_step()
@@ -347,15 +352,13 @@ class Shard(DriverService):
         np.copyto(self._acc, grad)
         scale = lr_scale(stale, self.server.cfg.staleness_lr)
         groups = self.optimizer.param_groups
-        if scale != 1.0:
-            for g, base in zip(groups, self._base_lrs, strict=True):
-                g["lr"] = base * scale
+        for g, base in zip(groups, self._base_lrs, strict=True):
+            g["lr"] = base * scale
         try:
             self.optimizer.step()
         finally:
-            if scale != 1.0:
-                for g, base in zip(groups, self._base_lrs, strict=True):
-                    g["lr"] = base
+            for g, base in zip(groups, self._base_lrs, strict=True):
+                g["lr"] = base
         ledger.record_update(rank)
         self.counters.updates += 1
 

@@ -43,13 +43,12 @@ class ParameterServer(Strategy):
         from sparktrain.ps.protocol import make_compression
 
         make_compression(single_spec(cfg.compression, cfg.strategy))  # e.g. delta+powersgd
-        # the server steps: a schedule, clipping after averaging and a gradient scaler
-        # would have to run there (accumulation and bf16 happen in the workers)
+        # the server steps: clipping after averaging and a gradient scaler would have to
+        # run there (accumulation, bf16 and the schedule's rate happen in the workers)
         server_side = {
             k: v
             for k, v in loop_knobs(cfg).items()
-            if k in ("lr_schedule", "warmup_steps", "clip_grad_norm")
-            or (k == "precision" and v == "fp16")
+            if k == "clip_grad_norm" or (k == "precision" and v == "fp16")
         }
         refuse_loop_options(
             cfg,

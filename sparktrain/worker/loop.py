@@ -27,7 +27,13 @@ import torch
 from torch import nn
 
 from sparktrain import errors
-from sparktrain.builders import build_loss, build_model, label_dtype, resolve_model_fn
+from sparktrain.builders import (
+    build_loss,
+    build_model,
+    build_optimizer,
+    label_dtype,
+    resolve_model_fn,
+)
 from sparktrain.checkpoint import PIPELINE_LAYOUT, RANK_SHARDS, Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, TreeAllreduce, address_of, open_listener
 from sparktrain.comm.chunked import chunk_bytes_for
@@ -173,9 +179,12 @@ def _train(
         ctx, auto = resolve_auto(ctx, mesh, model, loss_fn, sample, labels)
     sync = make_sync(ctx, model, mesh)
     device = torch.device("cpu")
-    stepper = DistributedStep(
-        sync, sync.optimizer, params, cfg, device, steps_per_epoch=steps_per_epoch
+    # with a parameter server the optimizer steps in the driver: a local one, never
+    # stepped, carries the schedule's rate that every push hands the server
+    optimizer = sync.optimizer or build_optimizer(
+        cfg.optimizer, params, cfg.lr, dict(cfg.optimizer_kwargs)
     )
+    stepper = DistributedStep(sync, optimizer, params, cfg, device, steps_per_epoch=steps_per_epoch)
     precision = stepper.precision
     early = EarlyStopping(cfg.early_stopping)
     best_state: dict[str, torch.Tensor] | None = None
@@ -315,8 +324,7 @@ def _train(
                 record.update(
                     _extra_metrics(model, evaluation, collator, ctx.rank, spec, reduce_sums)
                 )
-            if stepper.lr is not None:
-                record["lr"] = stepper.lr
+            record["lr"] = stepper.lr
             # replicas hold the same weights, so every rank decides alike
             check_finite_weights(params, epoch, cfg.lr)
             stop = _agree_to_stop(early, record, ctx.rank, reduce_sums)
@@ -391,7 +399,7 @@ def _save(
         store.save_shard(step, ctx.rank, ctx.world_size, mine)
     if ctx.rank != 0:
         return
-    optimizer = stepper.optimizer
+    optimizer = stepper.optimizer if stepper.local else None
     extra: dict[str, Any] = {
         "step_state": stepper.state_dict(),
         "early_stopping": early.state_dict(),
@@ -430,7 +438,7 @@ def _restore(
             "sparktrain.run, not Trainer.fit: give the fit a checkpoint_dir of its own"
         )
     model.load_state_dict(ckpt.model_state)
-    optimizer = stepper.optimizer
+    optimizer = stepper.optimizer if stepper.local else None
     if optimizer is not None and ckpt.optimizer_state:
         optimizer.load_state_dict(ckpt.optimizer_state)
     torch.set_rng_state(ckpt.rng_state)

@@ -13,7 +13,9 @@ during that backward), then :meth:`DistributedStep.step`:
    same on every rank, since the averaged gradients are) and the learning-rate schedule.
 
 With the parameter server the optimizer lives in the driver: the averaged step is the
-server's, so only accumulation and bf16 apply (the strategy refuses the rest).
+server's. The local optimizer then only carries the learning rate: the schedule moves
+it here and every push tells the server the step's rate. Clipping after averaging and
+the fp16 scaler would have to run in the server, so the strategy refuses them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class DistributedStep:
     def __init__(
         self,
         sync: StepSync,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: torch.optim.Optimizer,
         params: list[nn.Parameter],
         cfg: TrainConfig,
         device: torch.device,
@@ -50,20 +52,19 @@ class DistributedStep:
         # weigh each rank by the rows add_rows() announced; False: every step() is one
         # micro-batch of weight 1 (a train_fn feeding batches of its own)
         self.counts_rows = counts_rows
-        self.optimizer = optimizer  # None: the parameter server steps
+        self.optimizer = optimizer
+        # the parameter server steps (sync.optimizer None): the local optimizer's groups
+        # only carry the scheduled rate to the server
+        self.local = sync.optimizer is not None
         self.params = params
         self.accumulate = cfg.accumulate_steps
         self.clip = float(cfg.clip_grad_norm)
         self.precision = Precision(cfg.precision, device, skip_limit=cfg.fp16_skip_limit)
-        self.schedule = (
-            LrSchedule(
-                optimizer,
-                cfg,
-                steps_per_epoch=max(1, -(-steps_per_epoch // self.accumulate)),
-                epochs=cfg.epochs,
-            )
-            if optimizer is not None
-            else None
+        self.schedule = LrSchedule(
+            optimizer,
+            cfg,
+            steps_per_epoch=max(1, -(-steps_per_epoch // self.accumulate)),
+            epochs=cfg.epochs,
         )
         self.micro = 0  # micro-batches since the last step
         self.filled = 0  # of them, the ones with rows on this rank
@@ -85,9 +86,14 @@ class DistributedStep:
     def arm(self) -> None:
         """Before the closing micro-batch's backward: let gradient hooks start the
         exchange of this step's rows (overlap)."""
-        if not self.armed:
-            self.armed = True
-            self.sync.begin_step(self.rows)
+        if self.armed:
+            return
+        if not self.local:
+            if self.accumulate > 1:
+                return  # pushes start in backward: they would send the sum of the means
+            self._send_rate()
+        self.armed = True
+        self.sync.begin_step(self.rows)
 
     def step(self, closure: Callable[[], float] | None = None, *, force: bool = False) -> bool:
         """One micro-batch's backward is done: exchange and step when it closes the
@@ -106,10 +112,12 @@ class DistributedStep:
         self.micro = self.rows = self.filled = 0
         self.armed = False
         started = time.perf_counter()
-        if self.optimizer is None:  # parameter server: push the mean, pull the weights
+        if not self.local:  # parameter server: push the mean, pull the weights
             self._to_one_mean(micro)
+            self._send_rate()
             self.sync.step(rows)
             self.comm_s += time.perf_counter() - started
+            self.schedule.after_step()
             self.steps += 1
             return True
         assert isinstance(self.sync, AllreduceSync), "a local optimizer needs an allreduce sync"
@@ -119,7 +127,6 @@ class DistributedStep:
         self.precision.unscale_(self.optimizer)
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        assert self.schedule is not None
         self.schedule.before_step()
         self.optimizer._sparktrain_inner = True  # type: ignore[attr-defined]
         try:
@@ -130,6 +137,12 @@ class DistributedStep:
         self.zero_grad()
         self.steps += 1
         return stepped
+
+    def _send_rate(self) -> None:
+        """The parameter server steps at the rate this rank's schedule gives the step
+        (the optimizer's first group: a user's own torch scheduler moves it too)."""
+        if hasattr(self.sync, "lr"):
+            self.sync.lr = self.schedule.lr
 
     def _to_one_mean(self, micro: int) -> None:
         """Averaged sums of ``micro`` micro-batch means, back to one mean."""
@@ -148,20 +161,16 @@ class DistributedStep:
 
     def end_epoch(self, record: Mapping[str, Any]) -> None:
         """An epoch (a report, under ``sparktrain.run``) ended: a per-epoch schedule steps."""
-        if self.schedule is not None:
-            self.schedule.after_epoch(record)
+        self.schedule.after_epoch(record)
 
     @property
-    def lr(self) -> float | None:
-        """The rate the next step uses (None with the parameter server)."""
-        return self.schedule.lr if self.schedule is not None else None
+    def lr(self) -> float:
+        """The rate the next step uses."""
+        return self.schedule.lr
 
     def state_dict(self) -> dict[str, Any]:
         """Schedule and scaler state, for checkpoints."""
-        out: dict[str, Any] = {"precision": self.precision.state_dict()}
-        if self.schedule is not None:
-            out["schedule"] = self.schedule.state_dict()
-        return out
+        return {"precision": self.precision.state_dict(), "schedule": self.schedule.state_dict()}
 
     def rank_state(self) -> dict[str, Any] | None:
         """This rank's own state (compressor residuals), or None."""
@@ -171,7 +180,7 @@ class DistributedStep:
         """Continue from :meth:`state_dict` and this rank's :meth:`rank_state`."""
         if "precision" in state:
             self.precision.load_state_dict(state["precision"])
-        if "schedule" in state and self.schedule is not None:
+        if "schedule" in state:
             self.schedule.load_state_dict(state["schedule"])
         if shard is not None:
             load_rank_state(self.sync, shard)

@@ -324,3 +324,19 @@ def test_a_new_stage_attempt_continues_from_the_servers_parameters():
         assert server.stats()["failure"] is None
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_schedule_with_warmup_drives_the_servers_rate_as_the_rings():
+    common = {
+        "optimizer": "sgd",
+        "optimizer_kwargs": {"momentum": 0.9},
+        "lr": 0.1,
+        "lr_schedule": "CosineAnnealingLR",
+        "warmup_steps": 3,
+    }
+    ring, _, _ = ps_train(ps_cfg(strategy="ring", **common), random_parts([9, 7]))
+    ps, _, _ = ps_train(ps_cfg(ps_shards=2, ps_mode="sync", **common), random_parts([9, 7]))
+    for got, want in zip(ps.model.parameters(), ring.model.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert [h["lr"] for h in ps.history] == [h["lr"] for h in ring.history]

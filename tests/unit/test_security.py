@@ -136,14 +136,14 @@ def _listening_sockets() -> list[tuple[str, int]]:
 
 def test_no_listener_binds_a_wildcard_address_during_training(monkeypatch):
     seen: list[list[tuple[str, int]]] = []
-    original = sync_module.AllreduceSync.step
+    original = sync_module.AllreduceSync.reduce
 
-    def spying_step(self, count):  # type: ignore[no-untyped-def]
+    def spying_reduce(self, count):  # type: ignore[no-untyped-def]
         if not seen:
             seen.append(_listening_sockets())
         return original(self, count)
 
-    monkeypatch.setattr(sync_module.AllreduceSync, "step", spying_step)
+    monkeypatch.setattr(sync_module.AllreduceSync, "reduce", spying_reduce)
     spec = loop_spec(epochs=1, batch_size=2)
     parts = random_parts([6, 6])
 
