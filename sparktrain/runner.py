@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from sparktrain.worker.run_context import RunContext
 
-RUN_STRATEGIES = ("ring", "tree")
+RUN_STRATEGIES = ("ring", "tree", "ps")
 
 
 @dataclass
@@ -87,7 +87,7 @@ def run(
     of ``(features, label)`` pairs; optional) is split over the tasks and read with
     ``ctx.batches(epoch)``; ``columns``, ``label_col``, ``validation_data`` and
     ``weight_col`` mean what they mean for :meth:`sparktrain.Trainer.fit`. ``config``
-    supplies the strategy (``ring`` or ``tree``), compression, batch size, epochs, seed,
+    supplies the strategy (``ring``, ``tree`` or ``ps``), compression, batch size, epochs, seed,
     schedule, precision, accumulation, clipping, early stopping, checkpoints and
     restarts; ``num_workers`` overrides its ``num_workers``. ``callbacks`` get every
     report on the driver (``on_epoch_end(record, history)`` or a plain function).
@@ -155,8 +155,8 @@ def run(
 def _check_run_config(cfg: TrainConfig) -> None:
     if cfg.strategy not in RUN_STRATEGIES:
         raise ConfigError(
-            f"sparktrain.run trains with strategy='ring' or 'tree', not {cfg.strategy!r}: "
-            "the parameter server, tree_aggregate and 'auto' stay with Trainer.fit"
+            f"sparktrain.run trains with strategy='ring', 'tree' or 'ps', not {cfg.strategy!r}: "
+            "tree_aggregate and 'auto' stay with Trainer.fit"
         )
     if cfg.parallelism_pipeline > 1:
         raise ConfigError(

@@ -75,6 +75,12 @@ class _ServerHalf(DriverHalf):
         from sparktrain.ps.server import start_parameter_server
 
         cfg, spec = job.config, job.spec
+        self.attempt = 0
+        self.bootstrap: Any = None
+        self.server: Any = None
+        if spec.train_fn is not None:  # sparktrain.run: rank 0 describes the model
+            self._start_bootstrap(job)
+            return
         self.server = start_parameter_server(
             job.model,
             cfg,
@@ -105,6 +111,45 @@ class _ServerHalf(DriverHalf):
             self.server.stop()
             raise
 
+    def _start_bootstrap(self, job: DriverJob) -> None:
+        """A ``sparktrain.run`` job: no model on the driver, so the server starts when
+        rank 0 describes it (:mod:`sparktrain.ps.bootstrap`); the run's checkpoints are
+        the train_fn's, and the server's model survives a restarted stage."""
+        from sparktrain.ps.bootstrap import Bootstrap
+        from sparktrain.ps.server import ParameterServer as Server
+
+        spec = job.spec
+        self.saver = None
+        self.step, self.earlier = None, ()
+
+        def start(values: Any, cfg: TrainConfig) -> None:
+            self.server = Server(
+                values,
+                cfg,
+                host=job.host,
+                secret=spec.secret,
+                job_id=spec.job_id,
+                attempt=self.attempt,
+                security=spec.security,
+                max_frame_bytes=spec.max_frame_bytes,
+            )
+
+        def current() -> tuple[list[str], int | None] | None:
+            if self.server is None:
+                return None
+            return list(self.server.addresses), self.server.completed_step()
+
+        self.bootstrap = Bootstrap(
+            job.host,
+            secret=spec.secret,
+            job_id=spec.job_id,
+            attempt=lambda: self.attempt,
+            security=spec.security,
+            start=start,
+            current=current,
+            config=job.config,
+        )
+
     def _steps_per_epoch(self) -> int:
         """Steps per epoch as the first stage reported them (0 before)."""
         return int(self.job.display._steps_per_epoch)  # read-only; learnt from rank 0
@@ -116,19 +161,29 @@ class _ServerHalf(DriverHalf):
         return merged_history(earlier, reported, self._steps_per_epoch(), step)
 
     def job_spec(self, spec: JobSpec) -> JobSpec:
+        if self.bootstrap is not None:
+            return dataclasses.replace(spec, ps_bootstrap=self.bootstrap.address)
         return dataclasses.replace(spec, ps_addresses=tuple(self.server.addresses))
 
     def first_resume(self) -> tuple[int | None, History]:
+        if self.bootstrap is not None:
+            return super().first_resume()  # the train_fn's own checkpoints
         return self.step, self.earlier
 
     def begin_attempt(self, attempt: int) -> None:
-        self.server.begin_attempt(attempt)  # keeps the server's model; rejects older attempts
+        self.attempt = attempt
+        if self.server is not None:  # keeps the server's model; rejects older attempts
+            self.server.begin_attempt(attempt)
 
     def resume_after_failure(self) -> tuple[int | None, History]:
+        if self.bootstrap is not None:
+            return super().resume_after_failure()
         step = self.server.completed_step()
         return step, self._history(self.earlier, step or 0)
 
     def resume_source(self, step: int | None) -> str:
+        if self.bootstrap is not None:
+            return super().resume_source(step) + " (the parameter server keeps its model)"
         if step is None:
             return "from the parameter server's model, epochs restarting (async/ssp)"
         return f"from the parameter server's model at step {step}"
@@ -136,9 +191,18 @@ class _ServerHalf(DriverHalf):
     def stop(self) -> None:
         if self.saver is not None:
             self.saver.stop()
-        self.server.stop()
+        if self.bootstrap is not None:
+            self.bootstrap.stop()
+        if self.server is not None:
+            self.server.stop()
 
     def finish(self, result: TrainResult) -> None:
+        if self.bootstrap is not None:  # no driver model: the train_fn returns its own
+            if self.server is not None:
+                from sparktrain.ps.stats import add_to_summary
+
+                add_to_summary(result.summary, self.server.stats())
+            return
         self.server.finish(result)  # the server's parameters are the model; its stats join
 
 

@@ -60,6 +60,8 @@ class JobSpec:
     label_scale: float = 1.0
     # sparktrain.run: the user's train_fn (a callable or "package.module:function")
     train_fn: Any = None
+    # sparktrain.run under ps: where rank 0 describes the model to start the server
+    ps_bootstrap: str | None = None
 
     @property
     def data_layout(self) -> Layout:

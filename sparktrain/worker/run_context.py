@@ -15,6 +15,7 @@ leaves its peers waiting until ``comm_timeout``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -429,13 +430,12 @@ class RunContext:
                 "ctx.distributed(model, optimizer): the optimizer must hold exactly the "
                 "model's trainable parameters (build it from model.parameters())"
             )
-        sync = make_sync(self._task, model, self._mesh)
-        if sync.optimizer is None:
-            sync.close()
-            raise ConfigError(
-                f"strategy={self.config.strategy!r} keeps the optimizer outside the task; "
-                "sparktrain.run trains with strategy='ring' or 'tree'"
-            )
+        task = self._task
+        if task.job.ps_bootstrap:  # the parameter server starts from rank 0's model
+            addresses, done = self._start_parameter_server(params, optimizer)
+            spec = dataclasses.replace(task.job, ps_addresses=tuple(addresses), resume_step=done)
+            task = dataclasses.replace(task, spec=spec)
+        sync = make_sync(task, model, self._mesh)
         start_from_rank0(model, self._mesh, chunk_bytes_for(self._mesh.max_frame_bytes))
         # the class first: the schedule's torch scheduler wraps the step it finds
         _make_distributed(optimizer)
@@ -453,6 +453,45 @@ class RunContext:
         if self._restored is not None:
             self._load_step_state(self._restored)
         return model, optimizer
+
+    def _start_parameter_server(
+        self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer
+    ) -> tuple[list[str], int | None]:
+        """Rank 0 describes the model and optimizer to the driver, which starts (or
+        already runs) the server; every rank learns the shards' addresses and the
+        server's completed step, or rank 0's error."""
+        from sparktrain.ps.bootstrap import optimizer_spec, request_server
+
+        reply: dict[str, Any] = {}
+        if self.rank == 0:
+            spec = self._task.job
+            try:
+                dtypes = {p.dtype for p in params}
+                if dtypes - {torch.float32, torch.float64} or len(dtypes) != 1:
+                    raise ConfigError(
+                        f"strategy='ps' shards one float32 or float64 vector; the model's "
+                        f"trainable parameters are {sorted(map(str, dtypes))}"
+                    )
+                flat = torch.cat([p.detach().reshape(-1) for p in params]).numpy()
+                assert spec.ps_bootstrap is not None
+                addresses, step = request_server(
+                    spec.ps_bootstrap,
+                    flat,
+                    optimizer_spec(optimizer),
+                    secret=spec.secret,
+                    job_id=spec.job_id,
+                    attempt=spec.attempt,
+                    timeout=self.config.comm_timeout,
+                    security=spec.security,
+                )
+                reply = {"addresses": addresses, "step": step}
+            except Exception as exc:  # every rank raises it, none waits for addresses
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+        mine = np.frombuffer(json.dumps(reply).encode(), dtype=np.uint8)
+        got = json.loads(self._tree.allgather(mine, max_bytes=1 << 20)[0].tobytes())
+        if "error" in got:
+            raise ConfigError(f"the parameter server did not start: {got['error']}")
+        return list(got["addresses"]), got["step"]
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The forward pass's autocast context for ``config.precision`` (a no-op for fp32)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 import torch
 
 import sparktrain
@@ -60,9 +61,10 @@ def test_digits_train_fn_with_bf16_cosine_warmup_accumulation_and_clipping(spark
     assert [line["epoch"] for line in lines] == list(range(20))
 
 
-def test_a_transformer_learns_token_order_where_a_bag_of_tokens_cannot(spark):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+def test_a_transformer_learns_token_order_where_a_bag_of_tokens_cannot(spark, strategy):  # type: ignore[no-untyped-def]
     train, val = order_frames(spark, 2400, seed=1), order_frames(spark, 600, seed=2)
-    cfg = run_config(epochs=12, lr=0.003, feature_shapes={"tokens": [-1]})
+    cfg = run_config(epochs=12, lr=0.003, feature_shapes={"tokens": [-1]}, strategy=strategy)
     result = sparktrain.run(
         "sparktrain.recipes:transformer_train_fn",
         train,
@@ -71,6 +73,9 @@ def test_a_transformer_learns_token_order_where_a_bag_of_tokens_cannot(spark):  
         config=cfg,
     )
     assert result.history[-1]["accuracy"] >= 0.9, result.history
+    if strategy == "ps":
+        assert result.summary["ps"]["mode"] == "sync"
+        return
     bag = Trainer(
         "sparktrain.models:token_bag",
         run_config(epochs=8, lr=0.01, optimizer="adam", feature_shapes={"tokens": [-1]}),

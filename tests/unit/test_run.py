@@ -227,3 +227,49 @@ def test_return_values_travel_as_json_and_tensors() -> None:
         encode_value({"model": torch.nn.Linear(1, 1)})
     with pytest.raises(ConfigError, match="keys must be strings"):
         encode_value({1: 2})
+
+
+def test_a_train_fn_under_ps_starts_the_server_from_rank_0_and_matches_the_ring() -> None:
+    from sparktrain.ps.bootstrap import Bootstrap
+    from sparktrain.ps.server import ParameterServer
+
+    common = dict(batch_size=16, shuffle=True, epochs=2, lr=0.2, lr_schedule="StepLR")
+    common["lr_schedule_kwargs"] = {"step_size": 3, "gamma": 0.5}
+    parts = random_parts([64, 48])
+    want, _ = rank0_value(run_in_threads(loop_spec(**common), parts, mlp_train_fn))
+    spec = loop_spec(**common, strategy="ps", ps_mode="sync")
+    servers: list[ParameterServer] = []
+
+    def start(values: np.ndarray, cfg: Any) -> None:
+        servers.append(
+            ParameterServer(
+                values, cfg, host="127.0.0.1", secret=spec.secret, job_id="t", attempt=0
+            )
+        )
+
+    def current() -> Any:
+        return (list(servers[0].addresses), servers[0].completed_step()) if servers else None
+
+    boot = Bootstrap(
+        "127.0.0.1",
+        secret=spec.secret,
+        job_id="t",
+        attempt=lambda: 0,
+        security=None,
+        start=start,
+        current=current,
+        config=spec.config,
+    )
+    try:
+        got, meta = rank0_value(
+            run_in_threads(
+                dataclasses.replace(spec, ps_bootstrap=boot.address), parts, mlp_train_fn
+            )
+        )
+    finally:
+        boot.stop()
+        for server in servers:
+            server.stop()
+    assert len(servers) == 1 and servers[0].cfg.optimizer.__name__ == "SGD"
+    for name, tensor in want["state"].items():
+        torch.testing.assert_close(got["state"][name], tensor, rtol=1e-5, atol=1e-5)
