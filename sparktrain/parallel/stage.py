@@ -71,6 +71,7 @@ from sparktrain.worker.data import (
     steps_for,
     weights_at,
 )
+from sparktrain.worker.divergence import check_finite_weights
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
 from sparktrain.worker.loop import _SEEDED_INIT, rendezvous
 from sparktrain.worker.state import digest, return_state, start_from_rank0
@@ -520,6 +521,9 @@ class _StageRunner:
                 "metric": finish_metric(sums[2], sums[3], cfg.loss, self.spec.job.label_scale),
                 "seconds": time.perf_counter() - epoch_started,
             }
+            # a non-finite loss on the last stage sends non-finite gradients back through
+            # every stage, so every stage stops here in the same epoch
+            check_finite_weights([p for p in module.parameters() if p.requires_grad], epoch, cfg.lr)
             history.append(record)
             if self.checkpoints is not None and global_step % self.every == 0:
                 self.checkpoints.save(global_step, trained, history)

@@ -14,6 +14,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
+from sparktrain.comm import TreeAllreduce
 from sparktrain.errors import ConfigError
 
 # Metric names that are errors to minimise, as the config docstring lists them.
@@ -132,3 +135,17 @@ class EarlyStopping:
         self._seen = int(state.get("seen", 0))
         self._wait = int(state.get("wait", 0))
         self._improved = bool(state.get("improved", False))
+
+
+def agree_to_stop(
+    early: EarlyStopping, record: dict[str, Any], rank: int, tree: TreeAllreduce
+) -> bool:
+    """Early stopping: rank 0 decides on the epoch's figures, every rank learns it in
+    the same epoch (one tiny allreduce; none without early stopping)."""
+    if not early.active:
+        return False
+    flag = np.zeros(1)
+    if rank == 0 and early.update(record):
+        flag[0] = 1.0
+    tree.allreduce_(flag)
+    return bool(flag[0])

@@ -45,7 +45,7 @@ from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
 from sparktrain.worker.divergence import check_finite_weights, diverged
-from sparktrain.worker.early_stop import EarlyStopping
+from sparktrain.worker.early_stop import EarlyStopping, agree_to_stop
 from sparktrain.worker.evaluate import (
     evaluate,
     feed_scores,
@@ -327,7 +327,7 @@ def _train(
             record["lr"] = stepper.lr
             # replicas hold the same weights, so every rank decides alike
             check_finite_weights(params, epoch, cfg.lr)
-            stop = _agree_to_stop(early, record, ctx.rank, reduce_sums)
+            stop = agree_to_stop(early, record, ctx.rank, reduce_sums)
             if stop:
                 record["early_stop"] = True
             if ctx.rank == 0 and early.active and early.improved and early.restore_best:
@@ -457,20 +457,6 @@ def _restore(
             ctx.world_size,
         )
     stepper.load_state_dict(ckpt.extra.get("step_state") or {}, shard)
-
-
-def _agree_to_stop(
-    early: EarlyStopping, record: dict[str, Any], rank: int, tree: TreeAllreduce
-) -> bool:
-    """Early stopping: rank 0 decides on the epoch's figures, every rank learns it in
-    the same epoch (one tiny allreduce; none without early stopping)."""
-    if not early.active:
-        return False
-    flag = np.zeros(1)
-    if rank == 0 and early.update(record):
-        flag[0] = 1.0
-    tree.allreduce_(flag)
-    return bool(flag[0])
 
 
 def _extra_metrics(

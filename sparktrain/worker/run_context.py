@@ -38,7 +38,7 @@ from sparktrain.metrics import MetricsClient
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, epoch_batches
 from sparktrain.worker.divergence import diverged
-from sparktrain.worker.early_stop import EarlyStopping
+from sparktrain.worker.early_stop import EarlyStopping, agree_to_stop
 from sparktrain.worker.evaluate import feed_scores, finish_scores
 from sparktrain.worker.precision import Precision
 from sparktrain.worker.prefetch import Prefetcher
@@ -312,13 +312,7 @@ class RunContext:
 
     def _decide_stop(self, record: dict[str, Any]) -> None:
         """Rank 0 decides (early stopping), every rank learns it in the same call."""
-        if not self._early.active:
-            return
-        flag = np.zeros(1)
-        if self.rank == 0 and self._early.update(record):
-            flag[0] = 1.0
-        self._tree.allreduce_(flag)
-        self.should_stop = bool(flag[0])
+        self.should_stop = agree_to_stop(self._early, record, self.rank, self._tree)
         if self.should_stop:
             record["early_stop"] = True
 

@@ -95,3 +95,21 @@ def test_weights_are_checked_slice_by_slice_to_the_last_value():
     big[-1] = float("inf")  # in the short last slice
     with pytest.raises(DivergedError, match="1 of 1 parameter tensors"):
         check_finite_weights([big], 0, 0.1)
+
+
+def test_a_pipeline_whose_weights_explode_stops_on_every_stage():
+    from sparktrain.parallel.stage import train_stage
+
+    from .fixtures import pipeline_parts, pipeline_spec
+
+    spec = pipeline_spec(2, 1, lr=1e30, epochs=2)
+    parts = pipeline_parts([40, 40])
+
+    def rank_fn(rank: int, coll: Any) -> Any:
+        try:
+            return train_stage(worker_context(rank, 2, coll, spec.job), parts[rank], spec)
+        except Exception as exc:  # compared below, stage by stage
+            return exc
+
+    outcomes = run_ranks(2, rank_fn, timeout=60)
+    assert all(isinstance(o, DivergedError) for o in outcomes), outcomes

@@ -261,7 +261,7 @@ def test_a_train_fn_under_ps_starts_the_server_from_rank_0_and_matches_the_ring(
         config=spec.config,
     )
     try:
-        got, meta = rank0_value(
+        got, _ = rank0_value(
             run_in_threads(
                 dataclasses.replace(spec, ps_bootstrap=boot.address), parts, mlp_train_fn
             )
