@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
 _SHARD = re.compile(r"^ckpt-(\d{12})\.rank-(\d{5})-of-(\d{5})\.pt$")
+BEST_NAME = "best.pt"
+"""Early stopping's best checkpoint: matches neither pattern above, so pruning keeps it."""
 _TMP_PREFIX = ".tmp-"
 ORPHAN_AGE_S = 3600.0
 """A temporary file older than this is taken for the leftover of a killed writer (no
@@ -211,20 +213,24 @@ class CheckpointStore:
     def save(self, ckpt: Checkpoint) -> str:
         """Write the main file atomically and prune old checkpoints. With per-rank state,
         every rank's shard (:meth:`save_shard`) goes first: this file is the commit."""
-        final = self._write(
-            self.main_name(ckpt.step),
-            {
-                "format": 1,
-                "step": ckpt.step,
-                "model": ckpt.model_state,
-                "optimizer": ckpt.optimizer_state,
-                "rng": ckpt.rng_state,
-                "history": json.dumps(ckpt.history),
-                "extra": ckpt.extra,
-            },
-        )
+        final = self._write(self.main_name(ckpt.step), _main_record(ckpt))
         self.prune()
         return final
+
+    def save_best(self, ckpt: Checkpoint) -> str:
+        """Write ``ckpt`` as the run's best (early stopping's best epoch so far), over the
+        previous best; never pruned, never resumed from (:meth:`load_best` reads it)."""
+        return self._write(BEST_NAME, _main_record(ckpt))
+
+    def load_best(self) -> Checkpoint | None:
+        """The checkpoint :meth:`save_best` wrote last, or None."""
+        try:
+            missing = self._fs.get_file_info(self._path(BEST_NAME)).type == pafs.FileType.NotFound
+        except OSError:
+            return None
+        if missing:
+            return None
+        return _checkpoint_of(self._read(BEST_NAME), self._path(BEST_NAME))
 
     def save_shard(self, step: int, rank: int, world: int, state: dict[str, Any]) -> str:
         """Write rank ``rank``'s own state for the checkpoint of ``step``."""
@@ -291,20 +297,7 @@ class CheckpointStore:
         return data
 
     def _load_main(self, step: int) -> Checkpoint:
-        data = self._read(self.main_name(step))
-        try:
-            return Checkpoint(
-                step=int(data["step"]),
-                model_state=data["model"],
-                optimizer_state=data["optimizer"],
-                rng_state=data["rng"],
-                history=json.loads(data["history"]),
-                extra=data.get("extra", {}),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(
-                f"checkpoint {self._path(self.main_name(step))!r} lacks {exc}; delete it"
-            ) from exc
+        return _checkpoint_of(self._read(self.main_name(step)), self._path(self.main_name(step)))
 
     def load_shard(self, step: int, rank: int, world: int) -> dict[str, Any]:
         """Rank ``rank``'s state saved with the checkpoint of ``step`` in a world of
@@ -387,3 +380,29 @@ def _write_local(tmp: str, final: str, data: memoryview) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _main_record(ckpt: Checkpoint) -> dict[str, Any]:
+    return {
+        "format": 1,
+        "step": ckpt.step,
+        "model": ckpt.model_state,
+        "optimizer": ckpt.optimizer_state,
+        "rng": ckpt.rng_state,
+        "history": json.dumps(ckpt.history),
+        "extra": ckpt.extra,
+    }
+
+
+def _checkpoint_of(data: dict[str, Any], path: str) -> Checkpoint:
+    try:
+        return Checkpoint(
+            step=int(data["step"]),
+            model_state=data["model"],
+            optimizer_state=data["optimizer"],
+            rng_state=data["rng"],
+            history=json.loads(data["history"]),
+            extra=data.get("extra", {}),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path!r} lacks {exc}; delete it") from exc

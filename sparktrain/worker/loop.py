@@ -336,6 +336,8 @@ def _train(
             history.append(record)
             if store is not None and (global_step % every == 0 or stop):
                 _save(store, ctx, global_step, model, stepper, early, history)
+            elif store is not None and ctx.rank == 0 and early.active and early.improved:
+                _save(store, ctx, global_step, model, stepper, early, history, best_only=True)
             if reporter is not None:
                 reporter.send(record)
             if stop:
@@ -391,10 +393,14 @@ def _save(
     stepper: DistributedStep,
     early: EarlyStopping,
     history: list[dict[str, Any]],
+    *,
+    best_only: bool = False,
 ) -> None:
     """Every rank with state of its own (compression) writes its shard; rank 0 then
-    writes the main file, the commit: the checkpoint counts once all shards are there."""
-    mine = stepper.rank_state()
+    writes the main file, the commit: the checkpoint counts once all shards are there.
+    Rank 0 keeps early stopping's best epoch as the best checkpoint too (``best_only``:
+    that alone, between regular checkpoints)."""
+    mine = None if best_only else stepper.rank_state()
     if mine is not None:
         store.save_shard(step, ctx.rank, ctx.world_size, mine)
     if ctx.rank != 0:
@@ -406,16 +412,18 @@ def _save(
     }
     if mine is not None:
         extra[RANK_SHARDS] = ctx.world_size
-    store.save(
-        Checkpoint(
-            step=step,
-            model_state=model.state_dict(),
-            optimizer_state=optimizer.state_dict() if optimizer is not None else {},
-            rng_state=torch.get_rng_state(),
-            history=history,
-            extra=extra,
-        )
+    ckpt = Checkpoint(
+        step=step,
+        model_state=model.state_dict(),
+        optimizer_state=optimizer.state_dict() if optimizer is not None else {},
+        rng_state=torch.get_rng_state(),
+        history=history,
+        extra=extra,
     )
+    if not best_only:
+        store.save(ckpt)
+    if early.active and early.improved:  # keep-best: survives the pruning of newer ones
+        store.save_best(ckpt)
 
 
 def _restore(

@@ -333,7 +333,9 @@ class RunContext:
         checkpoint in ``config.checkpoint_dir``, with the history so far. Call it on
         every rank at the same point: rank 0 writes the file, the other ranks their own
         compressor state when they have any. A restarted stage resumes from the newest
-        one (:meth:`restore`). Without ``checkpoint_dir`` it does nothing."""
+        one (:meth:`restore`). When the last report set early stopping's best, the
+        checkpoint is also kept as the best (``CheckpointStore.load_best``), which pruning
+        never removes. Without ``checkpoint_dir`` it does nothing."""
         store = self._store
         if store is None:
             return
@@ -353,6 +355,8 @@ class RunContext:
         if self.rank == 0:
             ckpt = Checkpoint(step, {}, {}, torch.get_rng_state(), list(self.history), extra)
             store.save(ckpt)
+            if self.improved:  # keep-best: the state of early stopping's best report
+                store.save_best(ckpt)
         self.barrier()  # a restart never finds a checkpoint some rank has not reached
 
     def _checkpoint_step(self, step: int | None) -> int:

@@ -104,3 +104,23 @@ def test_knobs_a_strategy_cannot_run_are_refused_by_name() -> None:
         TrainConfig(strategy="ps", clip_grad_norm=1.0)
     with pytest.raises(ConfigError, match="early_stopping"):
         TrainConfig(strategy="tree_aggregate", early_stopping={"metric": "loss"})
+
+
+def test_the_best_epoch_is_kept_as_a_checkpoint_pruning_never_removes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sparktrain.checkpoint import CheckpointStore
+
+    spec = loop_spec(
+        batch_size=8,
+        epochs=40,
+        lr=2.0,
+        checkpoint_dir=str(tmp_path),
+        keep_checkpoints=1,
+        checkpoint_every=3.0,
+        early_stopping={"metric": "loss", "patience": 2},
+    )
+    result = train_and_assemble(spec, separable_parts([64, 64], seed=4))
+    best = CheckpointStore(str(tmp_path)).load_best()
+    assert best is not None
+    stop = result.summary["early_stopping"]
+    assert best.history[-1]["epoch"] == stop["best_epoch"]
+    assert best.history[-1]["loss"] == stop["best"]
