@@ -30,6 +30,8 @@ from sparktrain.loggers import ListenerGroup, RunListener, figures
 if TYPE_CHECKING:
     from torch import nn
 
+    from sparktrain.worker.context import JobSpec
+
 log = logging.getLogger(__name__)
 
 # Step messages are throttled so that progress never costs training time.
@@ -89,6 +91,33 @@ class MetricsClient:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def start_reporter(
+    spec: JobSpec, *, steps_per_epoch: int, world_size: int, train_samples: int
+) -> MetricsClient | None:
+    """The reporting rank's channel to the driver, opened with the ``start`` message
+    (None when the job has no metrics channel, e.g. a thread harness)."""
+    if not spec.metrics_address:
+        return None
+    reporter = MetricsClient(
+        spec.metrics_address,
+        secret=spec.secret,
+        job_id=spec.job_id,
+        attempt=spec.attempt,
+        timeout=min(spec.config.comm_timeout, 10.0),
+        security=spec.security,
+    )
+    reporter.send(
+        {
+            "type": "start",
+            "epochs": spec.config.epochs,
+            "steps_per_epoch": steps_per_epoch,
+            "world_size": world_size,
+            "train_samples": train_samples,
+        }
+    )
+    return reporter
 
 
 class MetricsServer(DriverService):

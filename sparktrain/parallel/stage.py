@@ -57,7 +57,7 @@ from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
 from sparktrain.comm.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
 from sparktrain.comm.frames import KIND_DATA
 from sparktrain.config import single_spec
-from sparktrain.metrics import MetricsClient
+from sparktrain.metrics import MetricsClient, start_reporter
 from sparktrain.parallel.checkpoints import StageCheckpoints, StagePart, stage_state
 from sparktrain.parallel.group import GroupGradientSync, GroupMesh, group_allreduce
 from sparktrain.parallel.partition import Partition, as_sequential
@@ -423,26 +423,14 @@ class _StageRunner:
     def _reporter(self) -> MetricsClient | None:
         """Progress goes to the driver from the last stage of row 0 (it has the loss)."""
         job = self.spec.job
-        if not (self.last and self.replica == 0 and job.metrics_address):
+        if not (self.last and self.replica == 0):
             return None
-        reporter = MetricsClient(
-            job.metrics_address,
-            secret=job.secret,
-            job_id=job.job_id,
-            attempt=job.attempt,
-            timeout=min(self.cfg.comm_timeout, 10.0),
-            security=job.security,
+        return start_reporter(
+            job,
+            steps_per_epoch=self.steps_per_epoch,
+            world_size=self.ctx.world_size,
+            train_samples=self.world_train,
         )
-        reporter.send(
-            {
-                "type": "start",
-                "epochs": self.cfg.epochs,
-                "steps_per_epoch": self.steps_per_epoch,
-                "world_size": self.ctx.world_size,
-                "train_samples": self.world_train,
-            }
-        )
-        return reporter
 
     def _epochs(
         self,

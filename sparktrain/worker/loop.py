@@ -40,7 +40,7 @@ from sparktrain.comm.chunked import chunk_bytes_for
 from sparktrain.comm.link import link_from_config
 from sparktrain.data.batch import Batch, Collator, forward
 from sparktrain.errors import CheckpointError
-from sparktrain.metrics import MetricsClient
+from sparktrain.metrics import start_reporter
 from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, check_labels, epoch_batches, steps_for
@@ -194,23 +194,12 @@ def _train(
         start_from_rank0(model, mesh, chunk_bytes_for(mesh.max_frame_bytes))
 
     reporter = None
-    if ctx.rank == 0 and spec.metrics_address:
-        reporter = MetricsClient(
-            spec.metrics_address,
-            secret=spec.secret,
-            job_id=spec.job_id,
-            attempt=spec.attempt,
-            timeout=min(cfg.comm_timeout, 10.0),
-            security=spec.security,
-        )
-        reporter.send(
-            {
-                "type": "start",
-                "epochs": cfg.epochs,
-                "steps_per_epoch": steps_per_epoch,
-                "world_size": ctx.world_size,
-                "train_samples": world_train,
-            }
+    if ctx.rank == 0:
+        reporter = start_reporter(
+            spec,
+            steps_per_epoch=steps_per_epoch,
+            world_size=ctx.world_size,
+            train_samples=world_train,
         )
     metric = metric_name(cfg.loss, has_validation)
 

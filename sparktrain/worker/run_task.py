@@ -19,7 +19,7 @@ import torch
 from sparktrain import errors
 from sparktrain.builders import import_callable
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.metrics import MetricsClient
+from sparktrain.metrics import start_reporter
 from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, steps_for
@@ -52,7 +52,11 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
             steps_for(n, cfg.batch_size, cfg.drop_last) or steps_for(n, cfg.batch_size)
             for n in rows
         )
-        reporter = _reporter(ctx) if ctx.rank == 0 else None
+        reporter = None
+        if ctx.rank == 0:
+            reporter = start_reporter(
+                spec, steps_per_epoch=steps, world_size=ctx.world_size, train_samples=sum(rows)
+            )
         store = (
             CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints)
             if cfg.checkpoint_dir
@@ -61,16 +65,6 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
         run = RunContext(
             ctx, mesh, train, val, steps_per_epoch=steps, reporter=reporter, store=store
         )
-        if reporter is not None:
-            reporter.send(
-                {
-                    "type": "start",
-                    "epochs": cfg.epochs,
-                    "steps_per_epoch": steps,
-                    "world_size": ctx.world_size,
-                    "train_samples": sum(rows),
-                }
-            )
         try:
             value = train_fn(run)
         finally:
@@ -105,20 +99,6 @@ def resolve_train_fn(train_fn: Any) -> Callable[[RunContext], Any]:
             f"train_fn must be a callable or a 'package.module:function' string, got {train_fn!r}"
         )
     return train_fn
-
-
-def _reporter(ctx: WorkerContext) -> MetricsClient | None:
-    spec = ctx.job
-    if not spec.metrics_address:
-        return None
-    return MetricsClient(
-        spec.metrics_address,
-        secret=spec.secret,
-        job_id=spec.job_id,
-        attempt=spec.attempt,
-        timeout=min(spec.config.comm_timeout, 10.0),
-        security=spec.security,
-    )
 
 
 def encode_value(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
