@@ -221,4 +221,7 @@ def _assemble(
             summary[key] = stats[0][key]
     if meta.get("early_stopping"):
         summary["early_stopping"] = meta["early_stopping"]
+    if job.prepared.label_stats is not None:  # the train_fn saw standardised labels
+        mean, std = job.prepared.label_stats
+        summary["label_scaling"] = {"mean": mean, "std": std}
     return TrainResult(model=job.model, history=meta["history"], summary=summary), value
