@@ -43,7 +43,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.003, help="Adam's learning rate")
-    p.add_argument("--strategy", default="ring", choices=("ring", "tree"))
+    p.add_argument("--strategy", default="ring", choices=("ring", "tree", "ps"))
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument(
         "--set",
