@@ -216,7 +216,7 @@ def _assemble(
         "history": meta["history"],
         "config": cfg.to_dict(),
     }
-    for key in ("precision", "overlap", "compression_path"):
+    for key in ("precision", "skipped_steps", "overlap", "compression_path"):
         if key in stats[0]:
             summary[key] = stats[0][key]
     if meta.get("early_stopping"):

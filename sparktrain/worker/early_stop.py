@@ -139,13 +139,15 @@ class EarlyStopping:
 
 def agree_to_stop(
     early: EarlyStopping, record: dict[str, Any], rank: int, tree: TreeAllreduce
-) -> bool:
-    """Early stopping: rank 0 decides on the epoch's figures, every rank learns it in
-    the same epoch (one tiny allreduce; none without early stopping)."""
+) -> tuple[bool, bool]:
+    """Early stopping: rank 0 decides on the epoch's figures, every rank learns in the
+    same epoch whether to stop and whether this record is the new best (one tiny
+    allreduce; none without early stopping). Returns (stop, improved)."""
     if not early.active:
-        return False
-    flag = np.zeros(1)
-    if rank == 0 and early.update(record):
-        flag[0] = 1.0
-    tree.allreduce_(flag)
-    return bool(flag[0])
+        return False, False
+    flags = np.zeros(2)
+    if rank == 0:
+        flags[0] = float(early.update(record))
+        flags[1] = float(early.improved)
+    tree.allreduce_(flags)
+    return bool(flags[0]), bool(flags[1])

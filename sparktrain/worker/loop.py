@@ -316,7 +316,7 @@ def _train(
             record["lr"] = stepper.lr
             # replicas hold the same weights, so every rank decides alike
             check_finite_weights(params, epoch, cfg.lr)
-            stop = agree_to_stop(early, record, ctx.rank, reduce_sums)
+            stop, _ = agree_to_stop(early, record, ctx.rank, reduce_sums)
             if stop:
                 record["early_stop"] = True
             if ctx.rank == 0 and early.active and early.improved and early.restore_best:

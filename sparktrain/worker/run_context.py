@@ -102,6 +102,7 @@ class RunContext:
         )
         self._early = EarlyStopping(self.config.early_stopping)
         self.should_stop = False
+        self._improved = False
         self._distributed: DistributedStep | None = None
         self._restored: Checkpoint | None = None
         self._started = time.perf_counter()
@@ -312,15 +313,17 @@ class RunContext:
 
     def _decide_stop(self, record: dict[str, Any]) -> None:
         """Rank 0 decides (early stopping), every rank learns it in the same call."""
-        self.should_stop = agree_to_stop(self._early, record, self.rank, self._tree)
+        self.should_stop, self._improved = agree_to_stop(
+            self._early, record, self.rank, self._tree
+        )
         if self.should_stop:
             record["early_stop"] = True
 
     @property
     def improved(self) -> bool:
-        """Did the last report set a new best for ``early_stopping.metric`` (rank 0's
-        view; keep-best checkpoints and models use it)?"""
-        return self._early.active and self._early.improved
+        """Did the last report set a new best for ``early_stopping.metric``? The same
+        answer on every rank (keep-best checkpoints and models use it)."""
+        return self._improved
 
     @property
     def early_stopping(self) -> EarlyStopping:
@@ -531,6 +534,8 @@ class RunContext:
             "rank": self.rank,
             "train_rows": self._train.size,
             "steps_per_epoch": self.steps_per_epoch,
+            "data_path": self._train.path,
+            "spilled_bytes": self._train.spilled_bytes,
             "comm_s": self.comm_s + (step.comm_s if step is not None else 0.0),
             "data_wait_s": self.data_wait_s,
             "comm": self._mesh.stats.as_dict(),

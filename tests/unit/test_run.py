@@ -153,17 +153,21 @@ def test_reports_with_other_names_on_a_rank_fail_on_every_rank() -> None:
 def test_early_stopping_is_agreed_by_every_rank_and_shows_in_the_history() -> None:
     aucs = [0.6, 0.7, 0.72, 0.71, 0.70, 0.69, 0.8]
 
-    def train_fn(ctx: RunContext) -> int:
+    def train_fn(ctx: RunContext) -> dict[str, Any]:
+        best = []
         for epoch, auc in enumerate(aucs):
             ctx.report(val_auc=auc + 0.001 * ctx.rank)  # ranks differ; the mean decides
+            if ctx.improved:  # every rank knows: a collective may follow
+                ctx.barrier()
+                best.append(epoch)
             if ctx.should_stop:
-                return epoch
-        return -1
+                return {"stopped": epoch, "best": best}
+        return {"stopped": -1, "best": best}
 
     spec = loop_spec(early_stopping={"metric": "val_auc", "patience": 3})
     outputs = run_in_threads(spec, random_parts([4, 4]), train_fn)
     value, meta = rank0_value(outputs)
-    assert value == 5  # best at epoch 2, three reports without improvement
+    assert value == {"stopped": 5, "best": [0, 1, 2]}  # three reports without improvement
     assert meta["history"][5]["early_stop"] is True
     assert meta["early_stopping"]["best_epoch"] == 2
 
