@@ -120,7 +120,8 @@ class DistributedStep:
             self.schedule.after_step()
             self.steps += 1
             return True
-        assert isinstance(self.sync, AllreduceSync), "a local optimizer needs an allreduce sync"
+        if not isinstance(self.sync, AllreduceSync):
+            return self._plugin_step(rows, micro, started)
         self.sync.reduce(rows)
         self.comm_s += time.perf_counter() - started
         self._to_one_mean(micro)
@@ -137,6 +138,30 @@ class DistributedStep:
         self.zero_grad()
         self.steps += 1
         return stepped
+
+    def _plugin_step(self, rows: int, micro: int, started: float) -> bool:
+        """A plug-in strategy's sync averages and steps in one ``step(count)``, with
+        ``sync.optimizer``: it steps this step's optimizer (a ``train_fn``'s own under
+        ``sparktrain.run``) at the scheduled rate. Clipping and the fp16 scaler need the
+        averaged gradients before the step, which such a sync does not expose."""
+        if self.clip > 0 or self.precision.precision == "fp16":
+            raise ConfigError(
+                f"strategy={type(self.sync).__name__} steps in its own sync: clip_grad_norm "
+                "and precision='fp16' need strategy='ring' or 'tree'"
+            )
+        self._to_one_mean(micro)
+        self.sync.optimizer = self.optimizer  # type: ignore[misc]
+        self.schedule.before_step()
+        self.optimizer._sparktrain_inner = True  # type: ignore[attr-defined]
+        try:
+            self.sync.step(rows)
+        finally:
+            self.optimizer._sparktrain_inner = False  # type: ignore[attr-defined]
+        self.comm_s += time.perf_counter() - started
+        self.schedule.after_step()
+        self.zero_grad()
+        self.steps += 1
+        return True
 
     def _send_rate(self) -> None:
         """The parameter server steps at the rate this rank's schedule gives the step
