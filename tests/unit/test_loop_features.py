@@ -3,18 +3,23 @@ extra metrics, with ranks as threads."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.worker.loop import train_partition
 from tests.unit.fixtures import (
     assert_close_params,
     loop_spec,
     random_parts,
+    run_ranks,
     spec_with,
     train_and_assemble,
+    worker_context,
 )
 
 
@@ -104,3 +109,38 @@ def test_knobs_a_strategy_cannot_run_are_refused_by_name() -> None:
         TrainConfig(strategy="ps", clip_grad_norm=1.0)
     with pytest.raises(ConfigError, match="early_stopping"):
         TrainConfig(strategy="tree_aggregate", early_stopping={"metric": "loss"})
+
+
+@pytest.mark.parametrize(
+    ("knobs", "key"),
+    [
+        ({"early_stopping": {"metric": "accuracy", "patience": 1}}, "early_stopping.metric"),
+        (
+            {
+                "lr_schedule": "ReduceLROnPlateau",
+                "lr_schedule_kwargs": {"monitor": "accuracy"},
+                "lr_schedule_interval": "epoch",
+            },
+            "lr_schedule_kwargs.monitor",
+        ),
+    ],
+)
+def test_watching_a_figure_no_epoch_reports_is_refused_by_every_rank(
+    knobs: dict[str, Any], key: str
+) -> None:
+    # without validation data the loop reports train_accuracy, not accuracy
+    spec = loop_spec(epochs=3, **knobs)
+    parts = random_parts([16, 16])
+
+    def rank_fn(rank: int, coll) -> BaseException | None:  # type: ignore[no-untyped-def]
+        try:
+            train_partition(worker_context(rank, 2, coll, spec), parts[rank])
+        except ConfigError as exc:
+            return exc
+        return None
+
+    errors = run_ranks(2, rank_fn)
+    assert all(isinstance(e, ConfigError) for e in errors)  # the same error, no lost peer
+    assert str(errors[0]).startswith(f"{key}='accuracy' is not a figure")
+    assert "reports 'train_accuracy' on the training rows" in str(errors[0])
+    assert "validationFraction" in str(errors[0])
