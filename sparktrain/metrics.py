@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 
 # Step messages are throttled so that progress never costs training time.
 STEP_REPORT_INTERVAL_S = 0.25
+# MetricsServer.stop: how long the readers may go on working through what rank 0 sent
+# before it closed its end (a slow listener: each record goes to the listeners before the
+# next is read), and how long a reader may wait for more before its client counts as alive
+# but silent (nothing left to drain).
+DRAIN_LIMIT_S = 60.0
+DRAIN_IDLE_S = 0.5
 
 
 class MetricsClient:
@@ -121,7 +127,11 @@ def start_reporter(
 
 
 class MetricsServer(DriverService):
-    """The driver's end: accepts rank 0 (of any attempt), feeds a progress display."""
+    """The driver's end: accepts rank 0 (of any attempt), feeds a progress display.
+
+    Each client is read on its own thread, which hands every message to ``on_message``
+    before it reads the next: a slow listener leaves messages waiting in the socket.
+    :meth:`stop` lets those be delivered first (see there)."""
 
     name = "metrics"
 
@@ -141,6 +151,8 @@ class MetricsServer(DriverService):
         self._idle_timeout = idle_timeout
         self._conns: list[Connection] = []
         self._lock = threading.Lock()
+        # per reading client: since when it waits for a message (None: handling one)
+        self._waiting: dict[int, float | None] = {}
         self.start()
 
     def handle(self, conn: Connection) -> None:
@@ -149,21 +161,52 @@ class MetricsServer(DriverService):
                 conn.close()
                 return
             self._conns.append(conn)
+            self._waiting[id(conn)] = time.monotonic()
         conn.set_timeout(self._idle_timeout)
-        while not self.stopping:
-            try:
-                _, payload = conn.recv_bytes(KIND_METRICS, max_bytes=1 << 20)
-                message = json.loads(payload)
-            except (CommError, OSError, ValueError):
-                return
-            if isinstance(message, dict):
+        try:
+            while not self.stopping:
                 try:
-                    self._on_message(message)
-                except Exception:  # a display bug must not end the reader
-                    log.exception("metrics display failed")
+                    _, payload = conn.recv_bytes(KIND_METRICS, max_bytes=1 << 20)
+                    message = json.loads(payload)
+                except (CommError, OSError, ValueError):
+                    return
+                with self._lock:
+                    self._waiting[id(conn)] = None
+                if isinstance(message, dict):
+                    try:
+                        self._on_message(message)
+                    except Exception:  # a display bug must not end the reader
+                        log.exception("metrics display failed")
+                with self._lock:
+                    self._waiting[id(conn)] = time.monotonic()
+        finally:
+            with self._lock:
+                self._waiting.pop(id(conn), None)
 
     def stop(self) -> None:
-        """Close the listener and every connection; idempotent."""
+        """Deliver what the clients sent, then close the listener and every connection;
+        idempotent.
+
+        Rank 0 closes its end when its task ends, but a slow listener may not have seen
+        its last records yet: they wait in the socket. So the readers first go on until
+        each has reached its client's end, or has waited :data:`DRAIN_IDLE_S` for more
+        (a client still connected but silent, e.g. a failed stage's), or
+        :data:`DRAIN_LIMIT_S` passed; the records left then are dropped with a warning."""
+        deadline = time.monotonic() + DRAIN_LIMIT_S
+        while not self.stopping:
+            with self._lock:
+                now = time.monotonic()
+                busy = [s for s in self._waiting.values() if s is None or now - s < DRAIN_IDLE_S]
+            if not busy:
+                break
+            if now >= deadline:
+                log.warning(
+                    "the run's listeners took over %.0f s for its last records; the rest "
+                    "are dropped",
+                    DRAIN_LIMIT_S,
+                )
+                break
+            time.sleep(0.02)
         self._stopping.set()
         with self._lock:
             for conn in self._conns:

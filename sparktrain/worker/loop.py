@@ -57,7 +57,7 @@ from sparktrain.worker.evaluate import (
 from sparktrain.worker.memory import peak_anon_bytes, peak_rss_bytes, reset_peak_rss, sample_anon
 from sparktrain.worker.prefetch import Prefetcher
 from sparktrain.worker.probe import needs_auto, resolve_auto
-from sparktrain.worker.scores import Scores
+from sparktrain.worker.scores import Scores, metric_key
 from sparktrain.worker.state import digest, return_state, start_from_rank0
 from sparktrain.worker.stepping import DistributedStep
 from sparktrain.worker.sync import make_sync
@@ -161,6 +161,8 @@ def _train(
     started: float,
 ) -> list[Record]:
     spec, cfg = ctx.job, ctx.job.config
+    metric = metric_name(cfg.loss, has_validation)
+    _check_watched(cfg, metric)  # every rank alike, before anything needs closing
     with _SEEDED_INIT:  # same seed on every rank: identical initial weights
         torch.manual_seed(cfg.seed)
         model = build_model(resolve_model_fn(spec.model_fn, spec.model_kwargs))
@@ -201,7 +203,6 @@ def _train(
             world_size=ctx.world_size,
             train_samples=world_train,
         )
-    metric = metric_name(cfg.loss, has_validation)
 
     # With a parameter server the model lives in the driver and survives a stage restart;
     # the workers' copies are not authoritative (async), so they neither save nor restore.
@@ -454,6 +455,35 @@ def _restore(
             ctx.world_size,
         )
     stepper.load_state_dict(ckpt.extra.get("step_state") or {}, shard)
+
+
+def _check_watched(cfg: Any, metric: str) -> None:
+    """Early stopping and ``ReduceLROnPlateau`` watch a figure every epoch record holds
+    (see the record in :func:`_train`); else every rank raises the same error now, not
+    after the first epoch (early stopping: rank 0 alone, its peers then lose it). The
+    usual slip: ``accuracy`` (or ``rmse``) without validation data, where the loop
+    reports ``train_accuracy``."""
+    watched = []
+    if cfg.early_stopping:
+        watched.append(("early_stopping.metric", cfg.early_stopping.get("metric")))
+    if cfg.lr_schedule == "ReduceLROnPlateau":
+        monitor = cfg.lr_schedule_kwargs.get("monitor", "loss")
+        watched.append(("lr_schedule_kwargs.monitor", monitor))
+    keys = ["loss", metric, "metric", "seconds", "lr", *(metric_key(m) for m in cfg.metrics)]
+    for key, name in watched:
+        if name in keys:
+            continue
+        hint = ""
+        if metric.startswith("train_") and name == metric.removeprefix("train_"):
+            hint = (
+                f" Without validation data the loop reports {metric!r} on the training rows: "
+                "give validation data (Trainer.fit's validation_data, validation_fraction > 0; "
+                f"the ml estimators' validationFraction) or watch {metric!r}."
+            )
+        raise errors.ConfigError(
+            f"{key}={name!r} is not a figure this run reports every epoch; it reports: "
+            f"{', '.join(dict.fromkeys(keys))}.{hint}"
+        )
 
 
 def _extra_metrics(

@@ -313,9 +313,7 @@ class RunContext:
 
     def _decide_stop(self, record: dict[str, Any]) -> None:
         """Rank 0 decides (early stopping), every rank learns it in the same call."""
-        self.should_stop, self._improved = agree_to_stop(
-            self._early, record, self.rank, self._tree
-        )
+        self.should_stop, self._improved = agree_to_stop(self._early, record, self.rank, self._tree)
         if self.should_stop:
             record["early_stop"] = True
 

@@ -3,18 +3,23 @@ extra metrics, with ranks as threads."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.worker.loop import train_partition
 from tests.unit.fixtures import (
     assert_close_params,
     loop_spec,
     random_parts,
+    run_ranks,
     spec_with,
     train_and_assemble,
+    worker_context,
 )
 
 
@@ -124,3 +129,38 @@ def test_the_best_epoch_is_kept_as_a_checkpoint_pruning_never_removes(tmp_path) 
     stop = result.summary["early_stopping"]
     assert best.history[-1]["epoch"] == stop["best_epoch"]
     assert best.history[-1]["loss"] == stop["best"]
+
+
+@pytest.mark.parametrize(
+    ("knobs", "key"),
+    [
+        ({"early_stopping": {"metric": "accuracy", "patience": 1}}, "early_stopping.metric"),
+        (
+            {
+                "lr_schedule": "ReduceLROnPlateau",
+                "lr_schedule_kwargs": {"monitor": "accuracy"},
+                "lr_schedule_interval": "epoch",
+            },
+            "lr_schedule_kwargs.monitor",
+        ),
+    ],
+)
+def test_watching_a_figure_no_epoch_reports_is_refused_by_every_rank(
+    knobs: dict[str, Any], key: str
+) -> None:
+    # without validation data the loop reports train_accuracy, not accuracy
+    spec = loop_spec(epochs=3, **knobs)
+    parts = random_parts([16, 16])
+
+    def rank_fn(rank: int, coll) -> BaseException | None:  # type: ignore[no-untyped-def]
+        try:
+            train_partition(worker_context(rank, 2, coll, spec), parts[rank])
+        except ConfigError as exc:
+            return exc
+        return None
+
+    errors = run_ranks(2, rank_fn)
+    assert all(isinstance(e, ConfigError) for e in errors)  # the same error, no lost peer
+    assert str(errors[0]).startswith(f"{key}='accuracy' is not a figure")
+    assert "reports 'train_accuracy' on the training rows" in str(errors[0])
+    assert "validationFraction" in str(errors[0])

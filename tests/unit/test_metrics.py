@@ -68,3 +68,49 @@ def test_a_client_with_the_wrong_secret_is_ignored_and_training_goes_on():
         started = time.monotonic()
         server.stop()
         assert time.monotonic() - started < 6
+
+
+def _epoch(epoch: int) -> dict:
+    return {
+        "type": "epoch",
+        "epoch": epoch,
+        "loss": 1.0,
+        "metric_name": "accuracy",
+        "metric": 0.5,
+        "seconds": 0.1,
+    }
+
+
+def test_stop_delivers_what_rank_0_sent_before_it_closed_to_a_slow_listener():
+    seen: list[int] = []
+
+    def slow(message):  # a listener slower than training: messages queue in the socket
+        time.sleep(0.1)
+        seen.append(message["epoch"])
+
+    server = MetricsServer("127.0.0.1", secret=SECRET, job_id="j", attempt=0, on_message=slow)
+    try:
+        client = MetricsClient(server.address, secret=SECRET, job_id="j", attempt=0, timeout=5)
+        for epoch in range(8):
+            client.send(_epoch(epoch))
+        assert _wait_for(lambda: seen)  # the reader is busy with the first one
+        client.close()  # the task ended; the stage returns before the listener caught up
+    finally:
+        server.stop()
+    assert seen == list(range(8))
+
+
+@pytest.mark.timing
+def test_stop_does_not_wait_for_a_client_that_is_connected_but_silent():
+    display = ProgressDisplay(enabled=False)
+    server = MetricsServer("127.0.0.1", secret=SECRET, job_id="j", attempt=0, on_message=display)
+    client = MetricsClient(server.address, secret=SECRET, job_id="j", attempt=0, timeout=5)
+    try:
+        client.send(_epoch(0))
+        assert _wait_for(lambda: len(display.epochs) == 1)
+        started = time.monotonic()
+        server.stop()  # e.g. a failed stage whose rank 0 still lives
+        assert time.monotonic() - started < 2
+    finally:
+        client.close()
+        server.stop()
