@@ -92,7 +92,7 @@ def run(
     restarts; ``num_workers`` overrides its ``num_workers``. ``callbacks`` get every
     report on the driver (``on_epoch_end(record, history)`` or a plain function).
     A failed task resubmits the stage (``max_restarts``); ``ctx.restore()`` then gives
-    the newest checkpoint's state.
+    the newest checkpoint's state. ``fault_plan`` is for tests (failure injection).
     """
     started = time.perf_counter()
     cfg = config or TrainConfig()

@@ -254,7 +254,10 @@ def _train(
                     with precision.autocast():
                         out = forward(model, batch)
                         target = target_like(batch.labels.to(targets_dtype), out)
-                        loss = loss_fn(out.float(), target, batch.weights)
+                        # the loss in float32 at least: a half-precision loss loses digits
+                        if out.dtype in (torch.float16, torch.bfloat16):
+                            out = out.float()
+                        loss = loss_fn(out, target, batch.weights)
                     value = float(loss.detach())
                     if not precision.loss_is_finite(value):
                         # before any exchange: the peers stop in this step's exchange

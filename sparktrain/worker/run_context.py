@@ -105,6 +105,7 @@ class RunContext:
         self._improved = False
         self._distributed: DistributedStep | None = None
         self._restored: Checkpoint | None = None
+        self._last_ckpt_step = 0
         self._started = time.perf_counter()
         self._last_report = self._started
         self.comm_s = 0.0
@@ -255,12 +256,12 @@ class RunContext:
         reduce: Mapping[str, str] | None = None,
         **more: float,
     ) -> dict[str, Any]:
-        """Record figures of this point of the run (a mapping and/or keywords; every rank,
-        the same names): each
-        is reduced across ranks (``mean`` unless ``reduce`` names ``sum``, ``max`` or
-        ``min`` for it), added to :attr:`history`, sent to the driver (progress,
-        ``metrics_jsonl``, callbacks, loggers) and fed to early stopping: read
-        :attr:`should_stop` afterwards. Returns the reduced record."""
+        """Record figures of this point of the run, as a mapping and/or keywords (every
+        rank, the same names): each is reduced across ranks (``mean`` unless ``reduce``
+        names ``sum``, ``max`` or ``min`` for it), added to :attr:`history`, sent to the
+        driver (progress, ``metrics_jsonl``, callbacks, loggers), fed to early stopping
+        (read :attr:`should_stop` and :attr:`improved` afterwards) and to a per-epoch
+        learning-rate schedule. Returns the reduced record."""
         metrics = {**(figures or {}), **more}
         reduce = dict(reduce or {})
         names = sorted(metrics)
@@ -362,7 +363,7 @@ class RunContext:
 
     def _checkpoint_step(self, step: int | None) -> int:
         last = self._restored.step if self._restored is not None else 0
-        last = max(last, getattr(self, "_last_ckpt_step", 0))
+        last = max(last, self._last_ckpt_step)
         chosen = step if step is not None else max(self.global_step, last + 1)
         if chosen <= last:
             raise CheckpointError(

@@ -144,3 +144,14 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_finishes(spark, tmp_path):
     assert [h["epoch"] for h in result.history] == list(range(6))
     assert result.history[-1]["accuracy"] > 0.9
     assert np.isfinite(result.history[-1]["loss"])
+
+
+def rank_sum_train_fn(ctx):  # type: ignore[no-untyped-def]
+    """No data: the ranks only talk."""
+    total = ctx.allreduce(torch.tensor([float(ctx.rank + 1)]))
+    return {"world": ctx.world_size, "sum": float(total[0]), "rows": ctx.train_rows}
+
+
+def test_a_train_fn_without_data_runs_one_task_per_worker(spark):  # type: ignore[no-untyped-def]
+    result = sparktrain.run(rank_sum_train_fn, num_workers=2, config=run_config())
+    assert result.value == {"world": 2, "sum": 3.0, "rows": 0}
