@@ -315,7 +315,9 @@ def _train(
             }
             if cfg.metrics:
                 record.update(
-                    _extra_metrics(model, evaluation, collator, ctx.rank, spec, reduce_sums)
+                    _extra_metrics(
+                        model, evaluation, collator, ctx.rank, spec, reduce_sums, _prefix(metric)
+                    )
                 )
             record["lr"] = stepper.lr
             # replicas hold the same weights, so every rank decides alike
@@ -472,16 +474,19 @@ def _check_watched(cfg: Any, metric: str) -> None:
     if cfg.lr_schedule == "ReduceLROnPlateau":
         monitor = cfg.lr_schedule_kwargs.get("monitor", "loss")
         watched.append(("lr_schedule_kwargs.monitor", monitor))
-    keys = ["loss", metric, "metric", "seconds", "lr", *(metric_key(m) for m in cfg.metrics)]
+    prefix = _prefix(metric)
+    extra = [prefix + metric_key(m) for m in cfg.metrics]
+    keys = ["loss", metric, "metric", "seconds", "lr", *extra]
     for key, name in watched:
         if name in keys:
             continue
         hint = ""
-        if metric.startswith("train_") and name == metric.removeprefix("train_"):
+        if prefix and prefix + name in keys:
             hint = (
-                f" Without validation data the loop reports {metric!r} on the training rows: "
-                "give validation data (Trainer.fit's validation_data, validation_fraction > 0; "
-                f"the ml estimators' validationFraction) or watch {metric!r}."
+                f" Without validation data the loop reports {prefix + name!r} on the training "
+                "rows: give validation data (Trainer.fit's validation_data, "
+                "validation_fraction > 0; the ml estimators' validationFraction) or watch "
+                f"{prefix + name!r}."
             )
         raise errors.ConfigError(
             f"{key}={name!r} is not a figure this run reports every epoch; it reports: "
@@ -496,9 +501,16 @@ def _extra_metrics(
     rank: int,
     spec: Any,
     tree: TreeAllreduce,
+    prefix: str,
 ) -> dict[str, float]:
-    """The config's ``metrics`` over every rank's validation rows, exact."""
+    """The config's ``metrics`` over every rank's validation rows, exact; named like
+    the run's metric (``train_`` in front when measured on the training rows)."""
     cfg = spec.config
     scores = Scores(cfg.metrics, num_outputs=spec.num_outputs, label_scale=spec.label_scale)
     feed_scores(model, data, scores, collator, rank)
-    return finish_scores(scores, tree)
+    return {prefix + k: v for k, v in finish_scores(scores, tree).items()}
+
+
+def _prefix(metric: str) -> str:
+    """``train_`` when the run measures its metrics on the training rows, else ``""``."""
+    return "train_" if metric.startswith("train_") else ""
