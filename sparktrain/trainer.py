@@ -20,7 +20,6 @@ from torch import nn
 
 from sparktrain import strategies
 from sparktrain.builders import (
-    LabelScaled,
     ModelFn,
     build_loss,
     build_model,
@@ -32,7 +31,7 @@ from sparktrain.config import TrainConfig
 from sparktrain.data.batch import forward, forward_params, sample_batch
 from sparktrain.data.columns import RAGGED, ColumnsSpec, Layout, parse_columns, parse_labels
 from sparktrain.errors import ConfigError, DataError
-from sparktrain.launch.prepare import ColumnOptions, prepare
+from sparktrain.launch.prepare import ColumnOptions, prepare, unscale_result
 from sparktrain.launch.resources import check_can_launch, check_transport_security
 from sparktrain.launch.stage import FitJob
 from sparktrain.parallel.pipeline import check_param_cap, run_pipeline
@@ -178,10 +177,7 @@ class Trainer:
         else:
             result = strategy.launch(job)
         result.summary["inputs"] = layout.to_dict()
-        if prepared.label_stats is not None:
-            mean, std = prepared.label_stats
-            result.model = LabelScaled(result.model, mean, std)
-            result.summary["label_scaling"] = {"mean": mean, "std": std}
+        unscale_result(result, prepared)  # done by the stage runner and the rounds already
         return result
 
     # ------------------------------------------------------------------ internals

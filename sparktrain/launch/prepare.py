@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import DataFrame
 
+    from sparktrain.result import TrainResult
+
 log = logging.getLogger(__name__)
 
 
@@ -89,6 +91,19 @@ class PreparedData:
             return dataclasses.replace(self, frame=frame)
         assert self.rdd is not None
         return dataclasses.replace(self, rdd=self.rdd.repartition(partitions))
+
+
+def unscale_result(result: TrainResult, prepared: PreparedData) -> None:
+    """With ``label_scaling``, wrap the trained model so its outputs are in label units
+    again (:class:`~sparktrain.builders.LabelScaled`) and say so in the summary: before
+    loggers and callbacks see the model."""
+    if prepared.label_stats is None or "label_scaling" in result.summary:
+        return
+    from sparktrain.builders import LabelScaled
+
+    mean, std = prepared.label_stats
+    result.model = LabelScaled(result.model, mean, std)
+    result.summary["label_scaling"] = {"mean": mean, "std": std}
 
 
 @dataclass(frozen=True)

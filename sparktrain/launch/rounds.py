@@ -87,7 +87,7 @@ from sparktrain.checkpoint import Checkpoint, open_for_run
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
-from sparktrain.launch.prepare import PreparedData
+from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.resources import task_cpus
 from sparktrain.launch.round_runner import RoundRunner, cache_blocks
 from sparktrain.launch.spark_volume import SparkVolume
@@ -300,8 +300,10 @@ def run_rounds(
     summary["compression_ratio"] = (
         summary["bytes_sent"] / summary["wire_bytes"] if summary["wire_bytes"] else 1.0
     )
-    display.finish(summary, model)
-    return TrainResult(model=model, history=summary["history"], summary=summary)
+    result = TrainResult(model=model, history=summary["history"], summary=summary)
+    unscale_result(result, prepared)
+    display.finish(result.summary, result.model)
+    return result
 
 
 def _spark_context(prepared: PreparedData) -> SparkContext:

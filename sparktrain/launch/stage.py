@@ -32,7 +32,7 @@ from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerError
 from sparktrain.launch.barrier import TaskEntry, launch
-from sparktrain.launch.prepare import PreparedData
+from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.rendezvous import RendezvousServer
 from sparktrain.launch.resources import SlotWatchdog, check_can_launch, is_local, task_cpus
 from sparktrain.launch.state_server import StateReceiver
@@ -221,6 +221,8 @@ def train_in_stage(
     except BaseException as exc:
         display.fail(exc)
         raise
+    if job.received is None:  # a driver model (sparktrain.run returns its own value)
+        unscale_result(result, job.prepared)
     display.finish(result.summary, result.model)
     return result
 
