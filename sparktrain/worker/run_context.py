@@ -560,7 +560,7 @@ class RunContext:
             spec = dataclasses.replace(task.job, ps_addresses=tuple(addresses), resume_step=done)
             task = dataclasses.replace(task, spec=spec)
         sync = make_sync(task, model, self._mesh)
-        if task.job.ps_bootstrap or task.job.ps_addresses or not self._replicas_agree(model):
+        if not self._replicas_agree(model):  # e.g. built without a common seed
             start_from_rank0(model, self._mesh, chunk_bytes_for(self._mesh.max_frame_bytes))
         # the class first: the schedule's torch scheduler wraps the step it finds
         _make_distributed(optimizer)
