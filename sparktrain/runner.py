@@ -36,6 +36,7 @@ from sparktrain.data.columns import ColumnsSpec, parse_columns, parse_labels
 from sparktrain.errors import ConfigError, WorkerError
 from sparktrain.launch.prepare import ColumnOptions, PreparedData, prepare
 from sparktrain.launch.resources import check_can_launch, check_transport_security
+from sparktrain.launch.spark_env import check_data_kind, session_of, spark_env
 from sparktrain.launch.stage import FitJob, train_in_stage
 from sparktrain.result import Record, TrainResult, data_summary, load_state_records
 from sparktrain.worker.faults import FaultPlan
@@ -83,8 +84,9 @@ def run(
     return rank 0's return value (in :class:`RunResult`).
 
     ``train_fn`` is a picklable callable or ``"package.module:function"``; ``ctx`` is a
-    :class:`~sparktrain.worker.run_context.RunContext`. ``data`` (a DataFrame, or an RDD
-    of ``(features, label)`` pairs; optional) is split over the tasks and read with
+    :class:`~sparktrain.worker.run_context.RunContext`. ``data`` (a DataFrame, or under a
+    classic session an RDD of ``(features, label)`` pairs; optional) is split over the
+    tasks and read with
     ``ctx.batches(epoch)``; ``columns``, ``label_col``, ``validation_data`` and
     ``weight_col`` mean what they mean for :meth:`sparktrain.Trainer.fit`. ``config``
     supplies the strategy (``ring``, ``tree`` or ``ps``), compression, batch size, epochs, seed,
@@ -104,15 +106,16 @@ def run(
         parse_labels(label_col)
     elif validation_data is not None or weight_col is not None:
         raise ConfigError("validation_data and weight_col need data: pass data= as well")
-    session = spark
+    session = spark or session_of(data)
     if session is None:
         from sparktrain.session import get_or_create_session
 
         session = get_or_create_session()
-    sc = session.sparkContext
-    cfg = check_transport_security(sc, cfg)
+    env = spark_env(session)
+    check_data_kind(env, data, validation_data)
+    cfg = check_transport_security(env, cfg)
     strategy = strategies.get(cfg.strategy)
-    check_can_launch(sc, cfg.num_workers)
+    check_can_launch(env, cfg.num_workers)
     if data is None:
         prepared = _no_data(session, cfg.num_workers)
     else:
@@ -128,7 +131,7 @@ def run(
         )
     received: dict[str, Any] = {}
     job = FitJob(
-        sc=sc,
+        spark=env,
         prepared=prepared,
         model=_Received(),
         model_fn=None,

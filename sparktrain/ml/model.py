@@ -224,7 +224,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             raise ConfigError(f"this {type(self).__name__} holds no weights: fit or load one")
         spark = dataset.sparkSession
         sc = spark.sparkContext
-        from sparktrain.launch.resources import task_cpus
+        from sparktrain.launch.spark_env import ClassicEnv
 
         plan = _InferencePlan(
             token=self._token,
@@ -233,7 +233,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             model_kwargs=self.getModelKwargsDict(),
             num_features=self._num_features,
             kind=self._kind,
-            threads=task_cpus(sc),
+            threads=ClassicEnv(sc).task_cpus(),
             fields=tuple(field for _, field in outputs),
             layout=typed,
             label_stats=self._label_stats,

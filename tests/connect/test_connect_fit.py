@@ -1,0 +1,66 @@
+"""``Trainer.fit`` and ``sparktrain.run`` from a Spark Connect session (the shared server
+on loopback): the digits job through ring and the parameter server reaches the local
+tests' accuracy; the driver services run in this client process."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import sparktrain
+from sparktrain import Trainer
+from sparktrain.errors import ConfigError, DataError
+from sparktrain.models import mlp
+
+from .fixtures import DIGITS_MODEL, SUMMARY_KEYS, accuracy, digits, digits_frames, fast_config
+
+pytestmark = [pytest.mark.connect, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize(("strategy", "extra"), [("ring", {}), ("ps", {"ps_shards": 2})])
+def test_digits_through_connect_reaches_95_percent(connect_spark, strategy, extra, caplog):  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO, logger="sparktrain")
+    train, test = digits_frames(connect_spark)
+    cfg = fast_config(strategy=strategy, **extra)
+    result = Trainer(DIGITS_MODEL, cfg).fit(train, validation_data=test)  # the data's session
+    s = result.summary
+    assert set(s) >= SUMMARY_KEYS
+    assert s["strategy"] == strategy and s["metric_value"] >= 0.95
+    split = digits()
+    assert accuracy(result.model, split.x_test, split.y_test) == pytest.approx(s["metric_value"])
+    assert s["train_samples"] == len(split.y_train) and len(result.history) == cfg.epochs
+    assert "Spark Connect: the driver services" in caplog.text
+
+
+def test_sparktrain_run_with_the_digits_train_fn(connect_spark):  # type: ignore[no-untyped-def]
+    train, test = digits_frames(connect_spark)
+    cfg = fast_config(lr=0.003, optimizer_kwargs={})
+    result = sparktrain.run(
+        "sparktrain.recipes:digits_train_fn", train, validation_data=test, config=cfg
+    )
+    model = mlp(64, (128,), 10)
+    model.load_state_dict(result.value["model"])
+    split = digits()
+    assert accuracy(model, split.x_test, split.y_test) >= 0.95
+    assert result.history[-1]["accuracy"] >= 0.95
+
+
+def test_an_rdd_under_connect_is_refused_with_the_way_out(connect_spark):  # type: ignore[no-untyped-def]
+    from pyspark import RDD
+
+    rdd = RDD.__new__(RDD)  # an RDD object; a Connect session could never have made one
+    trainer = Trainer(DIGITS_MODEL, fast_config(), spark=connect_spark)
+    with pytest.raises(
+        DataError, match="Spark Connect session, which has no RDDs: pass a DataFrame"
+    ):
+        trainer.fit(rdd)
+    with pytest.raises(DataError, match="pass a DataFrame"):
+        sparktrain.run("sparktrain.recipes:digits_train_fn", rdd, spark=connect_spark)
+
+
+def test_tree_aggregate_under_connect_names_the_strategies_that_work(connect_spark):  # type: ignore[no-untyped-def]
+    train, _ = digits_frames(connect_spark)
+    trainer = Trainer(DIGITS_MODEL, fast_config(strategy="tree_aggregate"))
+    with pytest.raises(ConfigError, match="'ring', 'tree' or 'ps'"):
+        trainer.fit(train)
