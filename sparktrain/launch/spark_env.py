@@ -252,6 +252,7 @@ class ConnectEnv(SparkEnv):
         server = self.server_host()
         if server is None or is_loopback(server):
             return self.conf("spark.driver.host") or "127.0.0.1"
+        # any port: connecting a UDP socket only picks the route, it sends nothing
         return address_towards(server, 15002) or self.conf("spark.driver.host") or "127.0.0.1"
 
     def server_host(self) -> str | None:

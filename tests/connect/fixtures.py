@@ -26,12 +26,14 @@ from typing import Any
 
 from tests.integration.fixtures import (  # noqa: F401 - re-exported for the connect tests
     DIGITS_MODEL,
+    PIXELS,
     SUMMARY_KEYS,
     accuracy,
     descendants,
     digits,
     digits_frames,
     fast_config,
+    pixel_frames,
     spark_home,
 )
 

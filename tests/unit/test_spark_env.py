@@ -1,10 +1,14 @@
 """The driver's view of Spark without Spark: telling a Connect session from a classic one,
 counting slots from a master and a conf, byte sizes, the Connect env's confs, tags and
-refusals, and the launch checks under Connect."""
+refusals, the launch checks under Connect, where a Connect client saves weights, and
+how transform ships them."""
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +27,8 @@ from sparktrain.launch.spark_env import (
     slots_from_conf,
     spark_env,
 )
+from sparktrain.ml.model import InlineWeights, ship_weights
+from sparktrain.ml.persistence import _write_local, connect_local_path
 
 
 class _Conf:
@@ -200,3 +206,85 @@ def test_an_rdd_is_refused_under_connect_only():
         check_data_kind(ConnectEnv(_Session()), rdd)
     check_data_kind(ConnectEnv(_Session()), None, object())
     check_data_kind(ClassicEnv(_ClassicContext()), rdd)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("path", "local"),
+    [
+        ("/models/digits", "/models/digits"),
+        ("file:/models/digits", "/models/digits"),
+        ("file:///models/digits", "/models/digits"),
+        ("file://localhost/models/digits", "/models/digits"),
+    ],
+)
+def test_connect_saves_at_absolute_local_paths(path, local):  # type: ignore[no-untyped-def]
+    assert connect_local_path(path) == local
+
+
+@pytest.mark.parametrize(
+    "path", ["models/digits", "hdfs://nn/models", "s3a://bucket/m", "file://otherhost/m"]
+)
+def test_connect_refuses_paths_the_server_and_client_would_read_differently(path):  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="absolute local path or a file: URI"):
+        connect_local_path(path)
+
+
+def test_local_weights_are_written_whole(tmp_path: Path):
+    target = tmp_path / "m" / "data" / "weights.pt"
+    _write_local(str(target), b"first")
+    _write_local(str(target), b"second")
+    assert target.read_bytes() == b"second"
+    assert os.listdir(target.parent) == ["weights.pt"]  # no temporary file left
+
+
+def test_transform_ships_small_weights_in_the_closure_under_connect():
+    shipped: Any = ship_weights(ConnectEnv(_Session()), b"w" * 1000)
+    assert isinstance(shipped, InlineWeights) and shipped.value == b"w" * 1000
+    context = _ClassicContext()
+    assert ship_weights(ClassicEnv(context), b"w") == "a broadcast"  # type: ignore[arg-type]
+    assert context.broadcasts == [b"w"]
+
+
+def test_weights_beyond_half_the_request_cap_are_refused_with_the_setting_named():
+    env = ConnectEnv(_Session({"spark.connect.grpc.maxInboundMessageSize": "1k"}))
+    ship_weights(env, b"w" * 512)
+    with pytest.raises(ConfigError, match="spark.connect.grpc.maxInboundMessageSize"):
+        ship_weights(env, b"w" * 513)
+
+
+def test_a_connect_save_at_a_relative_path_is_refused_before_spark_writes_anything():
+    from sparktrain.ml.model import TorchClassificationModel
+    from sparktrain.ml.persistence import TorchModelWriter
+
+    class _NoWrites(_Session):
+        def createDataFrame(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("the metadata was written before the path was checked")
+
+    _NoWrites.__module__ = _Session.__module__
+
+    writer = TorchModelWriter(TorchClassificationModel()).session(_NoWrites())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="absolute local path"):
+        writer.save("models/digits")
+
+
+class _Builder:
+    def __init__(self, host: str) -> None:
+        self.host = host
+
+
+class _Client:
+    def __init__(self, host: str) -> None:
+        self._builder = _Builder(host)
+
+
+def test_driver_services_listen_where_the_executors_can_reach_this_client(monkeypatch):  # type: ignore[no-untyped-def]
+    from sparktrain.launch import spark_env as module
+
+    monkeypatch.setattr(module, "address_towards", lambda host, port: "10.9.9.9")
+    session = _Session({"spark.driver.host": "10.0.0.5"})
+    session.client = _Client("localhost")  # type: ignore[attr-defined]
+    assert ConnectEnv(session).driver_host() == "10.0.0.5"  # the server's host: its driver
+    session.client = _Client("spark.example.com")  # type: ignore[attr-defined]
+    assert ConnectEnv(session).driver_host() == "10.9.9.9"  # this client, towards the server
+    monkeypatch.setattr(module, "address_towards", lambda host, port: None)
+    assert ConnectEnv(session).driver_host() == "10.0.0.5"  # no route: the driver's address
