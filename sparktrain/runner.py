@@ -174,10 +174,22 @@ def _check_run_config(cfg: TrainConfig) -> None:
 
 
 def _no_data(session: SparkSession, workers: int) -> PreparedData:
-    """``workers`` empty partitions in the prepared layout: one task each, no rows."""
-    frame = session.createDataFrame(
-        [], "features array<float>, label double, is_validation boolean"
-    ).repartition(workers)
+    """``workers`` empty partitions in the prepared layout: one task each, no rows.
+
+    A range whose rows a filter drops, not an empty DataFrame: Spark's optimizer turns a
+    repartitioned empty local relation (what ``createDataFrame([])`` is under Spark
+    Connect) into no partitions at all, and the stage would have no tasks."""
+    from pyspark.sql import functions as F
+
+    frame = (
+        session.range(0, workers, numPartitions=workers)
+        .where(F.col("id") < 0)
+        .select(
+            F.lit(None).cast("array<float>").alias("features"),
+            F.lit(0.0).cast("double").alias("label"),
+            F.lit(False).alias("is_validation"),
+        )
+    )
     return PreparedData(frame=frame, rdd=None, feature_width=0)
 
 

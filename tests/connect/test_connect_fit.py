@@ -46,6 +46,20 @@ def test_sparktrain_run_with_the_digits_train_fn(connect_spark):  # type: ignore
     assert result.history[-1]["accuracy"] >= 0.95
 
 
+def rank_sum_train_fn(ctx):  # type: ignore[no-untyped-def]
+    """No data: the ranks only talk."""
+    import torch
+
+    total = ctx.allreduce(torch.tensor([float(ctx.rank + 1)]))
+    return {"world": ctx.world_size, "sum": float(total[0]), "rows": ctx.train_rows}
+
+
+def test_sparktrain_run_without_data(connect_spark):  # type: ignore[no-untyped-def]
+    cfg = fast_config(strategy="tree")
+    result = sparktrain.run(rank_sum_train_fn, config=cfg, spark=connect_spark)
+    assert result.value == {"world": 2, "sum": 3.0, "rows": 0}
+
+
 def test_an_rdd_under_connect_is_refused_with_the_way_out(connect_spark):  # type: ignore[no-untyped-def]
     from pyspark import RDD
 
