@@ -4,12 +4,14 @@ tests' accuracy; the driver services run in this client process."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
 import sparktrain
 from sparktrain import Trainer
+from sparktrain.checkpoint import CheckpointStore
 from sparktrain.errors import ConfigError, DataError
 from sparktrain.models import mlp
 
@@ -19,10 +21,19 @@ pytestmark = [pytest.mark.connect, pytest.mark.timeout(300)]
 
 
 @pytest.mark.parametrize(("strategy", "extra"), [("ring", {}), ("ps", {"ps_shards": 2})])
-def test_digits_through_connect_reaches_95_percent(connect_spark, strategy, extra, caplog):  # type: ignore[no-untyped-def]
+def test_digits_through_connect_reaches_95_percent(  # type: ignore[no-untyped-def]
+    connect_spark, strategy, extra, caplog, tmp_path
+):
     caplog.set_level(logging.INFO, logger="sparktrain")
     train, test = digits_frames(connect_spark)
-    cfg = fast_config(strategy=strategy, **extra)
+    jsonl = tmp_path / "epochs.jsonl"
+    cfg = fast_config(
+        strategy=strategy,
+        metrics_jsonl=str(jsonl),
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        checkpoint_every=5.0,
+        **extra,
+    )
     result = Trainer(DIGITS_MODEL, cfg).fit(train, validation_data=test)  # the data's session
     s = result.summary
     assert set(s) >= SUMMARY_KEYS
@@ -31,6 +42,19 @@ def test_digits_through_connect_reaches_95_percent(connect_spark, strategy, extr
     assert accuracy(result.model, split.x_test, split.y_test) == pytest.approx(s["metric_value"])
     assert s["train_samples"] == len(split.y_train) and len(result.history) == cfg.epochs
     assert "Spark Connect: the driver services" in caplog.text
+    # progress reached this client (the metrics channel), and checkpoints were written
+    epochs = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [e["epoch"] for e in epochs] == list(range(cfg.epochs))
+    store = tmp_path / "checkpoints" / ("ps" if strategy == "ps" else "")  # the server's own
+    newest = CheckpointStore(str(store)).newest_intact()  # the PS checkpoints on its own clock
+    assert newest is not None and 0 < newest <= s["steps_per_epoch"] * cfg.epochs
+
+
+def test_pipeline_stages_train_under_connect(connect_spark):  # type: ignore[no-untyped-def]
+    train, test = digits_frames(connect_spark)
+    cfg = fast_config(strategy="ring", parallelism_pipeline=2, epochs=5)
+    result = Trainer(DIGITS_MODEL, cfg).fit(train, validation_data=test)
+    assert result.summary["metric_value"] >= 0.9
 
 
 def test_sparktrain_run_with_the_digits_train_fn(connect_spark):  # type: ignore[no-untyped-def]
