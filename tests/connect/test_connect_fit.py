@@ -12,8 +12,9 @@ import pytest
 import sparktrain
 from sparktrain import Trainer
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.errors import ConfigError, DataError
+from sparktrain.errors import CommError, ConfigError, DataError, WorkerError
 from sparktrain.models import mlp
+from sparktrain.worker.faults import FaultPlan
 
 from .fixtures import DIGITS_MODEL, SUMMARY_KEYS, accuracy, digits, digits_frames, fast_config
 
@@ -48,6 +49,28 @@ def test_digits_through_connect_reaches_95_percent(  # type: ignore[no-untyped-d
     store = tmp_path / "checkpoints" / ("ps" if strategy == "ps" else "")  # the server's own
     newest = CheckpointStore(str(store)).newest_intact()  # the PS checkpoints on its own clock
     assert newest is not None and 0 < newest <= s["steps_per_epoch"] * cfg.epochs
+
+
+def test_a_failed_stage_resumes_from_its_checkpoint(connect_spark, tmp_path, caplog):  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO, logger="sparktrain")
+    train, test = digits_frames(connect_spark)
+    cfg = fast_config(epochs=4, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0.5)
+    plan = FaultPlan(rank=1, step=30, marker=str(tmp_path / "fault"))
+    s = Trainer(DIGITS_MODEL, cfg, fault_plan=plan).fit(train, validation_data=test).summary
+    assert (tmp_path / "fault").exists() and s["restarts"] == 1  # the fault did fire
+    assert "resubmitting it (restart 1 of 2) from the checkpoint of step 22" in caplog.text
+    assert s["replicas_in_sync"] and s["metric_value"] >= 0.9
+
+
+def test_a_task_error_reaches_the_client_with_its_cause(connect_spark, tmp_path):  # type: ignore[no-untyped-def]
+    train, _ = digits_frames(connect_spark)
+    plan = FaultPlan(rank=1, step=3, marker=str(tmp_path / "fault"))
+    trainer = Trainer(DIGITS_MODEL, fast_config(epochs=2, max_restarts=0), fault_plan=plan)
+    with pytest.raises(
+        (WorkerError, CommError),
+        match="InjectedFaultError: injected fault on rank 1 at step 3|lost contact with rank 1",
+    ):
+        trainer.fit(train)
 
 
 def test_pipeline_stages_train_under_connect(connect_spark):  # type: ignore[no-untyped-def]
