@@ -102,6 +102,7 @@ def parse_bytes(text: str) -> int:
 
 
 def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (IPv4 or IPv6, bracketed or not)."""
     if host.lower() == "localhost":
         return True
     try:
@@ -129,7 +130,8 @@ class SparkEnv(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def master(self) -> str: ...
+    def master(self) -> str:
+        """The application's master URL (``local[2]``, ``spark://...``)."""
 
     @abc.abstractmethod
     def conf(self, key: str, default: str | None = None) -> str | None:
@@ -150,7 +152,8 @@ class SparkEnv(abc.ABC):
         as one); the thread's previous settings come back afterwards."""
 
     @abc.abstractmethod
-    def cancel_group(self, group: str) -> None: ...
+    def cancel_group(self, group: str) -> None:
+        """Cancel every running job of ``group`` (see :meth:`job_group`)."""
 
     @property
     def watches_slots(self) -> bool:
@@ -241,7 +244,9 @@ class ConnectEnv(SparkEnv):
         keys = ("spark.task.cpus", "spark.executor.instances", "spark.executor.cores")
         conf = {k: self.conf(k) for k in keys}
         master = self.master
-        host_cpus = server_cpus(self.session) if master.strip() == "local[*]" else None
+        local = _LOCAL.match(master.strip())
+        every_core = local is not None and local.group(2) == "*"
+        host_cpus = server_cpus(self.session) if every_core else None
         self._slots, self._counted = slots_from_conf(master, conf, host_cpus), True
         return self._slots
 

@@ -29,6 +29,7 @@ from .fixtures import DIGITS_MODEL, PIXELS, digits, pixel_frames
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
+
 def assembled(frame):  # type: ignore[no-untyped-def]
     return VectorAssembler(inputCols=PIXELS, outputCol="features").transform(frame)
 
