@@ -165,6 +165,9 @@ class ConnectServer:
             f"{self.start_timeout_s:.0f} s:\n{self.tail()}"
         )
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
