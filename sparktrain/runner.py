@@ -36,6 +36,7 @@ from sparktrain.data.columns import ColumnsSpec, parse_columns, parse_labels
 from sparktrain.errors import ConfigError, WorkerError
 from sparktrain.launch.prepare import ColumnOptions, PreparedData, prepare
 from sparktrain.launch.resources import check_can_launch, check_transport_security
+from sparktrain.launch.spark_env import check_data_kind, session_of, spark_env
 from sparktrain.launch.stage import FitJob, train_in_stage
 from sparktrain.result import Record, TrainResult, data_summary, load_state_records
 from sparktrain.worker.faults import FaultPlan
@@ -83,8 +84,9 @@ def run(
     return rank 0's return value (in :class:`RunResult`).
 
     ``train_fn`` is a picklable callable or ``"package.module:function"``; ``ctx`` is a
-    :class:`~sparktrain.worker.run_context.RunContext`. ``data`` (a DataFrame, or an RDD
-    of ``(features, label)`` pairs; optional) is split over the tasks and read with
+    :class:`~sparktrain.worker.run_context.RunContext`. ``data`` (a DataFrame, or under a
+    classic session an RDD of ``(features, label)`` pairs; optional) is split over the
+    tasks and read with
     ``ctx.batches(epoch)``; ``columns``, ``label_col``, ``validation_data`` and
     ``weight_col`` mean what they mean for :meth:`sparktrain.Trainer.fit`. ``config``
     supplies the strategy (``ring``, ``tree`` or ``ps``), compression, batch size, epochs, seed,
@@ -104,15 +106,16 @@ def run(
         parse_labels(label_col)
     elif validation_data is not None or weight_col is not None:
         raise ConfigError("validation_data and weight_col need data: pass data= as well")
-    session = spark
+    session = spark or session_of(data)
     if session is None:
         from sparktrain.session import get_or_create_session
 
         session = get_or_create_session()
-    sc = session.sparkContext
-    cfg = check_transport_security(sc, cfg)
+    env = spark_env(session)
+    check_data_kind(env, data, validation_data)
+    cfg = check_transport_security(env, cfg)
     strategy = strategies.get(cfg.strategy)
-    check_can_launch(sc, cfg.num_workers)
+    check_can_launch(env, cfg.num_workers)
     if data is None:
         prepared = _no_data(session, cfg.num_workers)
     else:
@@ -128,7 +131,7 @@ def run(
         )
     received: dict[str, Any] = {}
     job = FitJob(
-        sc=sc,
+        spark=env,
         prepared=prepared,
         model=_Received(),
         model_fn=None,
@@ -171,10 +174,22 @@ def _check_run_config(cfg: TrainConfig) -> None:
 
 
 def _no_data(session: SparkSession, workers: int) -> PreparedData:
-    """``workers`` empty partitions in the prepared layout: one task each, no rows."""
-    frame = session.createDataFrame(
-        [], "features array<float>, label double, is_validation boolean"
-    ).repartition(workers)
+    """``workers`` empty partitions in the prepared layout: one task each, no rows.
+
+    A range whose rows a filter drops, not an empty DataFrame: Spark's optimizer turns a
+    repartitioned empty local relation (what ``createDataFrame([])`` is under Spark
+    Connect) into no partitions at all, and the stage would have no tasks."""
+    from pyspark.sql import functions as F
+
+    frame = (
+        session.range(0, workers, numPartitions=workers)
+        .where(F.col("id") < 0)
+        .select(
+            F.lit(None).cast("array<float>").alias("features"),
+            F.lit(0.0).cast("double").alias("label"),
+            F.lit(False).alias("is_validation"),
+        )
+    )
     return PreparedData(frame=frame, rdd=None, feature_width=0)
 
 

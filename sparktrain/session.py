@@ -74,6 +74,10 @@ def get_or_create_session(
     for key, value in settings.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    from sparktrain.launch.spark_env import is_connect
+
+    if is_connect(spark):  # SPARK_REMOTE set: a Connect client has no context to tune
+        return spark
     spark.sparkContext.setLogLevel("WARN")
     if warm_workers:
         from sparktrain.launch import warmup

@@ -33,13 +33,13 @@ from sparktrain.data.columns import RAGGED, ColumnsSpec, Layout, parse_columns, 
 from sparktrain.errors import ConfigError, DataError
 from sparktrain.launch.prepare import ColumnOptions, prepare, unscale_result
 from sparktrain.launch.resources import check_can_launch, check_transport_security
+from sparktrain.launch.spark_env import SparkEnv, check_data_kind, session_of, spark_env
 from sparktrain.launch.stage import FitJob
 from sparktrain.parallel.pipeline import check_param_cap, run_pipeline
 from sparktrain.result import TrainResult
 from sparktrain.worker.faults import FaultPlan
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
 
@@ -87,7 +87,10 @@ class Trainer:
     ) -> TrainResult:
         """Train on ``data`` and return the model, history and summary.
 
-        ``data`` is a DataFrame, or an RDD of ``(features, label)`` pairs.
+        ``data`` is a DataFrame, or an RDD of ``(features, label)`` pairs (classic
+        sessions only: a Spark Connect session takes DataFrames). The fit runs in the
+        trainer's ``spark`` session, else in the session the DataFrame belongs to, else
+        in the active one.
         ``features_col`` names the model's inputs: one column (``model(x)``; an ml Vector,
         a numeric array or, with a config's column options, any input column), a list of
         columns (``model(a, b)``) or a ``{model_argument: column}`` mapping
@@ -103,17 +106,18 @@ class Trainer:
         reported training loss too); validation metrics stay unweighted.
         """
         started = time.perf_counter()
-        sc = self._session().sparkContext
+        env = spark_env(self._session(data))
+        check_data_kind(env, data, validation_data)
         # The encryption gate, before anything else and for every path (ring, tree, ps,
         # auto, pipelines, tree_aggregate's delta+ weights server). Under Spark's wire
         # encryption it may force frame integrity on: the job then runs on a copy of this
         # trainer holding the adjusted copy of the config (the caller's config is untouched).
-        cfg = check_transport_security(sc, self.config)
+        cfg = check_transport_security(env, self.config)
         job = self if cfg is self.config else self._with_config(cfg)
         parse_columns(features_col)  # a malformed spec fails before any Spark job
         parse_labels(label_col)
         return job._fit(
-            sc, started, data, features_col, label_col, validation_data, weight_col, callbacks
+            env, started, data, features_col, label_col, validation_data, weight_col, callbacks
         )
 
     def _with_config(self, cfg: TrainConfig) -> Trainer:
@@ -123,7 +127,7 @@ class Trainer:
 
     def _fit(
         self,
-        sc: SparkContext,
+        env: SparkEnv,
         started: float,
         data: Any,
         features_col: ColumnsSpec,
@@ -135,7 +139,9 @@ class Trainer:
         cfg = self.config
         strategy = strategies.get(cfg.strategy)
         if strategy.launcher == "barrier" or cfg.parallelism_pipeline > 1:
-            check_can_launch(sc, cfg.num_workers)
+            check_can_launch(env, cfg.num_workers)
+        elif env.connect:  # tree_aggregate: RDDs and broadcasts; refused before any job
+            env.spark_context(f"strategy={cfg.strategy!r}")  # raises: no SparkContext
         if weight_col:  # before any Spark job: can the loss take sample weights?
             check_weighted_loss(cfg.loss, dict(cfg.loss_kwargs))
         # The model, loss and optimizer are built while the driver waits on Spark's
@@ -161,7 +167,7 @@ class Trainer:
         model, num_outputs = self.check_model(layout, model, settings_error, prepared.samples)
         check_param_cap(model, cfg)  # no-op for pipelines (each stage is checked instead)
         job = FitJob(
-            sc=sc,
+            spark=env,
             prepared=prepared,
             model=model,
             model_fn=self.model_fn,
@@ -181,9 +187,12 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ internals
-    def _session(self) -> SparkSession:
+    def _session(self, data: Any = None) -> SparkSession:
         if self._spark is not None:
             return self._spark
+        owner = session_of(data)
+        if owner is not None:
+            return owner
         from sparktrain.session import get_or_create_session
 
         return get_or_create_session()

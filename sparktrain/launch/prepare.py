@@ -226,11 +226,29 @@ def _prepare_frame(
         return PreparedData(
             combined.repartition(num_workers), None, width, mean_weight, layout, samples, stats
         )
-    parts = combined.rdd.getNumPartitions()
-    if parts != num_workers:
+    parts = _partitions(combined)
+    if parts is None:
+        # A Spark Connect client cannot ask a plan for its partition count (no RDDs):
+        # one shuffle into exactly num_workers partitions is the price.
+        log.info(
+            "Spark Connect: the data's partition count is not visible from the client; "
+            "shuffling it into num_workers=%d partitions",
+            num_workers,
+        )
+        combined = combined.repartition(num_workers)
+    elif parts != num_workers:
         log.info("repartitioning the data from %d partitions to num_workers=%d", parts, num_workers)
         combined = combined.repartition(num_workers)
     return PreparedData(combined, None, width, mean_weight, layout, samples, stats)
+
+
+def _partitions(frame: DataFrame) -> int | None:
+    """The frame's partition count; None under Spark Connect, which has no RDDs."""
+    from sparktrain.launch.spark_env import is_connect
+
+    if is_connect(frame):
+        return None
+    return int(frame.rdd.getNumPartitions())
 
 
 def _label_stats(train: DataFrame, plan: _Plan) -> tuple[float, float]:

@@ -1,11 +1,16 @@
 """Checks the driver makes before launching a barrier stage, so that a job that cannot be
-gang-scheduled fails at once with a clear message instead of Spark's 10-minute retry."""
+gang-scheduled fails at once with a clear message instead of Spark's 10-minute retry.
+
+They read Spark through :class:`~sparktrain.launch.spark_env.SparkEnv`: a classic
+session's SparkContext, or a Spark Connect session's ``spark.conf``. What a Connect
+client cannot see (free slots on a cluster without static executors, Spark's encryption
+settings when the server hides them) is logged as not checked, and left to Spark.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -14,24 +19,20 @@ from sparktrain import strategies
 from sparktrain.errors import ResourceError
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
-
     from sparktrain.config import TrainConfig
+    from sparktrain.launch.spark_env import SparkEnv
 
 log = logging.getLogger(__name__)
 
-_LOCAL = re.compile(r"^local(\[(\*|\d+)(,\s*\d+)?\])?$")
+
+def task_cpus(env: SparkEnv) -> int:
+    return env.task_cpus()
 
 
-def task_cpus(sc: SparkContext) -> int:
-    return int(sc.getConf().get("spark.task.cpus", "1"))
-
-
-def max_concurrent_tasks(sc: SparkContext) -> int:
-    """Task slots Spark can run at once right now (what barrier scheduling needs)."""
-    jsc = sc._jsc.sc()
-    profile = jsc.resourceProfileManager().resourceProfileFromId(0)
-    return int(jsc.maxNumConcurrentTasks(profile))
+def max_concurrent_tasks(env: SparkEnv) -> int | None:
+    """Task slots Spark can run at once right now (what barrier scheduling needs); None
+    when this session cannot count them (Spark Connect on some masters)."""
+    return env.slots()
 
 
 # Spark settings that encrypt its *wire* (RPC, block transfer, shuffle fetches). Spark 4's
@@ -48,10 +49,21 @@ WIRE_ENCRYPTION_KEYS = (
 )
 
 
-def spark_wire_encryption(sc: SparkContext) -> list[str]:
-    """The :data:`WIRE_ENCRYPTION_KEYS` set to true in the application's conf."""
-    conf = sc.getConf()
-    return [k for k in WIRE_ENCRYPTION_KEYS if _is_true(conf.get(k, "false"))]
+def spark_wire_encryption(env: SparkEnv) -> list[str]:
+    """The :data:`WIRE_ENCRYPTION_KEYS` set to true in the application's conf. A Spark
+    Connect server may refuse to show them: then the gate cannot check, and says so."""
+    try:
+        return [k for k in WIRE_ENCRYPTION_KEYS if _is_true(env.conf(k, "false"))]
+    except Exception as exc:
+        if not env.connect:
+            raise
+        log.warning(
+            "cannot read Spark's wire encryption settings through Spark Connect (%s): the "
+            'encryption gate is not applied; set encryption = "tls" if Spark encrypts its '
+            "wire",
+            exc,
+        )
+        return []
 
 
 def _is_true(value: object) -> bool:
@@ -70,7 +82,7 @@ def starts_own_sockets(cfg: TrainConfig) -> bool:
     return cfg.parallelism_pipeline > 1 or strategies.get(cfg.strategy).opens_sockets(cfg)
 
 
-def check_transport_security(sc: SparkContext, cfg: TrainConfig) -> TrainConfig:
+def check_transport_security(env: SparkEnv, cfg: TrainConfig) -> TrainConfig:
     """The encryption gate: when Spark encrypts its wire, sparktrain must not send
     gradients or weights in plaintext. Returns the config the job must run with.
 
@@ -81,7 +93,7 @@ def check_transport_security(sc: SparkContext, cfg: TrainConfig) -> TrainConfig:
     already authenticated), ``frame_integrity`` is forced on: the returned config is a
     copy with ``frame_integrity=True`` (``cfg`` itself when nothing changes).
     """
-    enabled = spark_wire_encryption(sc)
+    enabled = spark_wire_encryption(env)
     if not enabled:
         return cfg
     keys = ", ".join(f"{k}=true" for k in enabled)
@@ -118,40 +130,48 @@ def _delta_note(cfg: TrainConfig) -> str:
     return ""
 
 
-def check_can_launch(
-    sc: SparkContext, num_workers: int, wait_for_executors_s: float = 60.0
-) -> None:
+def check_can_launch(env: SparkEnv, num_workers: int, wait_for_executors_s: float = 60.0) -> None:
     """Refuse dynamic allocation, and wait (bounded) for enough free task slots."""
-    conf = sc.getConf()
-    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+    if _is_true(env.conf("spark.dynamicAllocation.enabled", "false")):
         raise ResourceError(
             "barrier-mode training cannot run with dynamic allocation: set "
             "spark.dynamicAllocation.enabled=false for this application "
             "(or use strategy='tree_aggregate', which needs no gang scheduling)"
         )
     # In local mode the slots are known at once; on a cluster executors may still register.
-    deadline = time.monotonic() + (0.0 if is_local(sc) else wait_for_executors_s)
+    # A Connect client counts configured slots: waiting would not change them.
+    waits = env.watches_slots and not env.is_local()
+    deadline = time.monotonic() + (wait_for_executors_s if waits else 0.0)
     while True:
-        slots = max_concurrent_tasks(sc)
+        slots = max_concurrent_tasks(env)
+        if slots is None:
+            log.info(
+                "Spark Connect: cannot count the task slots of master %r from the client; "
+                "not checked that num_workers=%d tasks can run at once (Spark's own barrier "
+                "check fails a stage that cannot, after its retries)",
+                env.master,
+                num_workers,
+            )
+            return
         if slots >= num_workers:
             return
         if time.monotonic() >= deadline:
-            raise ResourceError(too_few_slots(sc, num_workers, slots))
+            raise ResourceError(too_few_slots(env, num_workers, slots))
         time.sleep(0.5)
 
 
-def too_few_slots(sc: SparkContext, num_workers: int, slots: int) -> str:
+def too_few_slots(env: SparkEnv, num_workers: int, slots: int) -> str:
     """The message for a barrier stage that cannot be gang-scheduled."""
     return (
         f"num_workers={num_workers} needs {num_workers} task slots at once, but "
-        f"{sc.master} offers {slots} (spark.task.cpus={task_cpus(sc)}); lower num_workers "
+        f"{env.master} offers {slots} (spark.task.cpus={task_cpus(env)}); lower num_workers "
         "or give the application more executor cores"
     )
 
 
-def is_local(sc: SparkContext) -> bool:
+def is_local(env: SparkEnv) -> bool:
     """``local``/``local[N]``: the slots never change while the application runs."""
-    return bool(_LOCAL.match(str(sc.master)))
+    return env.is_local()
 
 
 class SlotWatchdog:
@@ -169,13 +189,13 @@ class SlotWatchdog:
 
     def __init__(
         self,
-        sc: SparkContext,
+        env: SparkEnv,
         num_workers: int,
         group: str,
         grace_s: float = 15.0,
         poll_s: float = 1.0,
     ) -> None:
-        self.sc, self.num_workers, self.group = sc, num_workers, group
+        self.env, self.num_workers, self.group = env, num_workers, group
         self.grace_s, self.poll_s = grace_s, poll_s
         self.reason: str | None = None
         self._stop = threading.Event()
@@ -186,19 +206,19 @@ class SlotWatchdog:
         short_since: float | None = None
         while not self._stop.wait(self.poll_s):
             try:
-                slots = max_concurrent_tasks(self.sc)
+                slots = max_concurrent_tasks(self.env)
             except Exception:  # the context is stopping: nothing to watch
                 return
-            if slots >= self.num_workers:
+            if slots is None or slots >= self.num_workers:
                 short_since = None
                 continue
             now = time.monotonic()
             short_since = now if short_since is None else short_since
             if now - short_since >= self.grace_s:
-                self.reason = too_few_slots(self.sc, self.num_workers, slots)
+                self.reason = too_few_slots(self.env, self.num_workers, slots)
                 log.warning("%s: cancelling the training stage", self.reason)
                 try:
-                    self.sc.cancelJobGroup(self.group)
+                    self.env.cancel_group(self.group)
                 except Exception as exc:
                     log.warning("could not cancel the training stage: %s", exc)
                 return

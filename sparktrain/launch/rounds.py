@@ -88,8 +88,8 @@ from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
 from sparktrain.launch.prepare import PreparedData, unscale_result
-from sparktrain.launch.resources import task_cpus
 from sparktrain.launch.round_runner import RoundRunner, cache_blocks
+from sparktrain.launch.spark_env import ClassicEnv
 from sparktrain.launch.spark_volume import SparkVolume
 from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
 from sparktrain.loggers import make_listeners
@@ -166,7 +166,7 @@ def run_rounds(
             model_kwargs=dict(model_kwargs or {}),
             rounds_per_epoch=0,  # not known until this round reports the row counts
             evaluate_on_validation=False,
-            threads=cfg.threads_per_worker or task_cpus(sc),
+            threads=cfg.threads_per_worker or ClassicEnv(sc).task_cpus(),
             task_hook=task_hook,
             size_slots=partitions,
         )
@@ -316,8 +316,8 @@ def _spark_context(prepared: PreparedData) -> SparkContext:
     except Exception as exc:  # Spark Connect has no SparkContext
         raise ConfigError(
             "strategy='tree_aggregate' needs the classic PySpark API (RDDs, broadcasts), "
-            f"which this session does not offer ({exc}); use a non-Connect session or a "
-            "barrier strategy (ring, tree, ps)"
+            f"which this session does not offer ({exc}); use a classic session or a "
+            "barrier strategy ('ring', 'tree' or 'ps', which also run under Spark Connect)"
         ) from exc
 
 

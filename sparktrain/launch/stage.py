@@ -34,7 +34,7 @@ from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerE
 from sparktrain.launch.barrier import TaskEntry, launch
 from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.rendezvous import RendezvousServer
-from sparktrain.launch.resources import SlotWatchdog, check_can_launch, is_local, task_cpus
+from sparktrain.launch.resources import SlotWatchdog, check_can_launch, task_cpus
 from sparktrain.launch.state_server import StateReceiver
 from sparktrain.loggers import make_listeners
 from sparktrain.metrics import MetricsServer, ProgressDisplay
@@ -45,28 +45,21 @@ from sparktrain.worker.memory import peak_rss_bytes
 from sparktrain.worker.run_task import run_partition
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
     from torch import nn
 
+    from sparktrain.launch.spark_env import SparkEnv
     from sparktrain.strategies.base import DriverHalf, Strategy
 
 log = logging.getLogger(__name__)
-
-# What SparkContext.setJobGroup sets in the calling thread (restored after a stage).
-_JOB_GROUP_PROPERTIES = (
-    "spark.jobGroup.id",
-    "spark.job.description",
-    "spark.job.interruptOnCancel",
-)
 
 
 @dataclass
 class FitJob:
     """Everything the driver resolved for one fit, before any strategy runs: the
-    session's context, the prepared data, the driver's model (rank 0's trained state is
-    written into it) and how to build it on the executors."""
+    session's Spark (classic or Connect), the prepared data, the driver's model (rank 0's
+    trained state is written into it) and how to build it on the executors."""
 
-    sc: SparkContext
+    spark: SparkEnv
     prepared: PreparedData
     model: nn.Module
     model_fn: Any
@@ -94,7 +87,7 @@ class FitJob:
             layout=self.prepared.layout,
             label_scale=self.prepared.label_scale,
             num_outputs=self.num_outputs,
-            threads=cfg.threads_per_worker or task_cpus(self.sc),
+            threads=cfg.threads_per_worker or task_cpus(self.spark),
             fault=self.fault,
             security=WireSecurity.for_job(cfg.encryption, cfg.frame_integrity),
             strategy=strategy,
@@ -123,9 +116,11 @@ class StageOutcome:
     stage_s: float
 
 
-def driver_host(sc: SparkContext) -> str:
-    """The address the driver's services listen on (the executors dial it)."""
-    return str(sc.getConf().get("spark.driver.host", "127.0.0.1"))
+def driver_host(env: SparkEnv) -> str:
+    """The address the driver's services listen on (the executors dial it); under Spark
+    Connect the services run in this client process (see
+    :meth:`~sparktrain.launch.spark_env.ConnectEnv.driver_host`)."""
+    return env.driver_host()
 
 
 def open_store(cfg: TrainConfig, master: str, *, executors_write: bool) -> CheckpointStore | None:
@@ -184,19 +179,24 @@ def train_in_stage(
     cfg = job.config
     listeners = make_listeners(cfg, job.callbacks)
     spec = spec or job.job_spec(strategy)
-    store = open_store(
-        cfg, str(job.sc.master), executors_write=strategy.executors_write_checkpoints
-    )
+    store = open_store(cfg, job.spark.master, executors_write=strategy.executors_write_checkpoints)
     display = ProgressDisplay(
         cfg.progress, cfg.metrics_jsonl, listeners=listeners, config=cfg.to_dict()
     )
-    host = driver_host(job.sc)
+    host = driver_host(job.spark)
+    if job.spark.connect:
+        log.info(
+            "Spark Connect: the driver services (progress, rendezvous, state%s) run in this "
+            "client process on %s; the executors must reach it",
+            ", parameter server" if cfg.strategy == "ps" else "",
+            host,
+        )
     log.info("job %s: %s on %d workers%s", spec.job_id, cfg.strategy, cfg.num_workers, describe)
     try:
         driver = strategy.driver(DriverJob(job.model, cfg, host, spec, display, store))
         try:
             outcome = run_stage(
-                job.sc,
+                job.spark,
                 job.prepared,
                 driver.job_spec(spec),
                 driver,
@@ -228,7 +228,7 @@ def train_in_stage(
 
 
 def run_stage(
-    sc: SparkContext,
+    env: SparkEnv,
     prepared: PreparedData,
     base: JobSpec,
     driver: DriverHalf,
@@ -249,7 +249,7 @@ def run_stage(
         driver.begin_attempt(attempt)
         spec = dataclasses.replace(base, attempt=attempt, resume_step=step, resume_history=history)
         try:
-            records = _attempt(sc, prepared, spec, display, entry, model, senders, received)
+            records = _attempt(env, prepared, spec, display, entry, model, senders, received)
             return StageOutcome(records, restarts, steps_redone, time.perf_counter() - launched)
         except (WorkerError, CommError) as exc:  # data and config errors are final
             if attempt >= cfg.max_restarts:
@@ -265,12 +265,12 @@ def run_stage(
                 cfg.max_restarts,
                 driver.resume_source(step),
             )
-            check_can_launch(sc, cfg.num_workers)  # a lost executor may leave too few
+            check_can_launch(env, cfg.num_workers)  # a lost executor may leave too few
     raise AssertionError("unreachable")  # itertools.count() never ends
 
 
 def _attempt(
-    sc: SparkContext,
+    env: SparkEnv,
     prepared: PreparedData,
     spec: JobSpec,
     display: ProgressDisplay,
@@ -283,7 +283,7 @@ def _attempt(
     the ranks stream their trained state straight into ``model``
     (:mod:`sparktrain.launch.state_server`), not as task results; without a model,
     rank 0's tensors as sent go into ``received``."""
-    host = driver_host(sc)
+    host = driver_host(env)
     # every service authenticates this job's tasks of this attempt only
     job: dict[str, Any] = {
         "secret": spec.secret,
@@ -305,7 +305,7 @@ def _attempt(
             rendezvous_address=meeting.address,
             state_address=receiver.address,
         )
-        with _job_group(sc, spec) as watchdog:
+        with _job_group(env, spec) as watchdog:
             try:
                 records = launch(prepared, spec, entry)
             except SparkTrainError as exc:
@@ -327,18 +327,23 @@ def _attempt(
 
 
 @contextlib.contextmanager
-def _job_group(sc: SparkContext, spec: JobSpec) -> Iterator[SlotWatchdog | None]:
-    """The stage's job group (cancellable as one; named in the UI), and on a cluster a
-    watchdog that cancels it when the stage can never get its slots; the caller's
-    thread-local job properties are restored afterwards."""
+def _job_group(env: SparkEnv, spec: JobSpec) -> Iterator[SlotWatchdog | None]:
+    """The stage's job group (cancellable as one; named in the UI; an operation tag under
+    Spark Connect), and on a cluster a watchdog that cancels it when the stage can never
+    get its slots; the caller's thread-local job properties are restored afterwards."""
     group = f"sparktrain-{spec.job_id}-{spec.attempt}"
-    saved = {k: sc.getLocalProperty(k) for k in _JOB_GROUP_PROPERTIES}
-    sc.setJobGroup(group, f"sparktrain {spec.config.strategy}: training stage", True)
-    watchdog = None if is_local(sc) else SlotWatchdog(sc, spec.config.num_workers, group)
-    try:
-        yield watchdog
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-        for key, value in saved.items():
-            sc.setLocalProperty(key, value)  # type: ignore[arg-type]
+    watchdog = None
+    if not env.is_local():
+        if env.watches_slots:
+            watchdog = SlotWatchdog(env, spec.config.num_workers, group)
+        else:
+            log.info(
+                "Spark Connect: the client cannot watch the cluster's free slots; a stage "
+                "that loses its slots before it starts waits for Spark's own barrier check"
+            )
+    with env.job_group(group, f"sparktrain {spec.config.strategy}: training stage"):
+        try:
+            yield watchdog
+        finally:
+            if watchdog is not None:
+                watchdog.stop()

@@ -51,7 +51,7 @@ from sparktrain.ml.params import (
     _TorchParams,
     _TorchRegressorParams,
 )
-from sparktrain.ml.persistence import TorchEstimatorReader
+from sparktrain.ml.persistence import TorchEstimatorReader, TorchEstimatorWriter
 from sparktrain.result import state_to_bytes
 from sparktrain.trainer import Trainer
 
@@ -337,6 +337,11 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         return self._set(mlflowExperiment=value)
 
     # ------------------------------------------------------------------ persistence
+    def write(self) -> TorchEstimatorWriter:
+        """An MLWriter of the params (MLlib metadata), whose ``overwrite()`` also works
+        under Spark Connect."""
+        return TorchEstimatorWriter(self)
+
     @classmethod
     def read(cls) -> DefaultParamsReader[Self]:
         """An MLReader for this class (params only: an estimator holds no data)."""

@@ -1,7 +1,9 @@
 """Fitted sparktrain models: distributed batch inference and persistence.
 
 ``transform`` broadcasts the weights once (``torch.save`` bytes, read back on the
-executors with ``weights_only=True``), rebuilds the module from ``modelFn`` once per
+executors with ``weights_only=True``; under Spark Connect, which has no broadcasts, they
+travel in the UDF's closure, up to half the server's request cap), rebuilds the module
+from ``modelFn`` once per
 Python worker, and runs an iterator Arrow UDF over the features column: every Arrow batch
 becomes one ``(n, width)`` float32 tensor and one forward pass under ``torch.no_grad``.
 There is no per-row Python. The UDF returns a struct of ``prediction`` (double) and, for
@@ -49,12 +51,15 @@ from sparktrain.data.batch import Collator, forward
 from sparktrain.data.columns import BINARY, DENSE, RAGGED, Layout, parse_columns
 from sparktrain.data.columns import Column as InputColumn
 from sparktrain.errors import ConfigError, DataError
+from sparktrain.launch.spark_env import CONNECT_MAX_MESSAGE, spark_env
 from sparktrain.ml.params import _TorchClassifierParams, _TorchParams, _TorchRegressorParams
 from sparktrain.ml.persistence import TorchModelReader, TorchModelWriter
 from sparktrain.result import state_from_bytes
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
+
+    from sparktrain.launch.spark_env import SparkEnv
 
 __all__ = ["TorchClassificationModel", "TorchModel", "TorchRegressionModel"]
 
@@ -222,18 +227,15 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
                 )
         if not self._state_bytes:
             raise ConfigError(f"this {type(self).__name__} holds no weights: fit or load one")
-        spark = dataset.sparkSession
-        sc = spark.sparkContext
-        from sparktrain.launch.resources import task_cpus
-
+        env = spark_env(dataset.sparkSession)
         plan = _InferencePlan(
             token=self._token,
-            weights=sc.broadcast(self._state_bytes),
+            weights=ship_weights(env, self._state_bytes),
             model_fn=self.getModelFn(),
             model_kwargs=self.getModelKwargsDict(),
             num_features=self._num_features,
             kind=self._kind,
-            threads=task_cpus(sc),
+            threads=env.task_cpus(),
             fields=tuple(field for _, field in outputs),
             layout=typed,
             label_stats=self._label_stats,
@@ -434,12 +436,39 @@ _MODULES_LOCK = threading.Lock()
 _MODULES_KEPT = 4
 
 
+@dataclass(frozen=True)
+class InlineWeights:
+    """Weights that travel inside the UDF's closure (what a Spark Connect session ships
+    instead of a broadcast); ``value`` as on a broadcast."""
+
+    value: bytes
+
+
+def ship_weights(env: SparkEnv, blob: bytes) -> Any:
+    """How ``transform``'s tasks get the weights: a broadcast in a classic session; under
+    Spark Connect in the closure, while at most half the server's request cap
+    (``spark.connect.grpc.maxInboundMessageSize``), else a clear error."""
+    if not env.connect:
+        return env.spark_context("transform").broadcast(blob)
+    limit = (env.max_request_bytes() or CONNECT_MAX_MESSAGE) // 2
+    if len(blob) > limit:
+        raise ConfigError(
+            f"under Spark Connect, transform ships the weights inside the plan, and these "
+            f"({len(blob) / 2**20:.1f} MiB) exceed half of the server's request cap "
+            f"(spark.connect.grpc.maxInboundMessageSize: {2 * limit / 2**20:.0f} MiB); raise "
+            "that cap on the server or transform from a classic session (larger models under "
+            "Connect are not supported yet)"
+        )
+    return InlineWeights(blob)
+
+
 @dataclass
 class _InferencePlan:
-    """What each inference task needs; picklable (the weights travel in the broadcast)."""
+    """What each inference task needs; picklable (the weights travel in a broadcast, or
+    under Spark Connect in the plan itself)."""
 
     token: str
-    weights: Any  # pyspark Broadcast[bytes]
+    weights: Any  # pyspark Broadcast[bytes] or InlineWeights: .value is the bytes
     model_fn: str
     model_kwargs: dict[str, Any]
     num_features: int

@@ -28,17 +28,27 @@ anything is imported, unless the caller passes ``model_fn`` to ``load`` itself; 
 estimator's ``modelFn`` is checked the same way. Both files go through Hadoop's FileSystem
 (the one Spark uses for the metadata), so a model can live wherever Spark can write:
 a local path, ``file:``, ``hdfs:``, ``s3a:``...
+
+Under Spark Connect the client has no JVM: the metadata is still written and read by
+Spark (on the server, through the DataFrame API), the weights file by this client with
+plain file IO, so there a model lives at an absolute local path or a ``file:`` URI the
+server and the client share (the same host, or a shared disk). The files are the same
+either way: a model saved under Connect loads in a classic session and back.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import uuid
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from urllib.parse import urlparse
 
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
 from sparktrain.data.columns import Layout
 from sparktrain.errors import ConfigError, DataError
+from sparktrain.launch.spark_env import is_connect
 from sparktrain.ml.allowlist import (
     ALLOWED_MODULES_CONF,
     allowed_model_modules,
@@ -61,7 +71,26 @@ M = TypeVar("M", bound="TorchModel")
 E = TypeVar("E", bound="TorchEstimator[Any]")
 
 
-class TorchModelWriter(MLWriter):
+class ConnectAwareWriter(MLWriter):
+    """pyspark's writer, whose ``overwrite()`` also works under Spark Connect (pyspark's
+    own reaches for the JVM; under Connect the server deletes the old save, as it does
+    for pyspark's Pipelines)."""
+
+    def _handleOverwrite(self, path: str) -> None:
+        if not is_connect(self.sparkSession):
+            super()._handleOverwrite(path)
+            return
+        from pyspark.ml.connect.readwrite import RemoteMLWriter
+
+        RemoteMLWriter.handleOverwrite(path, True)
+
+
+class TorchEstimatorWriter(ConnectAwareWriter, DefaultParamsWriter):
+    """pyspark's params writer for the estimators, with :class:`ConnectAwareWriter`'s
+    overwrite."""
+
+
+class TorchModelWriter(ConnectAwareWriter):
     """Writes metadata JSON and the weights file of a :class:`TorchModel`."""
 
     def __init__(self, instance: TorchModel) -> None:
@@ -69,6 +98,9 @@ class TorchModelWriter(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:
+        weights = _join(path, WEIGHTS_FILE)
+        if is_connect(self.sparkSession):  # a path this client can write, before Spark writes
+            connect_local_path(weights)
         extra = {
             "numFeatures": self.instance.numFeatures,
             "numClasses": self.instance._num_outputs_meta(),
@@ -78,7 +110,7 @@ class TorchModelWriter(MLWriter):
             "labelScaling": self.instance._label_stats_meta(),
         }
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession, extra)
-        write_bytes(self.sparkSession, _join(path, WEIGHTS_FILE), self.instance._state_bytes)
+        write_bytes(self.sparkSession, weights, self.instance._state_bytes)
 
 
 class TorchModelReader(MLReader[M], Generic[M]):
@@ -205,7 +237,11 @@ def _hadoop(spark: SparkSession, path: str) -> tuple[Any, Any]:
 
 
 def write_bytes(spark: SparkSession, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through the Hadoop FileSystem Spark uses (overwrites)."""
+    """Write ``data`` to ``path`` through the Hadoop FileSystem Spark uses (overwrites);
+    under Spark Connect to the local file the path names."""
+    if is_connect(spark):
+        _write_local(connect_local_path(path), data)
+        return
     fs, jpath = _hadoop(spark, path)
     out = fs.create(jpath, True)
     try:
@@ -217,7 +253,14 @@ def write_bytes(spark: SparkSession, path: str, data: bytes) -> None:
 
 
 def read_bytes(spark: SparkSession, path: str) -> bytes:
-    """Read the whole file at ``path`` through the Hadoop FileSystem Spark uses."""
+    """Read the whole file at ``path`` through the Hadoop FileSystem Spark uses; under
+    Spark Connect the local file the path names."""
+    if is_connect(spark):
+        local = connect_local_path(path)
+        if not os.path.isfile(local):
+            raise DataError(f"{path} does not exist: is this a saved sparktrain model?")
+        with open(local, "rb") as f:
+            return f.read()
     fs, jpath = _hadoop(spark, path)
     if not fs.exists(jpath):
         raise DataError(f"{path} does not exist: is this a saved sparktrain model?")
@@ -236,3 +279,40 @@ def read_bytes(spark: SparkSession, path: str) -> bytes:
         return b"".join(parts)
     finally:
         stream.close()
+
+
+# ---------------------------------------------------------------------- Spark Connect
+def connect_local_path(path: str) -> str:
+    """The local file a model path names under Spark Connect, where this client writes
+    and reads the weights itself: an absolute path or a ``file:`` URI (``file:/x``,
+    ``file:///x``, ``file://localhost/x``). A relative path would resolve against the
+    server's working directory for the metadata but this process's for the weights, and
+    other schemes need Hadoop's FileSystem, which a Connect client does not have."""
+    parsed = urlparse(path)
+    if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
+        local = parsed.path
+    elif parsed.scheme == "" and os.path.isabs(path):
+        local = path
+    else:
+        raise ConfigError(
+            f"under Spark Connect a sparktrain model is saved and loaded at an absolute local "
+            f"path or a file: URI on a disk the Connect server and this client share, not "
+            f"{path!r} (the server writes the metadata, this client the weights); other file "
+            "systems (hdfs:, s3a:...) need a classic session for now"
+        )
+    if not os.path.isabs(local):
+        raise ConfigError(f"{path!r} does not name an absolute path")
+    return local
+
+
+def _write_local(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)

@@ -1,7 +1,8 @@
 """The helpers the integration tests share, in one place: test files import from here,
 never from each other.
 
-- scikit-learn's digits as DataFrames and RDDs, a fast training config, the summary keys;
+- scikit-learn's digits as DataFrames (also as 64 pixel columns) and RDDs, a fast
+  training config, the summary keys;
 - a real Spark standalone cluster on loopback: one master and N workers started from
   pyspark's own ``bin/spark-class``, stopped again whatever happens
   (:class:`StandaloneCluster`), and the process-tree helpers its tests use.
@@ -80,6 +81,24 @@ def digits_rdd(spark, partitions: int = 2):  # type: ignore[no-untyped-def]
     split = digits()
     rows = [(x, float(y)) for x, y in zip(split.x_train, split.y_train, strict=True)]
     return spark.sparkContext.parallelize(rows, partitions)
+
+
+PIXELS = [f"p{i}" for i in range(64)]
+
+
+def pixel_frames(spark):  # type: ignore[no-untyped-def]
+    """Digits as DataFrames with an id, 64 double pixel columns and a double label."""
+    import pandas as pd
+
+    split = digits()
+
+    def frame(x: np.ndarray, y: np.ndarray, offset: int):  # type: ignore[no-untyped-def]
+        pdf = pd.DataFrame(x.astype(np.float64), columns=PIXELS)
+        pdf.insert(0, "id", np.arange(offset, offset + len(y)))
+        pdf["label"] = y.astype(np.float64)
+        return spark.createDataFrame(pdf).repartition(2)
+
+    return frame(split.x_train, split.y_train, 0), frame(split.x_test, split.y_test, 10**6)
 
 
 def fast_config(**overrides) -> TrainConfig:  # type: ignore[no-untyped-def]

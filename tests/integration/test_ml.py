@@ -25,26 +25,9 @@ from sparktrain.ml import (
     TorchRegressor,
 )
 
-from .fixtures import DIGITS_MODEL, digits
+from .fixtures import DIGITS_MODEL, PIXELS, digits, pixel_frames
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
-
-PIXELS = [f"p{i}" for i in range(64)]
-
-
-def pixel_frames(spark):  # type: ignore[no-untyped-def]
-    """Digits as DataFrames with an id, 64 double pixel columns and a double label."""
-    import pandas as pd
-
-    split = digits()
-
-    def frame(x: np.ndarray, y: np.ndarray, offset: int):  # type: ignore[no-untyped-def]
-        pdf = pd.DataFrame(x.astype(np.float64), columns=PIXELS)
-        pdf.insert(0, "id", np.arange(offset, offset + len(y)))
-        pdf["label"] = y.astype(np.float64)
-        return spark.createDataFrame(pdf).repartition(2)
-
-    return frame(split.x_train, split.y_train, 0), frame(split.x_test, split.y_test, 10**6)
 
 
 def assembled(frame):  # type: ignore[no-untyped-def]

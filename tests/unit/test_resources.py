@@ -5,6 +5,7 @@ import pytest
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ResourceError
 from sparktrain.launch.resources import check_can_launch, check_transport_security
+from sparktrain.launch.spark_env import ClassicEnv
 from sparktrain.trainer import Trainer
 
 
@@ -23,10 +24,14 @@ class _FakeContext:
         return self._conf
 
 
+def _env(**conf: str) -> ClassicEnv:
+    return ClassicEnv(_FakeContext(**conf))  # type: ignore[arg-type]
+
+
 def test_dynamic_allocation_is_refused_with_a_way_out():
-    sc = _FakeContext(**{"spark.dynamicAllocation.enabled": "true"})
+    env = _env(**{"spark.dynamicAllocation.enabled": "true"})
     with pytest.raises(ResourceError, match="spark.dynamicAllocation.enabled=false"):
-        check_can_launch(sc, 2)  # type: ignore[arg-type]
+        check_can_launch(env, 2)
 
 
 # ------------------------------------------------------------------ the encryption gate
@@ -46,8 +51,8 @@ SOCKET_CONFIGS = {
 }
 
 
-def _encrypted(key: str = "spark.ssl.rpc.enabled", **more: str) -> _FakeContext:
-    return _FakeContext(**{key: "true"}, **more)
+def _encrypted(key: str = "spark.ssl.rpc.enabled", **more: str) -> ClassicEnv:
+    return _env(**{key: "true"}, **more)
 
 
 @pytest.mark.parametrize("key", WIRE_KEYS)
@@ -55,7 +60,7 @@ def _encrypted(key: str = "spark.ssl.rpc.enabled", **more: str) -> _FakeContext:
 def test_spark_wire_encryption_refuses_plaintext_sockets_on_every_path(key, path):
     cfg = TrainConfig(**SOCKET_CONFIGS[path])
     with pytest.raises(ResourceError) as err:
-        check_transport_security(_encrypted(key), cfg)  # type: ignore[arg-type]
+        check_transport_security(_encrypted(key), cfg)
     text = str(err.value)
     assert f"{key}=true" in text
     assert 'Set encryption = "tls"' in text and "allow_unencrypted = true" in text
@@ -66,10 +71,10 @@ def test_spark_wire_encryption_refuses_plaintext_sockets_on_every_path(key, path
 def test_tls_passes_the_gate_and_allow_unencrypted_warns(path, caplog):
     sc = _encrypted("spark.network.crypto.enabled")
     tls = TrainConfig(encryption="tls", **SOCKET_CONFIGS[path])
-    assert check_transport_security(sc, tls) is tls  # type: ignore[arg-type]
+    assert check_transport_security(sc, tls) is tls
     assert "plaintext" not in caplog.text
     plain = TrainConfig(allow_unencrypted=True, **SOCKET_CONFIGS[path])
-    out = check_transport_security(sc, plain)  # type: ignore[arg-type]
+    out = check_transport_security(sc, plain)
     assert out == dataclasses.replace(plain, frame_integrity=True)
     assert "sparktrain's sockets send plaintext" in caplog.text
 
@@ -86,13 +91,13 @@ def test_tls_passes_the_gate_and_allow_unencrypted_warns(path, caplog):
 )
 def test_settings_that_do_not_encrypt_the_wire_do_not_trigger_the_gate(conf):
     cfg = TrainConfig(strategy="ring", frame_integrity=False)
-    assert check_transport_security(_FakeContext(**conf), cfg) is cfg  # type: ignore[arg-type]
+    assert check_transport_security(_env(**conf), cfg) is cfg
 
 
 def test_conf_booleans_are_case_insensitive_as_in_spark():
-    sc = _FakeContext(**{"spark.network.crypto.enabled": "True"})
+    env = _env(**{"spark.network.crypto.enabled": "True"})
     with pytest.raises(ResourceError):
-        check_transport_security(sc, TrainConfig())  # type: ignore[arg-type]
+        check_transport_security(env, TrainConfig())
 
 
 @pytest.mark.parametrize("compression", ["none", "int8", "topk:0.01+ef"])
@@ -101,7 +106,7 @@ def test_tree_aggregate_without_delta_uses_only_sparks_transport(compression, ca
 
     caplog.set_level(logging.INFO, logger="sparktrain.launch.resources")
     cfg = TrainConfig(strategy="tree_aggregate", compression=compression)
-    out = check_transport_security(_encrypted(), cfg)  # type: ignore[arg-type]
+    out = check_transport_security(_encrypted(), cfg)
     assert out == cfg
     assert "tree_aggregate without delta+ uses only Spark's own transport" in caplog.text
 
@@ -109,13 +114,13 @@ def test_tree_aggregate_without_delta_uses_only_sparks_transport(compression, ca
 def test_tree_aggregate_with_delta_names_the_weights_server():
     cfg = TrainConfig(strategy="tree_aggregate", compression="delta+fp16")
     with pytest.raises(ResourceError, match="delta\\+ starts the driver's weights server"):
-        check_transport_security(_encrypted(), cfg)  # type: ignore[arg-type]
+        check_transport_security(_encrypted(), cfg)
 
 
 @pytest.mark.parametrize("path", sorted(SOCKET_CONFIGS))
 def test_spark_encryption_forces_frame_integrity_on_a_copy(path):
     cfg = TrainConfig(allow_unencrypted=True, frame_integrity=False, **SOCKET_CONFIGS[path])
-    out = check_transport_security(_encrypted(), cfg)  # type: ignore[arg-type]
+    out = check_transport_security(_encrypted(), cfg)
     assert out.frame_integrity is True and out.encryption == "none"
     assert cfg.frame_integrity is False  # the caller's config is left alone
     assert dataclasses.replace(out, frame_integrity=False) == cfg
@@ -124,13 +129,13 @@ def test_spark_encryption_forces_frame_integrity_on_a_copy(path):
 def test_tls_needs_no_frame_macs_on_top():
     """TLS records are authenticated already: a MAC per frame would only cost busbw."""
     cfg = TrainConfig(encryption="tls", frame_integrity=False)
-    assert check_transport_security(_encrypted(), cfg) is cfg  # type: ignore[arg-type]
+    assert check_transport_security(_encrypted(), cfg) is cfg
 
 
 # ------------------------------------------------------------------ the gate in Trainer.fit
 class _FakeSession:
-    def __init__(self, sc: _FakeContext) -> None:
-        self.sparkContext = sc
+    def __init__(self, env: ClassicEnv) -> None:
+        self.sparkContext = env.sc
 
 
 @pytest.mark.parametrize("path", sorted(SOCKET_CONFIGS))
@@ -154,7 +159,7 @@ def test_trainer_fit_runs_the_job_with_frame_integrity_forced_on(monkeypatch):
     trainer = Trainer("sparktrain.models:digits_mlp", cfg, spark=_FakeSession(_encrypted()))  # type: ignore[arg-type]
     assert trainer.fit(None) == "result"
     assert seen[0].frame_integrity is True and trainer.config is cfg and not cfg.frame_integrity
-    plain = Trainer("sparktrain.models:digits_mlp", cfg, spark=_FakeSession(_FakeContext()))  # type: ignore[arg-type]
+    plain = Trainer("sparktrain.models:digits_mlp", cfg, spark=_FakeSession(_env()))  # type: ignore[arg-type]
     plain.fit(None)
     assert seen[1] is cfg  # no Spark encryption: the caller's config, unchanged
 
@@ -178,10 +183,10 @@ def test_the_watchdog_cancels_a_stage_that_lost_its_slots(monkeypatch):
 
     from sparktrain.launch import resources
 
-    monkeypatch.setattr(resources, "max_concurrent_tasks", lambda sc: 1)
+    monkeypatch.setattr(resources, "max_concurrent_tasks", lambda env: 1)
     sc = _Cancellable()
     started = time.monotonic()
-    dog = resources.SlotWatchdog(sc, 2, "grp", grace_s=0.3, poll_s=0.05)  # type: ignore[arg-type]
+    dog = resources.SlotWatchdog(ClassicEnv(sc), 2, "grp", grace_s=0.3, poll_s=0.05)  # type: ignore[arg-type]
     while not sc.cancelled and time.monotonic() - started < 10:
         time.sleep(0.05)
     dog.stop()
@@ -196,9 +201,9 @@ def test_the_watchdog_waits_out_a_short_loss_and_leaves_a_full_cluster_alone(mon
     from sparktrain.launch import resources
 
     seen = iter([1, 1, 2] + [2] * 1000)  # one executor briefly gone, then replaced
-    monkeypatch.setattr(resources, "max_concurrent_tasks", lambda sc: next(seen))
+    monkeypatch.setattr(resources, "max_concurrent_tasks", lambda env: next(seen))
     sc = _Cancellable()
-    dog = resources.SlotWatchdog(sc, 2, "grp", grace_s=0.5, poll_s=0.05)  # type: ignore[arg-type]
+    dog = resources.SlotWatchdog(ClassicEnv(sc), 2, "grp", grace_s=0.5, poll_s=0.05)  # type: ignore[arg-type]
     time.sleep(1.0)
     dog.stop()
     assert sc.cancelled == [] and dog.reason is None
