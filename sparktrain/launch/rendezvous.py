@@ -1,7 +1,7 @@
 """The barrier stage's one all-gather, hosted by the driver instead of Spark.
 
 Every barrier stage starts with one all-gather of (listener address, row counts, error)
-(:func:`sparktrain.worker.loop.rendezvous`). Spark's ``BarrierTaskContext.allGather``
+(:func:`sparktrain.worker.meet.rendezvous`). Spark's ``BarrierTaskContext.allGather``
 answers on a once-a-second poll: on ``local[2]`` every call takes 1.00 s even when both
 tasks arrive together (measured; ``barrier()`` alike), a second on the path to the
 first step of every fit. The driver already hosts an authenticated channel per attempt

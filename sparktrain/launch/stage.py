@@ -41,8 +41,8 @@ from sparktrain.metrics import MetricsServer, ProgressDisplay
 from sparktrain.result import Record, TrainResult, assemble
 from sparktrain.worker.context import JobSpec
 from sparktrain.worker.faults import FaultPlan
-from sparktrain.worker.loop import train_partition
 from sparktrain.worker.memory import peak_rss_bytes
+from sparktrain.worker.run_task import run_partition
 
 if TYPE_CHECKING:
     from torch import nn
@@ -154,7 +154,7 @@ def train_data_parallel(job: FitJob, strategy: Strategy) -> TrainResult:
             job.model, records, cfg, wall_s=time.perf_counter() - job.started, stage_s=stage_s
         )
 
-    result = train_in_stage(job, strategy, entry=train_partition, assemble_result=finish)
+    result = train_in_stage(job, strategy, entry=run_partition, assemble_result=finish)
     if "auto" in result.summary:
         auto = result.summary["auto"]
         log.info("auto chose %s + %s: %s", auto["strategy"], auto["compression"], auto["reason"])

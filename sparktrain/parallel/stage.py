@@ -73,7 +73,7 @@ from sparktrain.worker.data import (
 )
 from sparktrain.worker.divergence import check_finite_weights
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
-from sparktrain.worker.loop import _SEEDED_INIT, rendezvous
+from sparktrain.worker.meet import SEEDED_INIT, rendezvous
 from sparktrain.worker.state import digest, return_state, start_from_rank0
 
 KIND_ROWS = KIND_USER_MIN + 1
@@ -276,7 +276,7 @@ class _StageRunner:
 
     def _build(self) -> tuple[list[int], nn.Sequential]:
         job = self.spec.job
-        with _SEEDED_INIT:  # same seed as the driver: identical initial weights
+        with SEEDED_INIT:  # same seed as the driver: identical initial weights
             torch.manual_seed(self.cfg.seed)
             full = as_sequential(resolve_model_fn(job.model_fn, job.model_kwargs)())
         owned = list(self.spec.partition.owned(self.stage))

@@ -21,8 +21,8 @@ import json
 import math
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from sparktrain.checkpoint import RANK_SHARDS, Checkpoint, CheckpointStore
 from sparktrain.comm import Mesh, TreeAllreduce, make_allreduce
 from sparktrain.comm.chunked import broadcast_, chunk_bytes_for
 from sparktrain.comm.ring import DEFAULT_CHUNK_BYTES
+from sparktrain.config import TrainConfig
 from sparktrain.data.batch import Batch, Collator, forward
 from sparktrain.errors import CheckpointError, ConfigError
 from sparktrain.metrics import MetricsClient
@@ -66,8 +67,16 @@ class RunContext:
         The run's :class:`~sparktrain.config.TrainConfig`.
     steps_per_epoch:
         Batches :meth:`batches` yields per epoch, the same on every rank.
+    rows_per_rank, val_rows_per_rank:
+        Every rank's training and validation rows, by rank.
     history:
         The reports so far (reduced across ranks), as the driver records them.
+    global_step:
+        Batches :meth:`batches` yielded so far, over all epochs (restored by
+        :meth:`restore`).
+    task:
+        The task's :class:`~sparktrain.worker.context.WorkerContext`: the job's spec
+        and the task's services. The built-in loop and advanced ``train_fn`` s read it.
     """
 
     def __init__(
@@ -78,18 +87,22 @@ class RunContext:
         val: PartitionData,
         *,
         steps_per_epoch: int,
+        rows_per_rank: Sequence[int] | None = None,
+        val_rows_per_rank: Sequence[int] | None = None,
         reporter: MetricsClient | None = None,
         store: CheckpointStore | None = None,
     ) -> None:
-        spec = task.job
         self.rank = task.rank
         self.world_size = task.world_size
         self.device = torch.device("cpu")
-        self.config = spec.config
         self.steps_per_epoch = steps_per_epoch
+        self.rows_per_rank = list(rows_per_rank if rows_per_rank is not None else [train.size])
+        self.val_rows_per_rank = list(
+            val_rows_per_rank if val_rows_per_rank is not None else [val.size]
+        )
         self.history: list[dict[str, Any]] = []
         self.global_step = 0  # batches yielded by batches(), over all epochs
-        self._task = task
+        self.task = task
         self._mesh = mesh
         self._train = train
         self._val = val
@@ -108,8 +121,57 @@ class RunContext:
         self._last_ckpt_step = 0
         self._started = time.perf_counter()
         self._last_report = self._started
+        self._epoch = 0  # of the latest batches() call, and when it started
+        self._epoch_started = self._started
         self.comm_s = 0.0
         self.data_wait_s = 0.0
+
+    @property
+    def config(self) -> TrainConfig:
+        """The run's configuration."""
+        return self.task.job.config
+
+    # ------------------------------------------------------------------ the parts
+    # The built-in loop is a train_fn too; it reads these parts directly.
+    @property
+    def mesh(self) -> Mesh:
+        """The connections between the ranks."""
+        return self._mesh
+
+    @property
+    def tree(self) -> TreeAllreduce:
+        """The latency-bound allreduce of small figures (float64 sums)."""
+        return self._tree
+
+    @property
+    def train_partition(self) -> PartitionData:
+        """This rank's training rows as loaded (columns decoded on demand)."""
+        return self._train
+
+    @property
+    def val_partition(self) -> PartitionData:
+        """This rank's validation rows."""
+        return self._val
+
+    @property
+    def collator(self) -> Collator:
+        """Turns gathered rows into a :class:`~sparktrain.data.batch.Batch`."""
+        return self._collator
+
+    @property
+    def store(self) -> CheckpointStore | None:
+        """The checkpoint store of ``config.checkpoint_dir`` (None without one)."""
+        return self._store
+
+    @property
+    def epoch_started(self) -> float:
+        """``time.perf_counter()`` when the latest :meth:`batches` call began."""
+        return self._epoch_started
+
+    @property
+    def distributed_step(self) -> DistributedStep | None:
+        """The step :meth:`distributed` installed on the optimizer (None before)."""
+        return self._distributed
 
     # ------------------------------------------------------------------ data
     @property
@@ -122,15 +184,35 @@ class RunContext:
         """This rank's validation rows."""
         return self._val.size
 
-    def batches(self, epoch: int) -> Iterator[Batch]:
+    @overload
+    def batches(
+        self, epoch: int, *, start: int = 0, uneven: Literal["repeat"] = "repeat"
+    ) -> Generator[Batch, None, None]: ...
+
+    @overload
+    def batches(
+        self, epoch: int, *, start: int = 0, uneven: Literal["idle"]
+    ) -> Generator[Batch | None, None, None]: ...
+
+    def batches(
+        self, epoch: int, *, start: int = 0, uneven: Literal["repeat", "idle"] = "repeat"
+    ) -> Generator[Batch | None, None, None]:
         """This rank's training batches of ``epoch``: shuffled by ``(seed, rank,
         epoch)``, ``config.batch_size`` rows each, gathered (and decoded) on a
-        background thread. Every rank yields :attr:`steps_per_epoch` batches: a rank
-        with fewer rows starts over from the beginning of its epoch's order, so steps
-        stay matched across ranks. With :meth:`distributed`, the batch that closes an
-        accumulated step arms the gradient exchange to overlap with its backward."""
+        background thread, from step ``start`` of the epoch on (a resume in the middle
+        of an epoch). Every rank yields :attr:`steps_per_epoch` ``- start`` items. A rank
+        with fewer rows than the largest either starts over from the beginning of its
+        epoch's order (``uneven="repeat"``) or yields ``None`` for the steps it has no
+        rows for (``uneven="idle"``; call ``optimizer.step()`` anyway: it joins the
+        exchange with no rows, so every row of the epoch counts exactly once). With
+        :meth:`distributed`, the batch that closes an accumulated step arms the
+        gradient exchange to overlap with its backward."""
         cfg = self.config
-        if self._train.size == 0:
+        if uneven not in ("repeat", "idle"):
+            raise ConfigError(f"batches(uneven={uneven!r}): use 'repeat' or 'idle'")
+        if not 0 <= start <= self.steps_per_epoch:
+            raise ConfigError(f"batches(start={start}): an epoch has {self.steps_per_epoch} steps")
+        if self._train.size == 0 and uneven == "repeat":
             raise ConfigError(
                 f"rank {self.rank} has no training rows: call batches() only with data "
                 "(sparktrain.run(train_fn, data=...))"
@@ -139,24 +221,35 @@ class RunContext:
         order = list(
             epoch_batches(self._train.size, cfg.batch_size, rng, cfg.drop_last, cfg.shuffle_window)
         )
-        if not order:  # drop_last on a partition smaller than a batch
-            order = list(epoch_batches(self._train.size, cfg.batch_size, rng))
-        plan = [order[i % len(order)] for i in range(self.steps_per_epoch)]
+        plan: list[np.ndarray | None]
+        if uneven == "idle":
+            plan = [order[i] if i < len(order) else None for i in range(self.steps_per_epoch)]
+        else:
+            if not order:  # drop_last on a partition smaller than a batch
+                order = list(epoch_batches(self._train.size, cfg.batch_size, rng))
+            plan = [order[i % len(order)] for i in range(self.steps_per_epoch)]
         make = functools.partial(_gather, self._train, plan, self._collator, self.rank)
-        prefetch = Prefetcher(make, range(len(plan)), cfg.prefetch_batches)
-        fault = self._task.job.fault
+        wanted = [i for i in range(start, len(plan)) if plan[i] is not None]
+        prefetch = Prefetcher(make, wanted, cfg.prefetch_batches)
+        fault = self.task.job.fault
+        self._epoch, self._epoch_started = epoch, time.perf_counter()
+        step = self._distributed
+        if step is not None:
+            step.counts_rows = True
         try:
-            for i in range(len(plan)):
+            for i in range(start, len(plan)):
                 if fault is not None:
                     fault.maybe_fire(self.rank, self.global_step)
-                batch = prefetch.next()
+                batch = None if plan[i] is None else prefetch.next()
                 self.global_step += 1
                 step = self._distributed
                 if step is not None:
                     step.counts_rows = True
-                    step.add_rows(len(batch))
-                    if step.closes(i, len(plan)):
-                        step.arm()
+                    step.closing = step.closes(i, len(plan))
+                    if batch is not None:
+                        step.add_rows(len(batch))
+                        if step.closing:
+                            step.arm()
                 yield batch
         finally:
             prefetch.close()
@@ -191,7 +284,7 @@ class RunContext:
             width[0] = out.shape[1] if out.ndim == 2 else 1
         self._tree.allreduce_(width, add=_maximum)
         scores = Scores(
-            chosen, num_outputs=max(1, int(width[0])), label_scale=self._task.job.label_scale
+            chosen, num_outputs=max(1, int(width[0])), label_scale=self.task.job.label_scale
         )
         feed_scores(model, self._val, scores, self._collator, self.rank, self.autocast)
         return finish_scores(scores, self._tree)
@@ -290,23 +383,54 @@ class RunContext:
         now = time.perf_counter()
         record["seconds"] = now - self._last_report
         self._last_report = now
+        self.conclude(record)
+        self.send({"type": "report", **record})
+        return record
+
+    def conclude(self, record: dict[str, Any]) -> bool:
+        """Take ``record``, figures already the same on every rank, as the end of an
+        epoch (every rank, a collective): early stopping decides (marking the record
+        ``early_stop``), a per-epoch schedule steps, and the record joins
+        :attr:`history`. Returns :attr:`should_stop`. :meth:`report` is this after
+        reducing; the built-in loop reduces its own sums and calls it, then
+        :meth:`send`."""
         self._decide_stop(record)
         if self._distributed is not None:
             self._distributed.end_epoch(record)  # a per-epoch schedule
         self.history.append(record)
+        return self.should_stop
+
+    def send(self, message: Mapping[str, Any]) -> None:
+        """Hand ``message`` to the driver's metrics channel (rank 0 alone has one)."""
         if self._reporter is not None:
-            self._reporter.send({"type": "report", **record})
-        return record
+            self._reporter.send(dict(message))
+
+    def progress(self, **figures: float) -> None:
+        """A live update of the current epoch for the driver's progress display (e.g. the
+        running loss): rank 0's figures as they are, no collective, at most a few times
+        a second; other ranks' calls do nothing."""
+        reporter = self._reporter
+        if reporter is None or not reporter.step_due():
+            return
+        done = self.global_step - self._epoch * self.steps_per_epoch
+        elapsed = max(time.perf_counter() - self._epoch_started, 1e-9)
+        rows = sum(self.rows_per_rank)
+        reporter.send(
+            {
+                "type": "step",
+                "epoch": self._epoch,
+                "step": done,
+                "steps_per_epoch": self.steps_per_epoch,
+                "samples_per_s": rows * done / max(1, self.steps_per_epoch) / elapsed,
+                **figures,
+            }
+        )
 
     def _check_same_names(self, names: list[str], reduce: Mapping[str, str]) -> None:
         """Two tiny rounds so that ranks reporting different figures fail with an error
         instead of mismatched collectives."""
         key = json.dumps([names, sorted(reduce.items())]).encode()
-        mine = np.array([float(zlib.crc32(key)), float(len(names))])
-        low, high = mine.copy(), mine.copy()
-        self._tree.allreduce_(low, add=_minimum)
-        self._tree.allreduce_(high, add=_maximum)
-        if not np.array_equal(low, high):
+        if not self._same_everywhere([float(zlib.crc32(key)), float(len(names))]):
             raise ConfigError(
                 f"rank {self.rank} reported {names}, another rank other figures: every rank "
                 "must call report() with the same names at the same points"
@@ -396,7 +520,7 @@ class RunContext:
         self._distributed.load_state_dict(ckpt.extra.get("step_state") or {}, shard)
 
     def _load_resume_checkpoint(self) -> Checkpoint | None:
-        step = self._task.job.resume_step
+        step = self.task.job.resume_step
         if step is None or self._store is None:
             return None
         if self._restored is None:
@@ -430,13 +554,14 @@ class RunContext:
                 "ctx.distributed(model, optimizer): the optimizer must hold exactly the "
                 "model's trainable parameters (build it from model.parameters())"
             )
-        task = self._task
+        task = self.task
         if task.job.ps_bootstrap:  # the parameter server starts from rank 0's model
             addresses, done = self._start_parameter_server(params, optimizer)
             spec = dataclasses.replace(task.job, ps_addresses=tuple(addresses), resume_step=done)
             task = dataclasses.replace(task, spec=spec)
         sync = make_sync(task, model, self._mesh)
-        start_from_rank0(model, self._mesh, chunk_bytes_for(self._mesh.max_frame_bytes))
+        if not self._replicas_agree(model):  # e.g. built without a common seed
+            start_from_rank0(model, self._mesh, chunk_bytes_for(self._mesh.max_frame_bytes))
         # the class first: the schedule's torch scheduler wraps the step it finds
         _make_distributed(optimizer)
         step = DistributedStep(
@@ -454,6 +579,21 @@ class RunContext:
             self._load_step_state(self._restored)
         return model, optimizer
 
+    def _replicas_agree(self, model: nn.Module) -> bool:
+        """Do all ranks hold bitwise the same parameters and buffers (same seed, same
+        build)? Two tiny rounds of a checksum instead of broadcasting the whole model."""
+        crc = 0
+        for t in (*model.parameters(), *model.buffers()):
+            crc = zlib.crc32(byte_view(t.detach().contiguous()).data, crc)
+        return self._same_everywhere([float(crc)])
+
+    def _same_everywhere(self, values: list[float]) -> bool:
+        """Does every rank hold these values? (Their minimum and maximum over the ranks.)"""
+        low, high = np.array(values), np.array(values)
+        self._tree.allreduce_(low, add=_minimum)
+        self._tree.allreduce_(high, add=_maximum)
+        return bool(np.array_equal(low, high))
+
     def _start_parameter_server(
         self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer
     ) -> tuple[list[str], int | None]:
@@ -464,7 +604,7 @@ class RunContext:
 
         reply: dict[str, Any] = {}
         if self.rank == 0:
-            spec = self._task.job
+            spec = self.task.job
             try:
                 dtypes = {p.dtype for p in params}
                 if dtypes - {torch.float32, torch.float64} or len(dtypes) != 1:
@@ -499,9 +639,10 @@ class RunContext:
             return self._distributed.precision.autocast()
         return Precision(self.config.precision, self.device).autocast()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> float:
         """``loss.backward()``, scaled under ``precision="fp16"``; stops the run (on
-        every rank, in the next exchange) when the loss is not finite."""
+        every rank, in the next exchange) when the loss is not finite. Returns the
+        loss's value."""
         value = float(loss.detach())
         step = self._distributed
         precision = step.precision if step is not None else None
@@ -509,16 +650,17 @@ class RunContext:
         if precision is not None:
             finite = precision.loss_is_finite(value)
         if not finite:
-            epoch = self.global_step // max(1, self.steps_per_epoch)
+            done = max(0, self.global_step - 1)  # the batch of this loss
             raise diverged(
                 f"on rank {self.rank}",
-                epoch,
-                (self.global_step - 1) % max(1, self.steps_per_epoch),
+                done // max(1, self.steps_per_epoch),
+                done % max(1, self.steps_per_epoch),
                 self.steps_per_epoch,
                 value,
                 self.config.lr,
             )
         (precision.scale(loss) if precision is not None else loss).backward()
+        return value
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
@@ -592,6 +734,12 @@ def _minimum(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
 
 
 def _gather(
-    data: PartitionData, plan: list[np.ndarray], collator: Collator, rank: int, index: int
+    data: PartitionData,
+    plan: list[np.ndarray | None],
+    collator: Collator,
+    rank: int,
+    index: int,
 ) -> Batch:
-    return data.batch(plan[index], collator, rank)
+    rows = plan[index]
+    assert rows is not None  # only steps with rows are gathered
+    return data.batch(rows, collator, rank)

@@ -1,9 +1,12 @@
-"""The task side of :func:`sparktrain.run`: meet the peers, build the rank's
-:class:`~sparktrain.worker.run_context.RunContext`, call the user's ``train_fn`` and
-send rank 0's return value to the driver.
+"""The task side of :func:`sparktrain.run` and of ``Trainer.fit`` with ring, tree or
+ps: meet the peers, build the rank's
+:class:`~sparktrain.worker.run_context.RunContext`, call the ``train_fn`` (the user's,
+or the built-in loop, :func:`~sparktrain.worker.loop.builtin_loop`) and send rank 0's
+return value to the driver.
 
-The return value travels without pickle: its tensors through the state codec (streamed
-to the driver's state receiver), everything else as JSON with a placeholder per tensor.
+A user's return value travels without pickle: its tensors through the state codec
+(streamed to the driver's state receiver), everything else as JSON with a placeholder
+per tensor. The built-in loop's model goes as the fit's model state.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from sparktrain.metrics import start_reporter
 from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, steps_for
-from sparktrain.worker.loop import rendezvous
+from sparktrain.worker.loop import TrainedModel, builtin_loop
+from sparktrain.worker.meet import rendezvous
 from sparktrain.worker.memory import peak_anon_bytes, peak_rss_bytes, reset_peak_rss
 from sparktrain.worker.run_context import RunContext
 from sparktrain.worker.state import return_state
@@ -32,26 +36,18 @@ TENSOR_KEY = "__tensor__"
 
 
 def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
-    """Run the job's ``train_fn`` on this rank; rank 0's return value goes to the driver."""
+    """Run the job's ``train_fn`` (the built-in loop without one) on this rank; rank 0's
+    return value goes to the driver, every rank's figures too."""
     spec, cfg = ctx.job, ctx.job.config
     torch.set_num_threads(max(1, spec.threads))
-    reset_peak_rss()
+    reset_peak_rss()  # the summary's peak is this task's, not a reused worker's past
     started = time.perf_counter()
-    train_fn = resolve_train_fn(spec.train_fn)
-    mesh, infos, train, val = rendezvous(ctx, data, builtin_loop=False)
+    builtin = spec.train_fn is None
+    train_fn = builtin_loop if builtin else resolve_train_fn(spec.train_fn)
+    mesh, infos, train, val = rendezvous(ctx, data, builtin_loop=builtin)
     try:
         rows = [int(i["train"]) for i in infos]
-        if any(rows) and not all(rows):
-            empty = [r for r, n in enumerate(rows) if n == 0]
-            raise errors.DataError(
-                f"ranks {empty} have no training rows while others do: give the data at "
-                "least as many rows as num_workers (it is repartitioned evenly)"
-            )
-        # drop_last on partitions smaller than a batch: one short batch rather than none
-        steps = max(
-            steps_for(n, cfg.batch_size, cfg.drop_last) or steps_for(n, cfg.batch_size)
-            for n in rows
-        )
+        steps = _steps_per_epoch(rows, cfg.batch_size, cfg.drop_last, builtin)
         reporter = None
         if ctx.rank == 0:
             reporter = start_reporter(
@@ -63,7 +59,15 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
             else None
         )
         run = RunContext(
-            ctx, mesh, train, val, steps_per_epoch=steps, reporter=reporter, store=store
+            ctx,
+            mesh,
+            train,
+            val,
+            steps_per_epoch=steps,
+            rows_per_rank=rows,
+            val_rows_per_rank=[int(i["val"]) for i in infos],
+            reporter=reporter,
+            store=store,
         )
         try:
             value = train_fn(run)
@@ -73,7 +77,12 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
                 reporter.close()
         stats = {**run.stats(), "task_s": time.perf_counter() - started}
         records = []
-        if ctx.rank == 0:
+        if isinstance(value, TrainedModel):
+            stats.update(value.stats)
+            if ctx.rank == 0:
+                meta = {"history": run.history, **value.meta}
+                records += return_state(spec, 0, value.state, meta)
+        elif ctx.rank == 0:
             skeleton, tensors = encode_value(value)
             meta = {
                 "history": run.history,
@@ -83,11 +92,33 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
                 ),
             }
             records += return_state(spec, 0, tensors, meta)
+        # after the state went out: their true peaks
         stats["peak_rss_bytes"] = peak_rss_bytes()
         stats["peak_anon_bytes"] = peak_anon_bytes()
         return [Record(ctx.rank, "stats", 0, json.dumps(stats).encode()), *records]
     finally:
         mesh.close()
+
+
+def _steps_per_epoch(rows: list[int], batch_size: int, drop_last: bool, builtin: bool) -> int:
+    """The steps every rank takes per epoch. The built-in loop needs a full batch
+    somewhere under ``drop_last`` (a rank short of rows idles); a user's ``train_fn``
+    needs rows on every rank or none, and gets one short batch rather than none."""
+    if builtin:
+        steps = max(steps_for(n, batch_size, drop_last) for n in rows)
+        if steps == 0:
+            raise errors.DataError(
+                f"drop_last=true but no partition holds a full batch of {batch_size} "
+                "rows: lower batch_size or set drop_last=false"
+            )
+        return steps
+    if any(rows) and not all(rows):
+        empty = [r for r, n in enumerate(rows) if n == 0]
+        raise errors.DataError(
+            f"ranks {empty} have no training rows while others do: give the data at "
+            "least as many rows as num_workers (it is repartitioned evenly)"
+        )
+    return max(steps_for(n, batch_size, drop_last) or steps_for(n, batch_size) for n in rows)
 
 
 def resolve_train_fn(train_fn: Any) -> Callable[[RunContext], Any]:

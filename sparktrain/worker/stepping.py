@@ -70,6 +70,9 @@ class DistributedStep:
         self.filled = 0  # of them, the ones with rows on this rank
         self.rows = 0  # their rows on this rank
         self.armed = False
+        # the loop's next step() closes the accumulated step even without an armed
+        # exchange (a rank out of rows at the epoch's end still joins it)
+        self.closing = False
         self.steps = 0
         self.comm_s = 0.0
 
@@ -102,7 +105,7 @@ class DistributedStep:
         if closure is not None:
             raise ConfigError("a distributed optimizer's step() takes no closure")
         self.micro += 1
-        if not (self.armed or force or self.micro >= self.accumulate):
+        if not (self.armed or force or self.closing or self.micro >= self.accumulate):
             return False
         # the gradients hold one mean per micro-batch with rows (a rank out of rows in
         # the epoch's last step has fewer)
@@ -110,7 +113,7 @@ class DistributedStep:
         if not self.counts_rows:
             rows = micro = self.micro
         self.micro = self.rows = self.filled = 0
-        self.armed = False
+        self.armed = self.closing = False
         started = time.perf_counter()
         if not self.local:  # parameter server: push the mean, pull the weights
             self._to_one_mean(micro)

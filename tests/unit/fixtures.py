@@ -47,8 +47,8 @@ from sparktrain.ps.server import ParameterServer, start_parameter_server
 from sparktrain.result import TrainResult, assemble, state_to_bytes
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
-from sparktrain.worker.loop import train_partition
 from sparktrain.worker.rounds import Block, RoundSpec
+from sparktrain.worker.run_task import run_partition
 
 T = TypeVar("T")
 
@@ -288,11 +288,11 @@ def spec_with(spec: JobSpec, **changes: Any) -> JobSpec:
 
 
 def train_in_threads(spec: JobSpec, parts: list[PartitionData], timeout: float = 120.0) -> Any:
-    """``train_partition`` on one thread per partition; every rank's records."""
+    """``run_partition`` on one thread per partition; every rank's records."""
     world = len(parts)
 
     def rank_fn(rank: int, coll: ThreadCollectives) -> Any:
-        return train_partition(worker_context(rank, world, coll, spec), parts[rank])
+        return run_partition(worker_context(rank, world, coll, spec), parts[rank])
 
     return run_ranks(world, rank_fn, timeout=timeout)
 

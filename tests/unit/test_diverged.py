@@ -15,7 +15,7 @@ import torch
 from sparktrain.errors import CommError, DivergedError
 from sparktrain.models import mlp
 from sparktrain.worker.divergence import check_finite_weights
-from sparktrain.worker.loop import train_partition
+from sparktrain.worker.run_task import run_partition
 
 from .fixtures import loop_spec, random_parts, run_ranks, spec_with, worker_context
 
@@ -40,7 +40,7 @@ def _outcomes(spec: Any, parts: list[Any]) -> list[Any]:
 
     def rank_fn(rank: int, coll: Any) -> Any:
         try:
-            return train_partition(worker_context(rank, len(parts), coll, spec), parts[rank])
+            return run_partition(worker_context(rank, len(parts), coll, spec), parts[rank])
         except Exception as exc:  # compared below, rank by rank
             return exc
 

@@ -11,7 +11,7 @@ import torch
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
-from sparktrain.worker.loop import train_partition
+from sparktrain.worker.run_task import run_partition
 from tests.unit.fixtures import (
     assert_close_params,
     loop_spec,
@@ -156,7 +156,7 @@ def test_watching_a_figure_no_epoch_reports_is_refused_by_every_rank(
 
     def rank_fn(rank: int, coll) -> BaseException | None:  # type: ignore[no-untyped-def]
         try:
-            train_partition(worker_context(rank, 2, coll, spec), parts[rank])
+            run_partition(worker_context(rank, 2, coll, spec), parts[rank])
         except ConfigError as exc:
             return exc
         return None

@@ -28,7 +28,7 @@ from sparktrain.worker.buckets import GradientBuckets, GradientReadiness
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.faults import FaultPlan
-from sparktrain.worker.loop import train_partition
+from sparktrain.worker.run_task import run_partition
 from sparktrain.worker.sync import OrderedWorker, by_spec
 
 from .fixtures import ThreadCollectives, in_threads, random_parts
@@ -91,7 +91,7 @@ def _run_all(spec: JobSpec, parts: list[PartitionData], timeout: float = 60.0) -
             rank, world, HOST, functools.partial(coll.all_gather, rank), coll.barrier, spec
         )
         try:
-            results[rank] = train_partition(ctx, parts[rank])
+            results[rank] = run_partition(ctx, parts[rank])
         except BaseException as exc:
             results[rank] = exc
 

@@ -21,7 +21,7 @@ from sparktrain.parallel.pipeline import assemble, check_param_cap, layout
 from sparktrain.parallel.schedule import gpipe, max_in_flight, one_f_one_b
 from sparktrain.parallel.stage import micro_batches, state_senders
 from sparktrain.worker.faults import FaultPlan, InjectedFaultError
-from sparktrain.worker.loop import train_partition
+from sparktrain.worker.run_task import run_partition
 
 from .fixtures import (
     PIPE_CLASSES,
@@ -319,7 +319,7 @@ def test_data_parallel_refuses_to_resume_a_pipeline_checkpoint(tmp_path):
     job = dataclasses.replace(spec.job, resume_step=step)
 
     def rank_fn(rank, coll):
-        return train_partition(worker_context(rank, 2, coll, job), parts[rank])
+        return run_partition(worker_context(rank, 2, coll, job), parts[rank])
 
     with pytest.raises(CheckpointError, match="written by a pipeline run"):
         run_ranks(2, rank_fn)

@@ -27,7 +27,7 @@ from sparktrain.ps.client import connect_shards
 from sparktrain.ps.server import ParameterServer, start_parameter_server
 from sparktrain.result import assemble as _assemble
 from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.loop import train_partition
+from sparktrain.worker.run_task import run_partition
 
 from .fixtures import HOST, SECRET, ps_cfg, ps_clients, random_parts, run_ranks
 
@@ -68,7 +68,7 @@ def _train(cfg: TrainConfig, parts, server: ParameterServer, resume_step: int | 
         ctx = WorkerContext(
             rank, len(parts), HOST, functools.partial(coll.all_gather, rank), coll.barrier, spec
         )
-        return train_partition(ctx, parts[rank])
+        return run_partition(ctx, parts[rank])
 
     records = [r for out in run_ranks(len(parts), rank_fn, timeout=90) for r in out]
     result = _assemble(_wide_model(cfg), records, cfg, wall_s=1.0, stage_s=1.0)

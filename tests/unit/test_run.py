@@ -277,3 +277,141 @@ def test_a_train_fn_under_ps_starts_the_server_from_rank_0_and_matches_the_ring(
     assert len(servers) == 1 and servers[0].cfg.optimizer.__name__ == "SGD"
     for name, tensor in want["state"].items():
         torch.testing.assert_close(got["state"][name], tensor, rtol=1e-5, atol=1e-5)
+
+
+def test_batches_from_a_start_step_are_the_tail_of_the_epoch() -> None:
+    def train_fn(ctx: RunContext) -> dict[str, Any]:
+        whole = [b.x.clone() for b in ctx.batches(1)]
+        tail = [b.x.clone() for b in ctx.batches(1, start=2)]
+        return {"whole": whole, "tail": tail, "global_step": ctx.global_step}
+
+    spec = loop_spec(batch_size=8, shuffle=True)
+    value, _ = rank0_value(run_in_threads(spec, random_parts([40, 40]), train_fn))
+    assert len(value["whole"]) == 5 and len(value["tail"]) == 3
+    for got, want in zip(value["tail"], value["whole"][2:], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert value["global_step"] == 8
+    with pytest.raises(ConfigError, match="start=6"):
+        run_in_threads(spec, random_parts([40, 40]), lambda ctx: list(ctx.batches(0, start=6)))
+
+
+def test_idle_ranks_join_each_step_without_rows_so_every_row_counts_once() -> None:
+    """Ranks of 12 and 4 rows, batches of 4: rank 1 idles in steps 2 and 3. Each step is
+    then one SGD step on the union of the rows the ranks hold for it."""
+
+    def train_fn(ctx: RunContext) -> dict[str, Any]:
+        model = seeded_mlp(0).double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer = ctx.distributed(model, optimizer)
+        seen = []
+        for batch in ctx.batches(0, uneven="idle"):
+            seen.append(batch is not None)
+            if batch is not None:
+                ctx.backward(F.cross_entropy(model(batch.x.double()), batch.y.long()))
+            optimizer.step()
+        return {"state": model.state_dict(), "seen": seen}
+
+    parts = random_parts([12, 4], seed=5)
+    spec = loop_spec(batch_size=4, shuffle=False, epochs=1)
+    outputs = run_in_threads(spec, parts, train_fn)
+    value, _ = rank0_value(outputs)
+    assert value["seen"] == [True, True, True]
+
+    reference = seeded_mlp(0).double()
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(3):
+        rows = [p for p in parts if len(p.y) > 4 * step]
+        x = torch.from_numpy(np.concatenate([p.x[4 * step : 4 * step + 4] for p in rows]))
+        y = torch.from_numpy(np.concatenate([p.y[4 * step : 4 * step + 4] for p in rows]))
+        sgd.zero_grad()
+        F.cross_entropy(reference(x.double()), y.long()).backward()
+        sgd.step()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(value["state"][name], tensor, rtol=0, atol=1e-9)
+
+    def seen_on_rank_1(ctx: RunContext) -> list[bool]:
+        return [b is not None for b in ctx.batches(0, uneven="idle")] if ctx.rank else []
+
+    def repeat_on_rank_1(ctx: RunContext) -> list[int]:
+        return [len(b) for b in ctx.batches(0)] if ctx.rank else []
+
+    assert run_partition_values(spec, parts, seen_on_rank_1)[1] == [True, False, False]
+    assert run_partition_values(spec, parts, repeat_on_rank_1)[1] == [4, 4, 4]
+
+
+def run_partition_values(spec: Any, parts: list[Any], train_fn: Any) -> list[Any]:
+    """Every rank's return value (the harness calls the train_fn through the context)."""
+    got: list[Any] = [None] * len(parts)
+
+    def keep(ctx: RunContext) -> None:
+        got[ctx.rank] = train_fn(ctx)
+
+    run_in_threads(spec, parts, keep)
+    return got
+
+
+def test_distributed_broadcasts_rank_0_only_when_the_replicas_differ() -> None:
+    def build(seed: int) -> torch.nn.Module:
+        with _INIT:
+            torch.manual_seed(seed)
+            return mlp(64, (256,), 10)  # 19 k parameters: far more than two checksums
+
+    def train_fn(ctx: RunContext, seed_of_rank: Any) -> dict[str, Any]:
+        model = build(seed_of_rank(ctx.rank))
+        before = ctx.mesh.stats.as_dict()["wire_bytes_recv"]
+        ctx.distributed(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        received = ctx.mesh.stats.as_dict()["wire_bytes_recv"] - before
+        return {"state": model.state_dict(), "received": received}
+
+    spec = loop_spec()
+    parts = random_parts([8, 8])
+    model_bytes = sum(t.numel() * t.element_size() for t in build(0).state_dict().values())
+    same = run_partition_values(spec, parts, lambda ctx: train_fn(ctx, lambda r: 0))
+    assert all(v["received"] < model_bytes / 4 for v in same)  # two checksum rounds only
+    differ = run_partition_values(spec, parts, lambda ctx: train_fn(ctx, lambda r: r))
+    assert differ[1]["received"] >= model_bytes
+    for name, tensor in differ[0]["state"].items():
+        torch.testing.assert_close(differ[1]["state"][name], tensor, rtol=0, atol=0)
+
+
+def test_progress_reaches_the_driver_from_rank_0_with_the_step_of_the_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[dict[str, Any]] = []
+
+    class Reporter:
+        def step_due(self) -> bool:
+            return True
+
+        def send(self, message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr("sparktrain.worker.run_task.start_reporter", lambda *a, **k: Reporter())
+
+    def train_fn(ctx: RunContext) -> None:
+        for epoch in range(2):
+            for _batch in ctx.batches(epoch):
+                ctx.progress(loss=0.5)
+            ctx.report(loss=1.0)
+
+    run_in_threads(loop_spec(batch_size=8), random_parts([24, 24]), train_fn)
+    steps = [(m["epoch"], m["step"]) for m in sent if m["type"] == "step"]
+    assert steps == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    step = next(m for m in sent if m["type"] == "step")
+    assert step["steps_per_epoch"] == 3 and step["loss"] == 0.5 and step["samples_per_s"] > 0
+    assert [m["type"] for m in sent].count("report") == 2
+
+
+def test_a_loss_diverging_in_an_epochs_last_step_names_that_epoch_and_step() -> None:
+    def train_fn(ctx: RunContext) -> None:
+        model = seeded_mlp(0)
+        ctx.distributed(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for i, batch in enumerate(ctx.batches(0)):
+            loss = F.cross_entropy(model(batch.x), batch.y.long())
+            ctx.backward(loss * float("nan") if i == 2 else loss)
+
+    with pytest.raises(Exception, match="epoch 1, step 3 of 3"):
+        run_in_threads(loop_spec(batch_size=8), random_parts([24, 24]), train_fn)

@@ -23,7 +23,7 @@ from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError
 from sparktrain.worker import sync as sync_module
 from sparktrain.worker.context import WorkerContext
-from sparktrain.worker.loop import train_partition
+from sparktrain.worker.run_task import run_partition
 
 from . import fixtures
 from .fixtures import loop_spec, random_parts, run_ranks
@@ -151,7 +151,7 @@ def test_no_listener_binds_a_wildcard_address_during_training(monkeypatch):
         ctx = WorkerContext(
             rank, 2, "127.0.0.1", functools.partial(coll.all_gather, rank), coll.barrier, spec
         )
-        return train_partition(ctx, parts[rank])
+        return run_partition(ctx, parts[rank])
 
     run_ranks(2, rank_fn)
     listening = seen[0]
