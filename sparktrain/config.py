@@ -142,6 +142,14 @@ class TrainConfig:
         runs, 16 MiB, world 2; more than the 10 % that would make it a default; see
         docs/security.md). The Spark-encryption gate turns it on whenever Spark's own
         encryption is on and ``encryption`` is not ``"tls"``.
+    driver_services_host, driver_services_ports:
+        Where the driver's services (progress channel, rendezvous, state receiver,
+        parameter-server shards, weights server) listen and the executors dial them:
+        an address of this process's host (empty: ``spark.driver.host``; under Spark
+        Connect, the client's address) and a port range ``"LOW-HIGH"`` to open in a
+        firewall (empty: any free port). When the executors cannot reach them, ring and
+        tree meet through Spark's barrier ``allGather`` instead and the history arrives
+        at the end of the stage (see docs/connect.md); ``ps`` needs them.
     allow_unencrypted:
         Every connection is authenticated (HMAC handshake). When Spark's own wire
         encryption is on and ``encryption`` is ``"none"``, training refuses to start
@@ -246,6 +254,8 @@ class TrainConfig:
     encryption: str = "none"
     frame_integrity: bool = False
     allow_unencrypted: bool = False
+    driver_services_host: str = ""
+    driver_services_ports: str = ""
     checkpoint_dir: str = ""
     checkpoint_every: float = 1.0
     keep_checkpoints: int = 3
@@ -333,6 +343,7 @@ class TrainConfig:
         _at_least("local_steps", self.local_steps, 1)
         _positive("lr", self.lr)
         _positive("comm_timeout", self.comm_timeout)
+        _check_services_address(self.driver_services_host, self.driver_services_ports)
         _positive("bucket_mb", self.bucket_mb)
         if (
             not isinstance(self.data_memory_mb, int | float)
@@ -711,3 +722,31 @@ def _positive(key: str, value: Any) -> None:
 
 def _callable_name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """``"LOW-HIGH"`` (or one port) as a pair; ``""``: None (any free port)."""
+    if not text:
+        return None
+    low, sep, high = str(text).partition("-")
+    try:
+        first, last = int(low), int(high if sep else low)
+    except ValueError:
+        first, last = 0, -1
+    if not 1024 <= first <= last <= 65535:
+        raise ConfigError(
+            f"driver_services_ports={text!r}: give a range of unprivileged ports "
+            "'LOW-HIGH' within 1024-65535, e.g. '40000-40099', or '' for any free port"
+        )
+    return first, last
+
+
+def _check_services_address(host: str, ports: str) -> None:
+    if not isinstance(host, str) or host.strip() in ("0.0.0.0", "::", "[::]", "*"):
+        raise ConfigError(
+            f"driver_services_host={host!r}: give an address of this host that the "
+            "executors can reach (never a wildcard), or '' for spark.driver.host"
+        )
+    if not isinstance(ports, str):
+        raise ConfigError(f"driver_services_ports={ports!r}: give a string 'LOW-HIGH'")
+    parse_port_range(ports)

@@ -309,6 +309,17 @@ class ProgressDisplay:
         self.history.append(message)
         self._listeners.record(message, self.history)
 
+    def replay(self, history: Sequence[Mapping[str, Any]]) -> None:
+        """Records that never came live (the tasks could not reach the driver): the
+        JSON lines, log lines and listeners get them now, once each."""
+        with self._lock:
+            if self.history or not history:
+                return
+            if not self._listeners.started:
+                self._listeners.start({"type": "start", "replayed": True})
+            for record in history:
+                self._record({"type": record.get("type", "report"), **record})
+
     def finish(self, summary: dict[str, Any], model: nn.Module | None) -> None:
         """The fit succeeded: listeners' ``on_finish`` (MLflow uploads the model here)."""
         with self._lock:

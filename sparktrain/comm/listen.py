@@ -10,6 +10,7 @@ Executor-side code: this module never imports pyspark.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import socket
 
@@ -122,3 +123,37 @@ def parse_address(addr: str) -> tuple[str, int]:
     if not 1 <= port <= 65535:
         raise ConfigError(f"bad peer address {addr!r}: port {port} is out of range 1..65535")
     return host, port
+
+
+class ServiceHost(str):
+    """A host the driver's services listen on, carrying the port range they may take
+    (``driver_services_ports``; None: any free port). A plain ``str`` everywhere else,
+    so it passes through every service's ``host`` argument."""
+
+    ports: tuple[int, int] | None
+
+    def __new__(cls, host: str, ports: tuple[int, int] | None = None) -> ServiceHost:
+        made = super().__new__(cls, host)
+        made.ports = ports
+        return made
+
+
+def open_service_listener(host: str) -> socket.socket:
+    """:func:`open_listener` on ``host``, on the first free port of its range when it is
+    a :class:`ServiceHost` with one."""
+    ports = getattr(host, "ports", None)
+    if ports is None:
+        return open_listener(host)
+    low, high = ports
+    for port in range(low, high + 1):
+        try:
+            return open_listener(host, port)
+        except ConfigError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE:
+                continue  # taken: the next port of the range
+            raise
+    raise ConfigError(
+        f"every port of driver_services_ports={low}-{high} on {host} is in use: widen the "
+        "range (each fit takes about four ports, more with ps shards)"
+    )

@@ -31,7 +31,7 @@ from sparktrain.comm.connection import Connection
 from sparktrain.comm.frames import MAX_FRAME_BYTES_DEFAULT
 from sparktrain.comm.handshake import DRIVER_RANK, first_bytes, serve_accepted
 from sparktrain.comm.link import LinkProfile
-from sparktrain.comm.listen import address_of, open_listener
+from sparktrain.comm.listen import address_of, open_service_listener
 from sparktrain.comm.preauth import PreauthGate, notify_observer
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.stats import CommStats
@@ -71,7 +71,7 @@ class DriverService:
     ) -> None:
         if name is not None:
             self.name = name
-        self._listener = open_listener(host)
+        self._listener = open_service_listener(host)  # its range, if it has one
         self.address = address_of(self._listener)
         self._secret, self._job_id = secret, job_id
         self._attempt = attempt if callable(attempt) else _constant(attempt)

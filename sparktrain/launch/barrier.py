@@ -10,13 +10,15 @@ around a launch is :mod:`sparktrain.launch.stage`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
-from sparktrain.errors import SparkTrainError, WorkerError
+from sparktrain.comm.listen import address_of, open_listener
+from sparktrain.errors import ConfigError, SparkTrainError, WorkerError
 from sparktrain.launch import rendezvous
 from sparktrain.launch.prepare import PreparedData
 from sparktrain.result import Record
@@ -50,6 +52,8 @@ def worker_context(spec: JobSpec | None) -> WorkerContext:
     infos = tc.getTaskInfos()
     rank = tc.partitionId()
     host = infos[rank].address.rsplit(":", 1)[0]
+    if spec is not None and spec.fault is not None and rank in spec.fault.unreachable_driver:
+        spec = cut_off_from_driver(spec, host)
     gather = None
     if spec is not None and spec.rendezvous_address:
         gather = functools.partial(
@@ -64,17 +68,61 @@ def worker_context(spec: JobSpec | None) -> WorkerContext:
         )
 
     def all_gather(message: str) -> list[str]:
+        nonlocal gather
         if gather is not None:
-            return gather(message=message)
+            try:
+                return gather(message=message)
+            except rendezvous.DriverUnreachable as exc:
+                gather = None
+                ctx.spec = without_driver(ctx.job, exc)
         return list(tc.allGather(message))
 
-    return WorkerContext(
+    ctx = WorkerContext(
         rank=rank,
         world_size=len(infos),
         host=host,
         all_gather=all_gather,
         barrier=tc.barrier,
         spec=spec,
+    )
+    return ctx
+
+
+def without_driver(spec: JobSpec, why: Exception) -> JobSpec:
+    """The spec of a task that cannot reach the driver's services: it meets its peers
+    through Spark's barrier ``allGather``, sends no live records (the history reaches
+    the driver with the stage's results) and returns its state as task results. The
+    parameter server lives in the driver, so ``ps`` cannot train this way."""
+    if spec.ps_addresses or spec.ps_bootstrap:
+        raise ConfigError(
+            f"strategy='ps' needs every executor to reach the driver's parameter server, "
+            f"but {why}. Set driver_services_host (and driver_services_ports, to open "
+            "them in a firewall) to an address of the driver the executors can reach, or "
+            "train with strategy='ring' or 'tree', which work without it"
+        )
+    log.warning(
+        "%s: meeting the other tasks through Spark's barrier allGather; progress and "
+        "callbacks get the history when the stage ends",
+        why,
+    )
+    return dataclasses.replace(
+        spec, metrics_address=None, rendezvous_address=None, state_address=None
+    )
+
+
+def cut_off_from_driver(spec: JobSpec, host: str) -> JobSpec:
+    """Test-only (``FaultPlan.unreachable_driver``): every driver address becomes a port
+    of this task's host on which nothing listens, so dialing it is refused."""
+    listener = open_listener(host)
+    dead = address_of(listener)
+    listener.close()
+    return dataclasses.replace(
+        spec,
+        metrics_address=dead if spec.metrics_address else None,
+        rendezvous_address=dead if spec.rendezvous_address else None,
+        state_address=dead if spec.state_address else None,
+        ps_addresses=tuple(dead for _ in spec.ps_addresses),
+        ps_bootstrap=dead if spec.ps_bootstrap else None,
     )
 
 

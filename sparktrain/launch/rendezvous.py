@@ -33,12 +33,21 @@ from sparktrain.comm.preauth import notify_observer
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import HANDSHAKE_TIMEOUT_S, DriverService
 from sparktrain.comm.stats import CommStats
-from sparktrain.errors import CommError, FrameError
+from sparktrain.errors import CommError, FrameError, HandshakeError
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 1 << 20
 """A rank's message is a small JSON object; anything larger is refused."""
+
+REACH_TIMEOUT_S = 5.0
+"""How long a task tries to reach the driver (connect and handshake) before it takes the
+driver for unreachable; waiting for the other ranks may then take ``comm_timeout``."""
+
+
+class DriverUnreachable(CommError):
+    """This task cannot reach the driver's services (a Spark Connect client behind a
+    firewall or NAT, say): the stage meets through Spark's barrier ``allGather``."""
 
 
 class RendezvousServer(DriverService):
@@ -137,20 +146,28 @@ def all_gather(
 ) -> list[str]:
     """A task's end: send ``message``, return every rank's message in rank order.
 
-    Raises :class:`CommError` if the driver cannot be reached, refuses this task, or
-    the other ranks do not all arrive within ``timeout`` seconds.
+    Raises :class:`DriverUnreachable` when no connection to ``address`` can be made
+    within :data:`REACH_TIMEOUT_S`, and :class:`CommError` when the driver refuses this
+    task or the other ranks do not all arrive within ``timeout`` seconds.
     """
-    conn = connect(
-        address,
-        secret=secret,
-        job_id=job_id,
-        attempt=attempt,
-        my_rank=rank,
-        peer_rank=DRIVER_RANK,
-        timeout=timeout,
-        stats=CommStats(),
-        security=security,
-    )
+    try:
+        conn = connect(
+            address,
+            secret=secret,
+            job_id=job_id,
+            attempt=attempt,
+            my_rank=rank,
+            peer_rank=DRIVER_RANK,
+            timeout=min(timeout, REACH_TIMEOUT_S),
+            stats=CommStats(),
+            security=security,
+        )
+    except HandshakeError:
+        raise  # the driver answered and refused this task (a stale attempt, say)
+    except (CommError, OSError) as exc:
+        raise DriverUnreachable(
+            f"rank {rank} cannot reach the driver's services at {address}: {exc}"
+        ) from exc
     try:
         conn.send_bytes(json.dumps({"message": message}).encode(), KIND_CONTROL)
         conn.set_timeout(timeout)
@@ -159,7 +176,10 @@ def all_gather(
         except CommError as exc:
             raise CommError(
                 f"rank {rank}: the other tasks of the stage did not all reach the rendezvous "
-                f"within {timeout:g} s (comm_timeout): {exc}"
+                f"within {timeout:g} s (comm_timeout): {exc}. A task that cannot reach the "
+                f"driver's services at {address} meets through Spark instead: if only some "
+                "executors can reach the driver, set driver_services_host to an address "
+                "they all can"
             ) from exc
     finally:
         conn.close()

@@ -91,6 +91,7 @@ from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.round_runner import RoundRunner, cache_blocks
 from sparktrain.launch.spark_env import ClassicEnv
 from sparktrain.launch.spark_volume import SparkVolume
+from sparktrain.launch.stage import driver_host
 from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
 from sparktrain.loggers import make_listeners
 from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
@@ -174,7 +175,7 @@ def run_rounds(
         if comp is not None:
             secret = secrets.token_bytes(32)
             security = WireSecurity.for_job(cfg.encryption, cfg.frame_integrity)
-            host = sc.getConf().get("spark.driver.host", "127.0.0.1")
+            host = driver_host(ClassicEnv(sc), cfg)
             downloads = WeightsServer(
                 host,
                 DownloadEncoder(comp, cfg.seed),

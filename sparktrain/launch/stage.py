@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparktrain.checkpoint import CheckpointStore, check_shared, open_for_run
+from sparktrain.comm.listen import ServiceHost
 from sparktrain.comm.security import WireSecurity
-from sparktrain.config import TrainConfig
+from sparktrain.config import TrainConfig, parse_port_range
 from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerError
 from sparktrain.launch.barrier import TaskEntry, launch
 from sparktrain.launch.prepare import PreparedData, unscale_result
@@ -114,13 +115,28 @@ class StageOutcome:
     restarts: int
     steps_redone: int
     stage_s: float
+    # False: the tasks could not reach the driver's services and met through Spark
+    driver_reached: bool = True
 
 
-def driver_host(env: SparkEnv) -> str:
-    """The address the driver's services listen on (the executors dial it); under Spark
-    Connect the services run in this client process (see
+def driver_host(env: SparkEnv, cfg: TrainConfig) -> ServiceHost:
+    """The address the driver's services listen on (the executors dial it), with their
+    port range: ``driver_services_host``/``driver_services_ports``, else Spark's driver
+    host (under Spark Connect the services run in this client process, see
     :meth:`~sparktrain.launch.spark_env.ConnectEnv.driver_host`)."""
-    return env.driver_host()
+    host = cfg.driver_services_host or env.driver_host()
+    return ServiceHost(host, parse_port_range(cfg.driver_services_ports))
+
+
+def unreachable_note(host: str) -> str:
+    """What a run gets when its tasks cannot reach the driver's services on ``host``."""
+    return (
+        f"the executors could not reach the driver's services on {host}: the tasks met "
+        "through Spark's barrier allGather, early stopping was decided inside the stage, "
+        "and the history reached progress, metrics_jsonl, callbacks and loggers when the "
+        "stage ended (no live progress). Set driver_services_host (and "
+        "driver_services_ports) to an address the executors can reach for live records"
+    )
 
 
 def open_store(cfg: TrainConfig, master: str, *, executors_write: bool) -> CheckpointStore | None:
@@ -183,7 +199,7 @@ def train_in_stage(
     display = ProgressDisplay(
         cfg.progress, cfg.metrics_jsonl, listeners=listeners, config=cfg.to_dict()
     )
-    host = driver_host(job.spark)
+    host = driver_host(job.spark, cfg)
     if job.spark.connect:
         log.info(
             "Spark Connect: the driver services (progress, rendezvous, state%s) run in this "
@@ -223,6 +239,10 @@ def train_in_stage(
         raise
     if job.received is None:  # a driver model (sparktrain.run returns its own value)
         unscale_result(result, job.prepared)
+    if not outcome.driver_reached:
+        result.summary["driver_services"] = unreachable_note(host)
+        log.warning("%s", result.summary["driver_services"])
+        display.replay(result.history)
     display.finish(result.summary, result.model)
     return result
 
@@ -249,8 +269,12 @@ def run_stage(
         driver.begin_attempt(attempt)
         spec = dataclasses.replace(base, attempt=attempt, resume_step=step, resume_history=history)
         try:
-            records = _attempt(env, prepared, spec, display, entry, model, senders, received)
-            return StageOutcome(records, restarts, steps_redone, time.perf_counter() - launched)
+            records, met_here = _attempt(
+                env, prepared, spec, display, entry, model, senders, received
+            )
+            return StageOutcome(
+                records, restarts, steps_redone, time.perf_counter() - launched, met_here
+            )
         except (WorkerError, CommError) as exc:  # data and config errors are final
             if attempt >= cfg.max_restarts:
                 raise
@@ -278,12 +302,14 @@ def _attempt(
     model: nn.Module | None,
     senders: Mapping[int, Collection[str]] | None,
     received: dict[str, torch.Tensor] | None = None,
-) -> list[Record]:
+) -> tuple[list[Record], bool]:
     """One barrier stage with its own progress channel, rendezvous and state receiver:
     the ranks stream their trained state straight into ``model``
     (:mod:`sparktrain.launch.state_server`), not as task results; without a model,
-    rank 0's tensors as sent go into ``received``."""
-    host = driver_host(env)
+    rank 0's tensors as sent go into ``received``. Returns the records and whether the
+    tasks reached these services (if not, they met through Spark's barrier
+    ``allGather`` and returned their state as task results)."""
+    host = driver_host(env, spec.config)
     # every service authenticates this job's tasks of this attempt only
     job: dict[str, Any] = {
         "secret": spec.secret,
@@ -312,7 +338,8 @@ def _attempt(
                 if watchdog is not None and watchdog.reason:  # cancelled: could never start
                     raise ResourceError(watchdog.reason) from exc
                 raise
-        if not receiver.done.is_set():
+        reached = meeting.rounds_completed > 0
+        if reached and not receiver.done.is_set():
             raise WorkerError(
                 f"the trained state did not reach the driver ({receiver.error}); "
                 "this is a bug, please report it"
@@ -320,7 +347,7 @@ def _attempt(
         if received is not None:
             received.clear()
             received.update(receiver.received)
-        return records
+        return records, reached
     finally:
         for service in reversed(services):
             service.stop()

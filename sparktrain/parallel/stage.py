@@ -147,6 +147,8 @@ def train_stage(ctx: WorkerContext, data: PartitionData, spec: PipelineSpec) -> 
             f"{spec.stages} x {spec.replicas}"
         )
     mesh, infos, train, val = rendezvous(ctx, data)
+    # a task that could not reach the driver met through Spark and forgot its addresses
+    spec = replace(spec, job=ctx.job)
     try:
         return _StageRunner(ctx, spec, mesh, infos, train, val).run()
     finally:

@@ -25,6 +25,9 @@ class FaultPlan:
     marker: str  # a path on a filesystem every task can see
     kind: str = "raise"  # "raise": an exception in the task; "exit": os._exit(137)
     also: tuple[FaultPlan, ...] = ()  # further faults of the same run (own markers)
+    # ranks that cannot reach the driver's services, in every attempt (a Connect client
+    # behind a firewall): their tasks dial a closed port instead
+    unreachable_driver: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -37,6 +40,11 @@ class FaultPlan:
             raise ValueError("FaultPlan.series needs plans with distinct markers")
         first, *rest = plans
         return cls(first.rank, first.step, first.marker, first.kind, tuple(rest))
+
+    @classmethod
+    def driver_unreachable(cls, ranks: Sequence[int]) -> FaultPlan:
+        """A plan that only cuts ``ranks`` off the driver's services (no failure)."""
+        return cls(rank=-1, step=-1, marker="", unreachable_driver=tuple(ranks))
 
     def maybe_fire(self, rank: int, step: int) -> None:
         """Fail here if this is the planned rank and step and it has not failed yet."""

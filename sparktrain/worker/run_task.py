@@ -45,6 +45,7 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
     builtin = spec.train_fn is None
     train_fn = builtin_loop if builtin else resolve_train_fn(spec.train_fn)
     mesh, infos, train, val = rendezvous(ctx, data, builtin_loop=builtin)
+    spec = ctx.job  # a task that could not reach the driver met through Spark: no addresses
     try:
         rows = [int(i["train"]) for i in infos]
         steps = _steps_per_epoch(rows, cfg.batch_size, cfg.drop_last, builtin)
