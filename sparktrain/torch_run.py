@@ -27,11 +27,10 @@ import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from sparktrain.comm_backend import check_torch_transport
 from sparktrain.config import TrainConfig
-from sparktrain.errors import ResourceError
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     from sparktrain.worker.run_context import RunContext
@@ -79,42 +78,6 @@ def torch_run(
         session = get_or_create_session()
     check_torch_transport(session.sparkContext, cfg, "torch_run")
     return run(TorchEntry(fn, tuple(args)), config=cfg, spark=session).value
-
-
-def check_torch_transport(sc: SparkContext, cfg: TrainConfig, what: str) -> None:
-    """Refuse ``what`` (torch_run, or ``comm_backend="torch"``) when encryption is
-    required: torch's TCPStore, Gloo and NCCL authenticate and encrypt nothing.
-
-    Required means ``encryption = "tls"``, or Spark encrypting its wire
-    (:data:`~sparktrain.launch.resources.WIRE_ENCRYPTION_KEYS`) without
-    ``allow_unencrypted = true``, the same opt-out the encryption gate takes.
-    """
-    from sparktrain.launch.resources import spark_wire_encryption
-
-    if cfg.encryption != "none":
-        raise ResourceError(
-            f"{what} runs the collectives through torch.distributed, whose store and "
-            f"Gloo/NCCL traffic are neither authenticated nor encrypted, so it cannot honour "
-            f'encryption = "{cfg.encryption}": use comm_backend = "sparktrain" with '
-            'encryption, or encryption = "none" on a network you trust'
-        )
-    enabled = spark_wire_encryption(sc)
-    if not enabled:
-        return
-    keys = ", ".join(f"{k}=true" for k in enabled)
-    if not cfg.allow_unencrypted:
-        raise ResourceError(
-            f"Spark encrypts its wire here ({keys}), but {what} sends through "
-            "torch.distributed, which neither authenticates nor encrypts (its TCPStore "
-            'and Gloo/NCCL): use sparktrain\'s own collectives with encryption = "tls", '
-            "or set allow_unencrypted = true to accept plaintext on a network you trust"
-        )
-    log.warning(
-        "Spark encrypts its wire (%s) but %s sends through torch.distributed in plaintext "
-        "and without authentication (allow_unencrypted=true)",
-        keys,
-        what,
-    )
 
 
 class TorchEntry:

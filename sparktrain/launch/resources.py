@@ -81,6 +81,10 @@ def check_transport_security(sc: SparkContext, cfg: TrainConfig) -> TrainConfig:
     already authenticated), ``frame_integrity`` is forced on: the returned config is a
     copy with ``frame_integrity=True`` (``cfg`` itself when nothing changes).
     """
+    if cfg.comm_backend == "torch":  # torch's plaintext collectives: their own refusal
+        from sparktrain.comm_backend import check_torch_transport
+
+        check_torch_transport(sc, cfg, "comm_backend='torch'")
     enabled = spark_wire_encryption(sc)
     if not enabled:
         return cfg
