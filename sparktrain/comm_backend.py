@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sparktrain.errors import ConfigError, ResourceError
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
-
     from sparktrain.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -93,16 +91,15 @@ def check_comm_backend(cfg: TrainConfig) -> None:
         hook_spec(spec)
 
 
-def check_torch_transport(sc: SparkContext, cfg: TrainConfig, what: str) -> None:
+def check_torch_transport(enabled: Sequence[str], cfg: TrainConfig, what: str) -> None:
     """Refuse ``what`` (torch_run, or ``comm_backend="torch"``) when encryption is
     required: torch's TCPStore, Gloo and NCCL authenticate and encrypt nothing.
 
-    Required means ``encryption = "tls"``, or Spark encrypting its wire
-    (:data:`~sparktrain.launch.resources.WIRE_ENCRYPTION_KEYS`) without
+    Required means ``encryption = "tls"``, or Spark encrypting its wire (``enabled``:
+    the :data:`~sparktrain.launch.resources.WIRE_ENCRYPTION_KEYS` set, from
+    :func:`~sparktrain.launch.resources.spark_wire_encryption`) without
     ``allow_unencrypted = true``, the same opt-out the encryption gate takes.
     """
-    from sparktrain.launch.resources import spark_wire_encryption
-
     if cfg.encryption != "none":
         raise ResourceError(
             f"{what} runs the collectives through torch.distributed, whose store and "
@@ -110,7 +107,6 @@ def check_torch_transport(sc: SparkContext, cfg: TrainConfig, what: str) -> None
             f'encryption = "{cfg.encryption}": use comm_backend = "sparktrain" with '
             'encryption, or encryption = "none" on a network you trust'
         )
-    enabled = spark_wire_encryption(sc)
     if not enabled:
         return
     keys = ", ".join(f"{k}=true" for k in enabled)

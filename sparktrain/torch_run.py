@@ -76,7 +76,9 @@ def torch_run(
         from sparktrain.session import get_or_create_session
 
         session = get_or_create_session()
-    check_torch_transport(session.sparkContext, cfg, "torch_run")
+    from sparktrain.launch.resources import spark_wire_encryption
+
+    check_torch_transport(spark_wire_encryption(session.sparkContext), cfg, "torch_run")
     return run(TorchEntry(fn, tuple(args)), config=cfg, spark=session).value
 
 

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from sparktrain import strategies
+from sparktrain.comm_backend import check_torch_transport  # torch's plaintext collectives
 from sparktrain.errors import ResourceError
 
 if TYPE_CHECKING:
@@ -81,11 +82,9 @@ def check_transport_security(sc: SparkContext, cfg: TrainConfig) -> TrainConfig:
     already authenticated), ``frame_integrity`` is forced on: the returned config is a
     copy with ``frame_integrity=True`` (``cfg`` itself when nothing changes).
     """
-    if cfg.comm_backend == "torch":  # torch's plaintext collectives: their own refusal
-        from sparktrain.comm_backend import check_torch_transport
-
-        check_torch_transport(sc, cfg, "comm_backend='torch'")
     enabled = spark_wire_encryption(sc)
+    if cfg.comm_backend == "torch":
+        check_torch_transport(enabled, cfg, "comm_backend='torch'")
     if not enabled:
         return cfg
     keys = ", ".join(f"{k}=true" for k in enabled)

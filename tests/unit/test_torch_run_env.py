@@ -103,9 +103,9 @@ class _Sc:
 
 def test_refused_when_encryption_is_required() -> None:
     with pytest.raises(ResourceError, match="neither authenticated nor encrypted"):
-        check_torch_transport(_Sc(), TrainConfig(encryption="tls"), "torch_run")  # type: ignore[arg-type]
-    wire = {"spark.network.crypto.enabled": "true"}
+        check_torch_transport([], TrainConfig(encryption="tls"), "torch_run")
+    wire = ["spark.network.crypto.enabled"]
     with pytest.raises(ResourceError, match="allow_unencrypted"):
-        check_torch_transport(_Sc(**wire), TrainConfig(), "torch_run")  # type: ignore[arg-type]
-    check_torch_transport(_Sc(**wire), TrainConfig(allow_unencrypted=True), "torch_run")  # type: ignore[arg-type]
-    check_torch_transport(_Sc(), TrainConfig(), "torch_run")  # type: ignore[arg-type]
+        check_torch_transport(wire, TrainConfig(), "torch_run")
+    check_torch_transport(wire, TrainConfig(allow_unencrypted=True), "torch_run")
+    check_torch_transport([], TrainConfig(), "torch_run")
