@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparktrain.comm_backend import check_torch_transport
 from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -71,6 +72,11 @@ def torch_run(
     cfg = config or TrainConfig()
     if num_workers is not None:
         cfg = cfg.replace(num_workers=num_workers)
+    if cfg.strategy not in ("ring", "tree"):  # the ps would start a server fn never uses
+        raise ConfigError(
+            f"torch_run meets the ranks over strategy='ring' or 'tree', not "
+            f"{cfg.strategy!r}: fn does its own communication"
+        )
     session = spark
     if session is None:
         from sparktrain.session import get_or_create_session

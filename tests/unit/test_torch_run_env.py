@@ -109,3 +109,11 @@ def test_refused_when_encryption_is_required() -> None:
         check_torch_transport(wire, TrainConfig(), "torch_run")
     check_torch_transport(wire, TrainConfig(allow_unencrypted=True), "torch_run")
     check_torch_transport([], TrainConfig(), "torch_run")
+
+
+def test_torch_run_refuses_the_parameter_server() -> None:
+    from sparktrain.errors import ConfigError
+    from sparktrain.torch_run import torch_run
+
+    with pytest.raises(ConfigError, match="strategy='ring' or 'tree'"):
+        torch_run(print, config=TrainConfig(strategy="ps"), spark=object())  # type: ignore[arg-type]
