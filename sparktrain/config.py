@@ -220,9 +220,9 @@ class TrainConfig:
 
     strategy: str = "ring"
     compression: str | dict[str, str] = "none"
+    comm_backend: str = "sparktrain"
     overlap: bool = True
     link_profile: str = "none"
-    comm_backend: str = "sparktrain"
     link_bandwidth_mbit: float = 0.0
     link_rtt_ms: float = 0.0
     link_jitter_ms: float = 0.0
