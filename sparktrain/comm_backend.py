@@ -1,7 +1,7 @@
 """``comm_backend``: whose collectives average the ring/tree strategies' gradients.
 
 ``"sparktrain"`` (the default) is sparktrain's own transport (authenticated, optionally
-TLS). ``"torch"`` runs them through ``torch.distributed`` (Gloo on CPU, NCCL on CUDA),
+TLS). ``"torch"`` runs them through ``torch.distributed`` (Gloo: the buckets are host memory),
 bootstrapped from sparktrain's authenticated rendezvous
 (:mod:`sparktrain.worker.torch_sync`); torch's store and collectives are neither
 authenticated nor encrypted, so it is opt-in and refused when encryption is required.

@@ -62,7 +62,7 @@ class TrainConfig:
     comm_backend:
         Whose collectives average the gradients of ``ring`` and ``tree``:
         ``"sparktrain"`` (its own authenticated transport) or ``"torch"``
-        (``torch.distributed``: Gloo on CPU, NCCL on CUDA, bootstrapped from the
+        (``torch.distributed``'s Gloo on the host buckets, bootstrapped from the
         authenticated rendezvous; compression only as DDP hooks: ``fp16``, ``bf16``,
         ``powersgd:R[+ef]``). torch's store and collectives are neither authenticated nor
         encrypted: opt-in, refused when encryption is required (docs/torch.md).

@@ -1,5 +1,6 @@
 """``comm_backend = "torch"``: the ring/tree gradient averaging through
-``torch.distributed`` (Gloo on CPU, NCCL on CUDA).
+``torch.distributed``: Gloo today, since the buckets are host memory;
+:func:`init_process_group` picks NCCL for a CUDA device, for buckets on the device.
 
 Everything but the collective is :class:`~sparktrain.worker.sync.AllreduceSync`'s:
 the same buckets, the same weighting by row counts (each rank's gradients times its
@@ -167,8 +168,9 @@ class TorchSync(AllreduceSync):
 
     def __init__(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> None:
         cfg = ctx.job.config
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.backend = init_process_group(ctx, device, cfg.comm_timeout)
+        # The buckets are host memory (numpy) whatever the model's device, and NCCL reduces
+        # only CUDA tensors: Gloo until the buckets can live on the device.
+        self.backend = init_process_group(ctx, torch.device("cpu"), cfg.comm_timeout)
         try:
             super().__init__(ctx, model, mesh)
             self._plain = TorchSumAllreduce()  # type: ignore[assignment]
