@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
+    from sparktrain.distributor import torch_run
     from sparktrain.result import TrainResult
     from sparktrain.runner import RunResult, run
-    from sparktrain.torch_run import torch_run
     from sparktrain.trainer import Trainer
 
 __all__ = ["RunResult", "TrainConfig", "TrainResult", "Trainer", "run", "torch_run"]
@@ -28,7 +28,9 @@ __version__ = "0.1.0"
 _HOMES = {"TrainConfig": "sparktrain.config", "Trainer": "sparktrain.trainer"}
 _HOMES["TrainResult"] = "sparktrain.result"
 _HOMES["run"] = _HOMES["RunResult"] = "sparktrain.runner"
-_HOMES["torch_run"] = "sparktrain.torch_run"  # TorchDistributor-style functions
+# not sparktrain/torch_run.py: importing a submodule of that name would replace this
+# function by the module on the package
+_HOMES["torch_run"] = "sparktrain.distributor"
 
 
 def __getattr__(name: str) -> Any:

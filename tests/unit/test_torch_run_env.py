@@ -9,8 +9,7 @@ import socket
 import pytest
 
 from sparktrain import TrainConfig
-from sparktrain.errors import ResourceError
-from sparktrain.torch_run import (
+from sparktrain.distributor import (
     ENV_KEYS,
     TorchEntry,
     check_torch_transport,
@@ -18,6 +17,7 @@ from sparktrain.torch_run import (
     patched_env,
     torch_env,
 )
+from sparktrain.errors import ResourceError
 
 
 def test_env_of_each_rank_on_two_hosts() -> None:
@@ -112,8 +112,15 @@ def test_refused_when_encryption_is_required() -> None:
 
 
 def test_torch_run_refuses_the_parameter_server() -> None:
+    from sparktrain.distributor import torch_run
     from sparktrain.errors import ConfigError
-    from sparktrain.torch_run import torch_run
 
     with pytest.raises(ConfigError, match="strategy='ring' or 'tree'"):
         torch_run(print, config=TrainConfig(strategy="ps"), spark=object())  # type: ignore[arg-type]
+
+
+def test_sparktrain_torch_run_is_the_function_after_its_module_is_imported() -> None:
+    import sparktrain
+    import sparktrain.distributor
+
+    assert sparktrain.torch_run is sparktrain.distributor.torch_run
