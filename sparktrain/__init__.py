@@ -1,6 +1,7 @@
 """sparktrain: distributed PyTorch training on Apache Spark.
 
-The public API is these five names (``run`` takes your own training loop); everything
+The public API is these names (``run`` takes your own training loop, ``torch_run`` a
+function written for pyspark's TorchDistributor); everything
 else is reached through them, the ``sparktrain`` command line, or ``jobs/*.py`` for
 spark-submit.
 
@@ -16,16 +17,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
+    from sparktrain.distributor import torch_run
     from sparktrain.result import TrainResult
     from sparktrain.runner import RunResult, run
     from sparktrain.trainer import Trainer
 
-__all__ = ["RunResult", "TrainConfig", "TrainResult", "Trainer", "run"]
+__all__ = ["RunResult", "TrainConfig", "TrainResult", "Trainer", "run", "torch_run"]
 __version__ = "0.1.0"
 
 _HOMES = {"TrainConfig": "sparktrain.config", "Trainer": "sparktrain.trainer"}
 _HOMES["TrainResult"] = "sparktrain.result"
 _HOMES["run"] = _HOMES["RunResult"] = "sparktrain.runner"
+# not sparktrain/torch_run.py: importing a submodule of that name would replace this
+# function by the module on the package
+_HOMES["torch_run"] = "sparktrain.distributor"
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from sparktrain.comm_backend import check_comm_backend
 from sparktrain.errors import ConfigError
 from sparktrain.strategies import registry
 
@@ -58,6 +59,13 @@ class TrainConfig:
         the link probe. A table ``{"pattern" = "spec", ...}`` is a per-layer policy:
         parameter names are matched against the glob patterns in order, first match wins,
         ``"*"`` is the fallback (unmatched parameters are not compressed).
+    comm_backend:
+        Whose collectives average the gradients of ``ring`` and ``tree``:
+        ``"sparktrain"`` (its own authenticated transport) or ``"torch"``
+        (``torch.distributed``'s Gloo on the host buckets, bootstrapped from the
+        authenticated rendezvous; compression only as DDP hooks: ``fp16``, ``bf16``,
+        ``powersgd:R[+ef]``). torch's store and collectives are neither authenticated nor
+        encrypted: opt-in, refused when encryption is required (docs/torch.md).
     overlap:
         Start each bucket's gradient exchange from gradient hooks while the backward pass
         continues (as DDP does), instead of after it.
@@ -220,6 +228,7 @@ class TrainConfig:
 
     strategy: str = "ring"
     compression: str | dict[str, str] = "none"
+    comm_backend: str = "sparktrain"
     overlap: bool = True
     link_profile: str = "none"
     link_bandwidth_mbit: float = 0.0
@@ -373,6 +382,7 @@ class TrainConfig:
                 "class labels: set label_scaling=false"
             )
         _check_loop_options(self)
+        check_comm_backend(self)
         strategy.validate(self)
 
     # ------------------------------------------------------------------ building

@@ -14,6 +14,12 @@ parameters in k shards, and every barrier task times push + pull rounds (its gra
 up, the shard's delta back: the whole model each way per rank). Rows are ``ps{k}``
 with ``shards: k``; busbw uses the same formula so the rows compare with the ring's.
 
+``--algos torch`` runs ``torch.distributed``'s Gloo allreduce *inside* the same barrier
+tasks, bootstrapped from the rendezvous exactly as ``comm_backend = "torch"`` does
+(:mod:`sparktrain.worker.torch_sync`): the row compares it with our ring in the same
+tasks, and with ``gloo`` (the same Gloo between plain processes, ``tcp://`` init) for what
+Spark's Python workers cost it.
+
 ``--security none mac tls`` runs ring/tree once per wire security (plaintext, frame
 MACs, TLS; :mod:`sparktrain.comm.security`) on a mesh each, in the same barrier tasks,
 taking turns iteration by iteration: rows ``ring``, ``ring+mac``, ``ring+tls`` with
@@ -40,7 +46,10 @@ from sparktrain.errors import ConfigError
 
 OURS = ("ring", "tree")
 PS = "ps"
-ALGOS = (*OURS, PS, "gloo")
+TORCH = "torch"
+"""Gloo through comm_backend='torch''s bootstrap, in the barrier tasks."""
+IN_TASKS = (*OURS, TORCH)
+ALGOS = (*OURS, PS, "gloo", TORCH)
 DEFAULT_ALGOS = (*OURS, "gloo")
 """What runs without ``--algos`` (the parameter server only when asked for)."""
 PS_JOB_ID = "bench-ps"
@@ -133,10 +142,13 @@ def _spark_task(
                     security=WireSecurity.from_text(gathered[0][2]),
                 )
             for algo in algos:
-                reducers = {mode: make_allreduce(algo, mesh) for mode, mesh in meshes.items()}
+                if algo == TORCH:  # no wire security of its own: one plaintext row
+                    reducers: dict[str, Any] = {"none": _torch_allreduce(ctx, timeout)}
+                else:
+                    reducers = {mode: make_allreduce(algo, mesh) for mode, mesh in meshes.items()}
                 for nbytes in sizes:
                     # ones double every allreduce: one buffer per mode keeps them finite
-                    bufs = {mode: np.ones(nbytes // 4, dtype=np.float32) for mode in modes}
+                    bufs = {mode: np.ones(nbytes // 4, dtype=np.float32) for mode in reducers}
                     for mode, reducer in reducers.items():
                         for _ in range(2):
                             reducer.allreduce_(bufs[mode])
@@ -151,9 +163,27 @@ def _spark_task(
         finally:
             for mesh in meshes.values():
                 mesh.close()
+            _destroy_torch_group()
         yield json.dumps({"rank": ctx.rank, "times": out})
 
     return task
+
+
+def _torch_allreduce(ctx: Any, timeout: float) -> Any:
+    """comm_backend='torch''s plain allreduce, its process group started as there."""
+    import torch
+
+    from sparktrain.worker.torch_sync import TorchSumAllreduce, init_process_group
+
+    init_process_group(ctx, torch.device("cpu"), timeout)
+    return TorchSumAllreduce()
+
+
+def _destroy_torch_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def bench_ours(
@@ -173,6 +203,8 @@ def bench_ours(
     results = []
     for mode in securities:
         for algo in algos:
+            if algo == TORCH:
+                continue
             for nbytes in sizes:
                 key = f"{_label(algo, mode)}:{nbytes}"
                 # iteration i takes as long as its slowest rank
@@ -181,6 +213,11 @@ def bench_ours(
                 if len(securities) > 1 or mode != "none":
                     row["security"] = mode
                 results.append(row)
+    if TORCH in algos:  # one plaintext row whatever --security says
+        for nbytes in sizes:
+            key = f"{TORCH}:{nbytes}"
+            slowest = [max(ts) for ts in zip(*(r[key] for r in per_rank), strict=True)]
+            results.append(record(TORCH, world, nbytes, statistics.median(slowest)))
     return results
 
 
@@ -486,7 +523,7 @@ def main(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes]
     if any(w < 1 for w in args.world):
         raise ConfigError("--world sizes must be >= 1")
-    ours = [a for a in args.algos if a in OURS]
+    ours = [a for a in args.algos if a in IN_TASKS]
     shards = list(getattr(args, "shards", None) or [1, 4])
     if PS in args.algos and any(k < 1 for k in shards):
         raise ConfigError("--shards counts must be >= 1")

@@ -332,6 +332,12 @@ SECTIONS: tuple[Section, ...] = (
         "allreduce_ps.json", _allreduce,
     ),
     Section(
+        "allreduce_torch", "comm_backend='torch': Gloo inside the barrier tasks",
+        "sparktrain bench allreduce --world 2 --sizes 4K 1M 16M --algos ring torch gloo \\\n"
+        "    --json docs/results/allreduce_torch.json",
+        "allreduce_torch.json", _allreduce, ("allreduce_torch.png",),
+    ),
+    Section(
         "bench_mllib", "tree_aggregate against MLlib's MultilayerPerceptronClassifier",
         "sparktrain bench mllib --json docs/results/bench_mllib.json",
         "bench_mllib.json", _mllib, ("bench_mllib.png",),

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from sparktrain import strategies
+from sparktrain.comm_backend import check_torch_transport  # torch's plaintext collectives
 from sparktrain.errors import ResourceError
 
 if TYPE_CHECKING:
@@ -94,6 +95,8 @@ def check_transport_security(env: SparkEnv, cfg: TrainConfig) -> TrainConfig:
     copy with ``frame_integrity=True`` (``cfg`` itself when nothing changes).
     """
     enabled = spark_wire_encryption(env)
+    if cfg.comm_backend == "torch":
+        check_torch_transport(enabled, cfg, "comm_backend='torch'")
     if not enabled:
         return cfg
     keys = ", ".join(f"{k}=true" for k in enabled)

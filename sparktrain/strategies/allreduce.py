@@ -38,6 +38,10 @@ class Allreduce(Strategy):
     def worker_sync(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> StepSync:
         from sparktrain.worker.sync import AllreduceSync
 
+        if ctx.job.config.comm_backend == "torch":  # opt-in: torch.distributed's collectives
+            from sparktrain.worker.torch_sync import TorchSync
+
+            return TorchSync(ctx, model, mesh)
         return AllreduceSync(ctx, model, mesh)
 
 

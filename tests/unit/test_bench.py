@@ -55,3 +55,11 @@ def test_ps_is_an_algo_but_not_a_default():
     assert "ps" in ALGOS and args.algos == list(DEFAULT_ALGOS) and args.shards == [1, 4]
     args = parser.parse_args(["--algos", "ring", "ps", "--shards", "2"])
     assert args.algos == ["ring", "ps"] and args.shards == [2]
+
+
+def test_torch_is_a_bench_algo_and_compares_with_gloo():
+    from sparktrain.bench.allreduce import TORCH
+
+    assert TORCH in ALGOS and TORCH not in DEFAULT_ALGOS
+    rows = [record("torch", 2, 1 << 20, 0.002), record("gloo", 2, 1 << 20, 0.001)]
+    assert "| 2 | 1M | torch | 2000 us | 0.524 | 0.50x busbw, 2.00x time |" in table(rows)

@@ -1,0 +1,125 @@
+"""``comm_backend``: whose collectives average the ring/tree strategies' gradients.
+
+``"sparktrain"`` (the default) is sparktrain's own transport (authenticated, optionally
+TLS). ``"torch"`` runs them through ``torch.distributed`` (Gloo: the buckets are host memory),
+bootstrapped from sparktrain's authenticated rendezvous
+(:mod:`sparktrain.worker.torch_sync`); torch's store and collectives are neither
+authenticated nor encrypted, so it is opt-in and refused when encryption is required.
+
+This module imports no torch: :class:`~sparktrain.config.TrainConfig` validates with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sparktrain.errors import ConfigError, ResourceError
+
+if TYPE_CHECKING:
+    from sparktrain.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+COMM_BACKENDS = ("sparktrain", "torch")
+TORCH_STRATEGIES = ("ring", "tree")
+TORCH_SPECS = ("none", "fp16", "bf16", "powersgd:R", "powersgd:R+ef", "powersgd:R,cold+ef")
+"""The compression specs ``comm_backend="torch"`` runs as DDP communication hooks."""
+
+_POWERSGD = re.compile(r"powersgd:(?:rank=)?(\d+)(,cold)?(\+ef)?")
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """A compression spec as one of torch's DDP communication hooks."""
+
+    hook: str  # "fp16", "bf16" or "powersgd"
+    rank: int = 1
+    warm_start: bool = True
+    error_feedback: bool = False
+
+
+def hook_spec(spec: str) -> HookSpec | None:
+    """The DDP hook for ``spec`` (None: ``"none"``, the plain allreduce); a
+    :class:`ConfigError` for a spec torch has no hook for."""
+    if spec == "none":
+        return None
+    if spec in ("fp16", "bf16"):
+        return HookSpec(spec)
+    match = _POWERSGD.fullmatch(spec)
+    if match is not None and int(match.group(1)) >= 1:
+        return HookSpec(
+            "powersgd",
+            rank=int(match.group(1)),
+            warm_start=match.group(2) is None,
+            error_feedback=match.group(3) is not None,
+        )
+    raise ConfigError(
+        f"comm_backend='torch' compresses with torch's DDP communication hooks, which have "
+        f"no counterpart for compression={spec!r}: use one of {', '.join(TORCH_SPECS)}, or "
+        "comm_backend='sparktrain' for every compressor"
+    )
+
+
+def check_comm_backend(cfg: TrainConfig) -> None:
+    """Validate ``comm_backend`` and what it combines with."""
+    if cfg.comm_backend not in COMM_BACKENDS:
+        raise ConfigError(
+            f"comm_backend={cfg.comm_backend!r} is not allowed; allowed values: "
+            f"{', '.join(COMM_BACKENDS)}"
+        )
+    if cfg.comm_backend == "sparktrain":
+        return
+    if cfg.strategy not in TORCH_STRATEGIES or cfg.parallelism_pipeline > 1:
+        raise ConfigError(
+            f"comm_backend='torch' averages the gradients of strategy='ring' or 'tree' "
+            f"without a pipeline, not strategy={cfg.strategy!r}"
+            f"{' with parallelism.pipeline > 1' if cfg.parallelism_pipeline > 1 else ''}"
+        )
+    if cfg.encryption != "none":
+        raise ConfigError(
+            "comm_backend='torch' sends through torch.distributed, whose store and "
+            f"Gloo/NCCL traffic are neither authenticated nor encrypted: it cannot honour "
+            f"encryption={cfg.encryption!r} (use comm_backend='sparktrain')"
+        )
+    compression = cfg.compression
+    specs = compression.values() if isinstance(compression, Mapping) else [compression]
+    for spec in specs:
+        hook_spec(spec)
+
+
+def check_torch_transport(enabled: Sequence[str], cfg: TrainConfig, what: str) -> None:
+    """Refuse ``what`` (torch_run, or ``comm_backend="torch"``) when encryption is
+    required: torch's TCPStore, Gloo and NCCL authenticate and encrypt nothing.
+
+    Required means ``encryption = "tls"``, or Spark encrypting its wire (``enabled``:
+    the :data:`~sparktrain.launch.resources.WIRE_ENCRYPTION_KEYS` set, from
+    :func:`~sparktrain.launch.resources.spark_wire_encryption`) without
+    ``allow_unencrypted = true``, the same opt-out the encryption gate takes.
+    """
+    if cfg.encryption != "none":
+        raise ResourceError(
+            f"{what} runs the collectives through torch.distributed, whose store and "
+            f"Gloo/NCCL traffic are neither authenticated nor encrypted, so it cannot honour "
+            f'encryption = "{cfg.encryption}": use comm_backend = "sparktrain" with '
+            'encryption, or encryption = "none" on a network you trust'
+        )
+    if not enabled:
+        return
+    keys = ", ".join(f"{k}=true" for k in enabled)
+    if not cfg.allow_unencrypted:
+        raise ResourceError(
+            f"Spark encrypts its wire here ({keys}), but {what} sends through "
+            "torch.distributed, which neither authenticates nor encrypts (its TCPStore "
+            'and Gloo/NCCL): use sparktrain\'s own collectives with encryption = "tls", '
+            "or set allow_unencrypted = true to accept plaintext on a network you trust"
+        )
+    log.warning(
+        "Spark encrypts its wire (%s) but %s sends through torch.distributed in plaintext "
+        "and without authentication (allow_unencrypted=true)",
+        keys,
+        what,
+    )

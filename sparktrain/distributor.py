@@ -1,0 +1,167 @@
+"""``sparktrain.torch_run``: code written for pyspark's ``TorchDistributor`` runs unchanged.
+
+>>> def train(lr):  # doctest: +SKIP
+...     import torch.distributed as dist
+...     dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+...     model = torch.nn.parallel.DistributedDataParallel(make_model())
+...     ...
+...     return model.module.state_dict()
+>>> state = sparktrain.torch_run(train, 0.01, num_workers=2)  # doctest: +SKIP
+
+Every task of one barrier stage (the stage runner of :func:`sparktrain.run`, with its
+restarts and progress) calls ``fn(*args)`` with the environment torch's ``env://``
+initialisation reads. Rank 0 picks a free port on its own task address; the address
+and port reach the other ranks through sparktrain's authenticated all-gather, not
+through anything a stranger could answer. What ``fn`` then does with them is torch's
+business: its ``TCPStore`` and Gloo/NCCL are neither authenticated nor encrypted, so
+``torch_run`` is refused whenever encryption is required (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sparktrain.comm_backend import check_torch_transport
+from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from sparktrain.worker.run_context import RunContext
+
+log = logging.getLogger(__name__)
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What ``torch.distributed``'s ``env://`` initialisation and ``torchrun`` scripts read."""
+
+
+def torch_run(
+    fn: Callable[..., Any],
+    *args: Any,
+    num_workers: int | None = None,
+    config: TrainConfig | None = None,
+    spark: SparkSession | None = None,
+) -> Any:
+    """Call ``fn(*args)`` in each of ``num_workers`` tasks of one barrier stage, as
+    ``TorchDistributor(num_processes=num_workers).run(fn, *args)`` would, and return
+    rank 0's return value.
+
+    Each call sees ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's task address and a port free there),
+    so ``torch.distributed.init_process_group(backend)`` with the default ``env://``
+    works; the environment is restored afterwards, and a process group ``fn`` left
+    initialised is destroyed. The return value travels without pickle: tensors, state
+    dicts, numbers, strings, lists and dicts (tuples come back as lists), as with
+    :func:`sparktrain.run`. ``config`` supplies ``num_workers``, ``max_restarts`` (a
+    failed task resubmits the stage: ``fn`` starts again on every rank), ``progress``,
+    ``comm_timeout`` and the security settings; ``strategy`` must stay ``"ring"`` or
+    ``"tree"`` (the ranks meet over it; ``fn`` does its own communication).
+
+    Raises :class:`~sparktrain.errors.ResourceError` when the config or Spark requires
+    encryption: torch's store and collectives cannot provide it.
+    """
+    from sparktrain.runner import run
+
+    cfg = config or TrainConfig()
+    if num_workers is not None:
+        cfg = cfg.replace(num_workers=num_workers)
+    if cfg.strategy not in ("ring", "tree"):  # the ps would start a server fn never uses
+        raise ConfigError(
+            f"torch_run meets the ranks over strategy='ring' or 'tree', not "
+            f"{cfg.strategy!r}: fn does its own communication"
+        )
+    session = spark
+    if session is None:
+        from sparktrain.session import get_or_create_session
+
+        session = get_or_create_session()
+    from sparktrain.launch.resources import spark_wire_encryption
+    from sparktrain.launch.spark_env import spark_env
+
+    check_torch_transport(spark_wire_encryption(spark_env(session)), cfg, "torch_run")
+    return run(TorchEntry(fn, tuple(args)), config=cfg, spark=session).value
+
+
+class TorchEntry:
+    """The ``train_fn`` :func:`torch_run` hands to the stage runner: meet through the
+    authenticated all-gather, set the environment, call ``fn(*args)``."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn = fn
+        self.args = args
+
+    def __call__(self, ctx: RunContext) -> Any:
+        task = ctx.task
+        port = free_port(task.host) if ctx.rank == 0 else 0
+        mine = json.dumps({"host": task.host, "port": port})
+        peers = [json.loads(s) for s in task.all_gather(mine)]
+        env = torch_env(ctx.rank, [p["host"] for p in peers], peers[0]["port"])
+        with patched_env(env):
+            try:
+                return self.fn(*self.args)
+            finally:
+                _destroy_leftover_group()
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now (bound to that address, never a wildcard).
+
+    The socket closes before torch binds the port, a small race that ``TorchDistributor``
+    and ``torchrun`` take as well; a lost race fails the attempt, which restarts."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def torch_env(rank: int, hosts: Sequence[str], master_port: int) -> dict[str, str]:
+    """The environment of ``rank`` given every rank's task address (rank 0's is the
+    master): ``LOCAL_RANK`` counts the ranks before this one on the same address,
+    ``LOCAL_WORLD_SIZE`` those on it."""
+    if not 0 <= rank < len(hosts):
+        raise ValueError(f"rank {rank} outside a world of {len(hosts)}")
+    if not 0 < master_port < 65536:
+        raise ValueError(f"MASTER_PORT {master_port} is not a port")
+    mine = hosts[rank]
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(len(hosts)),
+        "LOCAL_RANK": str(sum(1 for h in hosts[:rank] if h == mine)),
+        "LOCAL_WORLD_SIZE": str(sum(1 for h in hosts if h == mine)),
+        "MASTER_ADDR": hosts[0],
+        "MASTER_PORT": str(master_port),
+    }
+
+
+@contextlib.contextmanager
+def patched_env(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``env`` in ``os.environ`` for the block, then put back what was there (a
+    reused Python worker must not carry one job's ranks into the next)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _destroy_leftover_group() -> None:
+    """A process group ``fn`` left initialised would make the next ``init_process_group``
+    in this (reused) Python worker fail: destroy it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # the task's outcome is fn's; this is cleanup
+            log.warning("could not destroy the process group fn left behind: %s", exc)

@@ -1,0 +1,83 @@
+"""``sparktrain.torch_run`` through a real Spark (local[2]): a DDP digits function
+written the TorchDistributor way trains and returns its state dict; an exception in
+``fn`` on one rank fails the run on the driver with that error, without hanging."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import sparktrain
+from sparktrain import TrainConfig
+from sparktrain.errors import SparkTrainError
+
+
+def ddp_digits(epochs: int, lr: float) -> dict[str, Any]:
+    """As one would write it for ``TorchDistributor(num_processes=2).run``: nothing of
+    sparktrain in here."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert int(os.environ["LOCAL_RANK"]) < int(os.environ["LOCAL_WORLD_SIZE"])
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x / 16.0, y, test_size=0.25, random_state=0, stratify=y
+    )
+    xs = torch.tensor(x_train[rank::world], dtype=torch.float32)  # DistributedSampler's split
+    ys = torch.tensor(y_train[rank::world])
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(epochs):
+        for idx in torch.randperm(len(xs), generator=gen).split(32):
+            opt.zero_grad()
+            F.cross_entropy(model(xs[idx]), ys[idx]).backward()
+            opt.step()
+    with torch.no_grad():
+        pred = model(torch.tensor(x_test, dtype=torch.float32)).argmax(1)
+    acc = float((pred == torch.tensor(y_test)).float().mean())
+    dist.destroy_process_group()
+    return {"state": model.module.state_dict(), "accuracy": acc, "world": world}
+
+
+def fails_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one gives up")
+    dist.init_process_group("gloo")  # rank 0 waits for a peer that never comes
+    dist.barrier()
+
+
+def cfg(**overrides: Any) -> TrainConfig:
+    return TrainConfig(**{"progress": False, "comm_timeout": 30.0, **overrides})
+
+
+def test_ddp_digits_written_for_torch_distributor(spark):  # type: ignore[no-untyped-def]
+    before = {k: os.environ.get(k) for k in ("RANK", "MASTER_PORT")}
+    out = sparktrain.torch_run(ddp_digits, 15, 0.005, num_workers=2, config=cfg(), spark=spark)
+    assert out["world"] == 2
+    assert out["accuracy"] >= 0.9
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model.load_state_dict(out["state"])  # the state dict came back as tensors
+    assert {k: os.environ.get(k) for k in ("RANK", "MASTER_PORT")} == before
+
+
+def test_an_exception_on_one_rank_fails_the_run_without_hanging(spark):  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    with pytest.raises((SparkTrainError, Exception), match="rank one gives up"):
+        sparktrain.torch_run(
+            fails_on_rank_1, num_workers=2, config=cfg(max_restarts=0), spark=spark
+        )
+    assert time.monotonic() - started < 60
