@@ -75,7 +75,15 @@ def worker_context(spec: JobSpec | None) -> WorkerContext:
         all_gather=all_gather,
         barrier=tc.barrier,
         spec=spec,
+        gpus=task_gpus(tc),
     )
+
+
+def task_gpus(tc: object) -> tuple[str, ...]:
+    """The GPU addresses Spark assigned the task (none without GPU scheduling)."""
+    resources = getattr(tc, "resources", None)
+    gpu = resources().get("gpu") if callable(resources) else None
+    return tuple(gpu.addresses) if gpu is not None else ()
 
 
 def is_unsupported_chain(exc: BaseException) -> bool:
