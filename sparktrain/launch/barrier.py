@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 import pyarrow as pa
 
 from sparktrain.errors import SparkTrainError, WorkerError
-from sparktrain.launch import rendezvous
+from sparktrain.launch import gpu, rendezvous
 from sparktrain.launch.prepare import PreparedData
 from sparktrain.result import Record
 from sparktrain.worker.context import JobSpec, WorkerContext
@@ -124,11 +124,16 @@ def _run(prepared: PreparedData, spec: JobSpec, entry: TaskEntry) -> list[Record
     picklable spec and entry."""
     if prepared.frame is not None:
         task = functools.partial(_arrow_task, spec, entry)
-        table = prepared.frame.mapInArrow(task, OUTPUT_DDL, barrier=True).toArrow()
+        options = gpu.map_in_arrow_options(prepared, spec.config)  # the GPUs' profile
+        table = prepared.frame.mapInArrow(task, OUTPUT_DDL, barrier=True, **options).toArrow()
         return [Record(**row) for row in table.to_pylist()]
     assert prepared.rdd is not None
     rdd_task = functools.partial(_rows_task, spec, entry)
-    return [Record(*row) for row in prepared.rdd.barrier().mapPartitions(rdd_task).collect()]
+    rdd = prepared.rdd
+    profile = gpu.map_in_arrow_options(prepared, spec.config).get("profile")
+    if profile is not None:
+        rdd = rdd.withResources(profile)
+    return [Record(*row) for row in rdd.barrier().mapPartitions(rdd_task).collect()]
 
 
 def _arrow_task(

@@ -27,11 +27,17 @@ def task_cpus(sc: SparkContext) -> int:
     return int(sc.getConf().get("spark.task.cpus", "1"))
 
 
-def max_concurrent_tasks(sc: SparkContext) -> int:
-    """Task slots Spark can run at once right now (what barrier scheduling needs)."""
+def max_concurrent_tasks(sc: SparkContext, profile_id: int = 0) -> int:
+    """Task slots Spark can run at once right now (what barrier scheduling needs), for
+    the resource profile ``profile_id`` (0: the default; launch/gpu.py's for GPUs)."""
     jsc = sc._jsc.sc()
-    profile = jsc.resourceProfileManager().resourceProfileFromId(0)
+    profile = jsc.resourceProfileManager().resourceProfileFromId(profile_id)
     return int(jsc.maxNumConcurrentTasks(profile))
+
+
+def _slots(sc: SparkContext, profile_id: int) -> int:
+    # the default profile's call stays as it was (tests stand in for it by (sc) alone)
+    return max_concurrent_tasks(sc, profile_id) if profile_id else max_concurrent_tasks(sc)
 
 
 # Spark settings that encrypt its *wire* (RPC, block transfer, shuffle fetches). Spark 4's
@@ -119,7 +125,7 @@ def _delta_note(cfg: TrainConfig) -> str:
 
 
 def check_can_launch(
-    sc: SparkContext, num_workers: int, wait_for_executors_s: float = 60.0
+    sc: SparkContext, num_workers: int, wait_for_executors_s: float = 60.0, profile_id: int = 0
 ) -> None:
     """Refuse dynamic allocation, and wait (bounded) for enough free task slots."""
     conf = sc.getConf()
@@ -132,16 +138,23 @@ def check_can_launch(
     # In local mode the slots are known at once; on a cluster executors may still register.
     deadline = time.monotonic() + (0.0 if is_local(sc) else wait_for_executors_s)
     while True:
-        slots = max_concurrent_tasks(sc)
+        slots = _slots(sc, profile_id)
         if slots >= num_workers:
             return
         if time.monotonic() >= deadline:
-            raise ResourceError(too_few_slots(sc, num_workers, slots))
+            raise ResourceError(too_few_slots(sc, num_workers, slots, profile_id))
         time.sleep(0.5)
 
 
-def too_few_slots(sc: SparkContext, num_workers: int, slots: int) -> str:
+def too_few_slots(sc: SparkContext, num_workers: int, slots: int, profile_id: int = 0) -> str:
     """The message for a barrier stage that cannot be gang-scheduled."""
+    if profile_id:  # the GPU profile of launch/gpu.py: GPUs may be what is short
+        return (
+            f"num_workers={num_workers} needs {num_workers} task slots at once with the "
+            f"training stage's GPUs (resource profile {profile_id}), but {sc.master} offers "
+            f"{slots}; lower num_workers or gpus_per_task, or give the executors more GPUs "
+            "(spark.executor.resource.gpu.amount) or cores"
+        )
     return (
         f"num_workers={num_workers} needs {num_workers} task slots at once, but "
         f"{sc.master} offers {slots} (spark.task.cpus={task_cpus(sc)}); lower num_workers "
@@ -174,8 +187,10 @@ class SlotWatchdog:
         group: str,
         grace_s: float = 15.0,
         poll_s: float = 1.0,
+        profile_id: int = 0,
     ) -> None:
         self.sc, self.num_workers, self.group = sc, num_workers, group
+        self.profile_id = profile_id
         self.grace_s, self.poll_s = grace_s, poll_s
         self.reason: str | None = None
         self._stop = threading.Event()
@@ -186,7 +201,7 @@ class SlotWatchdog:
         short_since: float | None = None
         while not self._stop.wait(self.poll_s):
             try:
-                slots = max_concurrent_tasks(self.sc)
+                slots = _slots(self.sc, self.profile_id)
             except Exception:  # the context is stopping: nothing to watch
                 return
             if slots >= self.num_workers:
@@ -195,7 +210,7 @@ class SlotWatchdog:
             now = time.monotonic()
             short_since = now if short_since is None else short_since
             if now - short_since >= self.grace_s:
-                self.reason = too_few_slots(self.sc, self.num_workers, slots)
+                self.reason = too_few_slots(self.sc, self.num_workers, slots, self.profile_id)
                 log.warning("%s: cancelling the training stage", self.reason)
                 try:
                     self.sc.cancelJobGroup(self.group)

@@ -31,6 +31,7 @@ from sparktrain.checkpoint import CheckpointStore, check_shared, open_for_run
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerError
+from sparktrain.launch import gpu
 from sparktrain.launch.barrier import TaskEntry, launch
 from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.rendezvous import RendezvousServer
@@ -334,7 +335,12 @@ def _job_group(sc: SparkContext, spec: JobSpec) -> Iterator[SlotWatchdog | None]
     group = f"sparktrain-{spec.job_id}-{spec.attempt}"
     saved = {k: sc.getLocalProperty(k) for k in _JOB_GROUP_PROPERTIES}
     sc.setJobGroup(group, f"sparktrain {spec.config.strategy}: training stage", True)
-    watchdog = None if is_local(sc) else SlotWatchdog(sc, spec.config.num_workers, group)
+    gpus = gpu.profile_id(sc, spec.config)  # 0 unless the stage asks for GPUs
+    if gpus:  # the slots that count are the GPU profile's
+        check_can_launch(sc, spec.config.num_workers, profile_id=gpus)
+    watchdog = (
+        None if is_local(sc) else SlotWatchdog(sc, spec.config.num_workers, group, profile_id=gpus)
+    )
     try:
         yield watchdog
     finally:

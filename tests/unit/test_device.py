@@ -139,3 +139,27 @@ def test_training_on_the_gpu_matches_the_cpu(monkeypatch):
 
     assert {s["device"] for s in first(gpu)} == {"cuda:0"}
     assert {s["device"] for s in first(cpu)} == {"cpu"}
+
+
+class _FakeContext:
+    master = "local[2]"
+
+    def getConf(self):
+        return {"spark.task.resource.gpu.amount": "1"}
+
+
+def test_local_mode_has_no_stage_level_scheduling(caplog):
+    from sparktrain.launch import gpu
+
+    assert gpu.training_profile(_FakeContext(), TrainConfig(gpus_per_task=0)) is None
+    with caplog.at_level("WARNING", logger="sparktrain.launch.gpu"):
+        assert gpu.training_profile(_FakeContext(), TrainConfig(gpus_per_task=1)) is None
+    assert "no stage-level scheduling" in caplog.text
+    assert "spark.task.resource.gpu.amount=1" in caplog.text
+
+
+def test_too_few_gpu_slots_names_the_gpus():
+    from sparktrain.launch.resources import too_few_slots
+
+    msg = too_few_slots(_FakeContext(), 3, 2, profile_id=1)
+    assert "resource profile 1" in msg and "spark.executor.resource.gpu.amount" in msg
