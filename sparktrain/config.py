@@ -99,7 +99,8 @@ class TrainConfig:
         (standalone, local-cluster, YARN, Kubernetes), so stages before it hold none;
         0 asks for none and uses what the application's ``spark.task.resource.gpu.amount``
         gives every task. Under ``local[N]`` (no stage-level scheduling) it is logged and
-        the application's task resources apply.
+        ignored; Spark gives local-mode tasks no GPUs, so use ``local-cluster`` on one
+        machine (``docs/gpu.md``).
     drop_last:
         Leave out each partition's final short mini-batch every epoch (its rows land in
         full batches in later epochs, as the order is reshuffled). Steps of one to a few
