@@ -114,7 +114,9 @@ def resolve(
             raise ResourceError(
                 "device='cuda' but Spark assigned this task no GPU: set gpus_per_task=1 "
                 "(or spark.task.resource.gpu.amount) on executors that have GPUs "
-                "(spark.executor.resource.gpu.amount), or use device='auto'"
+                "(spark.executor.resource.gpu.amount), or use device='auto'; local[N] "
+                "masters assign tasks no GPUs: use local-cluster[...] with a worker "
+                "discovery script on one machine (docs/gpu.md)"
             )
         raise ResourceError(
             f"device='cuda' but CUDA is not available in the task's process although "
