@@ -14,7 +14,15 @@ from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, ResourceError
 from sparktrain.launch.barrier import task_gpus
 from sparktrain.worker.device import cuda_index, device_for, place, resolve
-from tests.unit.fixtures import loop_spec, random_parts, spec_with, train_in_threads
+from tests.unit.fixtures import (
+    assert_close_params,
+    loop_spec,
+    random_parts,
+    sgd_reference,
+    spec_with,
+    train_and_assemble,
+    train_in_threads,
+)
 
 
 def test_config_checks_device_and_gpus_per_task():
@@ -128,17 +136,17 @@ def test_cuda_without_cuda_fails_on_every_rank_before_any_socket(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.is_available() is False")
-def test_training_on_the_gpu_matches_the_cpu(monkeypatch):
-    parts = random_parts([7, 5])
-    cpu = train_in_threads(loop_spec(device="cpu"), parts)
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_training_on_the_gpu_matches_full_batch_sgd(monkeypatch, compression):
+    """Both ranks on cuda:0 (threads), gradients staged through pinned host buckets:
+    the model equals full-batch SGD in one process, as on the CPU."""
     _with_gpus(monkeypatch, [("0",), ("0",)])
-    gpu = train_in_threads(loop_spec(device="cuda"), parts)
-
-    def first(outputs):
-        return [json.loads(r.data) for out in outputs for r in out if r.kind == "stats"]
-
-    assert {s["device"] for s in first(gpu)} == {"cuda:0"}
-    assert {s["device"] for s in first(cpu)} == {"cpu"}
+    spec = loop_spec(device="cuda", compression=compression)
+    parts = random_parts([7, 5])
+    result = train_and_assemble(spec, parts)
+    assert {p["device"] for p in result.summary["placement"]} == {"cuda:0"}
+    tol = 1e-4 if compression == "none" else 3e-2
+    assert_close_params(result.model, sgd_reference(spec, parts), tol)
 
 
 class _FakeContext:
