@@ -30,6 +30,7 @@ LINK_PROFILES = ("none", "lan", "5g", "4g", "wan")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 ENCRYPTIONS = ("none", "tls")
 PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_INTERVALS = ("step", "epoch")
 METRICS = ("accuracy", "top_k:K", "macro_f1", "auc", "log_loss", "rmse", "mae", "r2")
 """Validation metrics by name (``top_k:5``: top-5 accuracy); see ``worker/scores.py``."""
@@ -96,6 +97,18 @@ class TrainConfig:
         is given to :meth:`Trainer.fit`.
     threads_per_worker:
         ``torch.set_num_threads`` in each task; 0 means ``spark.task.cpus``.
+    device:
+        Where each task trains: ``"cpu"``; ``"cuda"`` (the first GPU Spark assigned the
+        task, ``TaskContext.resources()["gpu"]``; fails on every rank alike when the task
+        has no GPU or CUDA is unavailable); ``"auto"`` (CUDA when the task was given a
+        GPU and CUDA is available, else the CPU). See ``docs/gpu.md``.
+    gpus_per_task:
+        GPUs the training stage asks for per task with a task-level resource profile
+        (standalone, local-cluster, YARN, Kubernetes), so stages before it hold none;
+        0 asks for none and uses what the application's ``spark.task.resource.gpu.amount``
+        gives every task. Under ``local[N]`` (no stage-level scheduling) it is logged and
+        ignored; Spark gives local-mode tasks no GPUs, so use ``local-cluster`` on one
+        machine (``docs/gpu.md``).
     drop_last:
         Leave out each partition's final short mini-batch every epoch (its rows land in
         full batches in later epochs, as the order is reshuffled). Steps of one to a few
@@ -258,6 +271,8 @@ class TrainConfig:
     decode: dict[str, str | Callable[..., Any]] = field(default_factory=dict)
     collate: dict[str, str | Callable[..., Any]] = field(default_factory=dict)
     threads_per_worker: int = 0
+    device: str = "auto"
+    gpus_per_task: int = 0
     progress: bool = True
     metrics_jsonl: str = ""
     encryption: str = "none"
@@ -322,6 +337,17 @@ class TrainConfig:
         _at_least("batch_size", self.batch_size, 1)
         _at_least("num_workers", self.num_workers, 1)
         _at_least("threads_per_worker", self.threads_per_worker, 0)
+        _one_of("device", self.device, DEVICES)
+        _at_least("gpus_per_task", self.gpus_per_task, 0)
+        # the GPU path is the ring/tree exchange (worker/device.py GPU_STRATEGIES)
+        if self.device == "cuda" and (
+            self.strategy not in ("ring", "tree", "auto") or self.parallelism_pipeline > 1
+        ):
+            raise ConfigError(
+                f"device='cuda' trains with strategy ring, tree or auto without a pipeline; "
+                f"strategy={self.strategy!r} with parallelism.pipeline="
+                f"{self.parallelism_pipeline} trains on the CPU: use device='auto' or 'cpu'"
+            )
         _positive("checkpoint_every", self.checkpoint_every)
         _at_least("keep_checkpoints", self.keep_checkpoints, 1)
         _at_least("max_restarts", self.max_restarts, 0)

@@ -215,6 +215,12 @@ def stage_summary(
         **({"early_stopping": meta["early_stopping"]} if "early_stopping" in meta else {}),
         # strategy/compression "auto": what the stage-start probe chose and why
         **({"auto": stats[0]["auto"]} if "auto" in stats[0] else {}),
+        # per rank: the GPUs Spark assigned it, the one it pinned, the device it used
+        **(
+            {"placement": [{k: s[k] for k in ("rank", "gpus", "gpu", "device")} for s in stats]}
+            if "device" in stats[0]
+            else {}
+        ),
         **sync_summary(stats),
     }
 

@@ -29,16 +29,19 @@ class _Sessions:
         self.master: str | None = None
         self.session = None
 
-    def get(self, master: str):  # type: ignore[no-untyped-def]
+    def get(self, master: str, conf: dict[str, str] | None = None, mode: str = ""):  # type: ignore[no-untyped-def]
+        """The session of ``master`` (with ``conf`` on top of the tests' own; ``mode``
+        tells sessions of one master with different confs apart)."""
         from sparktrain.session import get_or_create_session
 
-        if self.master != master:
+        key = f"{master}{mode}"
+        if self.master != key:
             self.stop()
             self.session = get_or_create_session(
-                master, app_name="sparktrain-tests", conf=_TEST_CONF
+                master, app_name="sparktrain-tests", conf={**_TEST_CONF, **(conf or {})}
             )
             self.session.sparkContext.parallelize(range(4), 2).count()  # warm-up
-            self.master = master
+            self.master = key
         return self.session
 
     def stop(self) -> None:
@@ -75,11 +78,28 @@ def spark_cluster(_sessions: _Sessions):  # type: ignore[no-untyped-def]
     return _sessions.get("local-cluster[2,1,1024]")
 
 
+@pytest.fixture()
+def spark_gpu_cluster(_sessions: _Sessions, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """local-cluster[2,1,1024] whose workers each discover one made-up GPU (as
+    pyspark's TorchDistributor tests do): distinct addresses "0" and "1" from a
+    discovery script that counts its calls; executors hold one GPU each, and tasks ask
+    for none unless their stage's resource profile does."""
+    from tests.integration.gpu_discovery import discovery_conf
+
+    return _sessions.get(
+        "local-cluster[2,1,1024]",
+        conf=discovery_conf(tmp_path_factory.mktemp("gpus")),
+        mode="+gpus",
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Unit tests first, then local[2], then local-cluster: each session starts once."""
 
     def order(item: pytest.Item) -> int:
         fixtures = getattr(item, "fixturenames", ())
+        if "spark_gpu_cluster" in fixtures:
+            return 4
         if "spark_cluster" in fixtures:
             return 3
         if "spark_retry" in fixtures:

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from sparktrain.comm.listen import address_of, open_listener
 from sparktrain.errors import ConfigError, SparkTrainError, WorkerError
-from sparktrain.launch import rendezvous
+from sparktrain.launch import gpu, rendezvous
 from sparktrain.launch.prepare import PreparedData
 from sparktrain.result import Record
 from sparktrain.worker.context import JobSpec, WorkerContext
@@ -84,6 +84,7 @@ def worker_context(spec: JobSpec | None) -> WorkerContext:
         all_gather=all_gather,
         barrier=tc.barrier,
         spec=spec,
+        gpus=task_gpus(tc),
     )
     return ctx
 
@@ -126,6 +127,13 @@ def cut_off_from_driver(spec: JobSpec, host: str) -> JobSpec:
     )
 
 
+def task_gpus(tc: object) -> tuple[str, ...]:
+    """The GPU addresses Spark assigned the task (none without GPU scheduling)."""
+    resources = getattr(tc, "resources", None)
+    gpu = resources().get("gpu") if callable(resources) else None
+    return tuple(gpu.addresses) if gpu is not None else ()
+
+
 def is_unsupported_chain(exc: BaseException) -> bool:
     """Spark's refusal of a barrier stage over RDDs with other partition counts."""
     text = str(exc)
@@ -164,11 +172,16 @@ def _run(prepared: PreparedData, spec: JobSpec, entry: TaskEntry) -> list[Record
     picklable spec and entry."""
     if prepared.frame is not None:
         task = functools.partial(_arrow_task, spec, entry)
-        table = prepared.frame.mapInArrow(task, OUTPUT_DDL, barrier=True).toArrow()
+        options = gpu.map_in_arrow_options(prepared, spec.config)  # the GPUs' profile
+        table = prepared.frame.mapInArrow(task, OUTPUT_DDL, barrier=True, **options).toArrow()
         return [Record(**row) for row in table.to_pylist()]
     assert prepared.rdd is not None
     rdd_task = functools.partial(_rows_task, spec, entry)
-    return [Record(*row) for row in prepared.rdd.barrier().mapPartitions(rdd_task).collect()]
+    rdd = prepared.rdd
+    profile = gpu.map_in_arrow_options(prepared, spec.config).get("profile")
+    if profile is not None:
+        rdd = rdd.withResources(profile)
+    return [Record(*row) for row in rdd.barrier().mapPartitions(rdd_task).collect()]
 
 
 def _arrow_task(

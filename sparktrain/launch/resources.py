@@ -30,10 +30,11 @@ def task_cpus(env: SparkEnv) -> int:
     return env.task_cpus()
 
 
-def max_concurrent_tasks(env: SparkEnv) -> int | None:
-    """Task slots Spark can run at once right now (what barrier scheduling needs); None
+def max_concurrent_tasks(env: SparkEnv, profile_id: int = 0) -> int | None:
+    """Task slots Spark can run at once right now (what barrier scheduling needs), for
+    the resource profile ``profile_id`` (0: the default; launch/gpu.py's for GPUs); None
     when this session cannot count them (Spark Connect on some masters)."""
-    return env.slots()
+    return env.slots(profile_id)
 
 
 # Spark settings that encrypt its *wire* (RPC, block transfer, shuffle fetches). Spark 4's
@@ -133,7 +134,9 @@ def _delta_note(cfg: TrainConfig) -> str:
     return ""
 
 
-def check_can_launch(env: SparkEnv, num_workers: int, wait_for_executors_s: float = 60.0) -> None:
+def check_can_launch(
+    env: SparkEnv, num_workers: int, wait_for_executors_s: float = 60.0, profile_id: int = 0
+) -> None:
     """Refuse dynamic allocation, and wait (bounded) for enough free task slots."""
     if _is_true(env.conf("spark.dynamicAllocation.enabled", "false")):
         raise ResourceError(
@@ -146,7 +149,7 @@ def check_can_launch(env: SparkEnv, num_workers: int, wait_for_executors_s: floa
     waits = env.watches_slots and not env.is_local()
     deadline = time.monotonic() + (wait_for_executors_s if waits else 0.0)
     while True:
-        slots = max_concurrent_tasks(env)
+        slots = max_concurrent_tasks(env, profile_id)
         if slots is None:
             log.info(
                 "Spark Connect: cannot count the task slots of master %r from the client; "
@@ -159,12 +162,19 @@ def check_can_launch(env: SparkEnv, num_workers: int, wait_for_executors_s: floa
         if slots >= num_workers:
             return
         if time.monotonic() >= deadline:
-            raise ResourceError(too_few_slots(env, num_workers, slots))
+            raise ResourceError(too_few_slots(env, num_workers, slots, profile_id))
         time.sleep(0.5)
 
 
-def too_few_slots(env: SparkEnv, num_workers: int, slots: int) -> str:
+def too_few_slots(env: SparkEnv, num_workers: int, slots: int, profile_id: int = 0) -> str:
     """The message for a barrier stage that cannot be gang-scheduled."""
+    if profile_id:  # the GPU profile of launch/gpu.py: GPUs may be what is short
+        return (
+            f"num_workers={num_workers} needs {num_workers} task slots at once with the "
+            f"training stage's GPUs (resource profile {profile_id}), but {env.master} offers "
+            f"{slots}; lower num_workers or gpus_per_task, or give the executors more GPUs "
+            "(spark.executor.resource.gpu.amount) or cores"
+        )
     return (
         f"num_workers={num_workers} needs {num_workers} task slots at once, but "
         f"{env.master} offers {slots} (spark.task.cpus={task_cpus(env)}); lower num_workers "
@@ -197,8 +207,10 @@ class SlotWatchdog:
         group: str,
         grace_s: float = 15.0,
         poll_s: float = 1.0,
+        profile_id: int = 0,
     ) -> None:
         self.env, self.num_workers, self.group = env, num_workers, group
+        self.profile_id = profile_id
         self.grace_s, self.poll_s = grace_s, poll_s
         self.reason: str | None = None
         self._stop = threading.Event()
@@ -209,7 +221,7 @@ class SlotWatchdog:
         short_since: float | None = None
         while not self._stop.wait(self.poll_s):
             try:
-                slots = max_concurrent_tasks(self.env)
+                slots = max_concurrent_tasks(self.env, self.profile_id)
             except Exception:  # the context is stopping: nothing to watch
                 return
             if slots is None or slots >= self.num_workers:
@@ -218,7 +230,7 @@ class SlotWatchdog:
             now = time.monotonic()
             short_since = now if short_since is None else short_since
             if now - short_since >= self.grace_s:
-                self.reason = too_few_slots(self.env, self.num_workers, slots)
+                self.reason = too_few_slots(self.env, self.num_workers, slots, self.profile_id)
                 log.warning("%s: cancelling the training stage", self.reason)
                 try:
                     self.env.cancel_group(self.group)

@@ -138,9 +138,10 @@ class SparkEnv(abc.ABC):
         """The application's setting ``key``, else ``default``."""
 
     @abc.abstractmethod
-    def slots(self) -> int | None:
-        """Task slots Spark can run at once (what barrier scheduling needs); None when
-        this session cannot count them."""
+    def slots(self, profile_id: int = 0) -> int | None:
+        """Task slots Spark can run at once (what barrier scheduling needs) for the
+        resource profile ``profile_id`` (0: the default); None when this session cannot
+        count them."""
 
     @abc.abstractmethod
     def driver_host(self) -> str:
@@ -189,9 +190,9 @@ class ClassicEnv(SparkEnv):
         value = self.sc.getConf().get(key, default)
         return None if value is None else str(value)
 
-    def slots(self) -> int | None:
+    def slots(self, profile_id: int = 0) -> int | None:
         jsc = self.sc._jsc.sc()
-        profile = jsc.resourceProfileManager().resourceProfileFromId(0)
+        profile = jsc.resourceProfileManager().resourceProfileFromId(profile_id)
         return int(jsc.maxNumConcurrentTasks(profile))
 
     @property
@@ -238,7 +239,9 @@ class ConnectEnv(SparkEnv):
         value = self.session.conf.get(key, default)
         return None if value is None else str(value)
 
-    def slots(self) -> int | None:
+    def slots(self, profile_id: int = 0) -> int | None:
+        if profile_id:  # the conf says nothing about a task-level profile's GPUs
+            return None
         if self._counted:  # a Connect client sees only configured slots: they do not change
             return self._slots
         keys = ("spark.task.cpus", "spark.executor.instances", "spark.executor.cores")

@@ -32,6 +32,7 @@ from sparktrain.comm.listen import ServiceHost
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig, parse_port_range
 from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerError
+from sparktrain.launch import gpu
 from sparktrain.launch.barrier import TaskEntry, launch
 from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.rendezvous import RendezvousServer
@@ -359,10 +360,13 @@ def _job_group(env: SparkEnv, spec: JobSpec) -> Iterator[SlotWatchdog | None]:
     Spark Connect), and on a cluster a watchdog that cancels it when the stage can never
     get its slots; the caller's thread-local job properties are restored afterwards."""
     group = f"sparktrain-{spec.job_id}-{spec.attempt}"
+    gpus = gpu.profile_id(env, spec.config)  # 0 unless the stage asks for GPUs
+    if gpus:  # the slots that count are the GPU profile's
+        check_can_launch(env, spec.config.num_workers, profile_id=gpus)
     watchdog = None
     if not env.is_local():
         if env.watches_slots:
-            watchdog = SlotWatchdog(env, spec.config.num_workers, group)
+            watchdog = SlotWatchdog(env, spec.config.num_workers, group, profile_id=gpus)
         else:
             log.info(
                 "Spark Connect: the client cannot watch the cluster's free slots; a stage "

@@ -31,11 +31,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from sparktrain.worker.staging import DeviceStaging
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
@@ -91,6 +94,7 @@ class GradientBuckets:
         params: Sequence[nn.Parameter],
         bucket_bytes: int,
         specs: Sequence[str] | None = None,
+        host_alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         specs = [NONE] * len(params) if specs is None else list(specs)
         if len(specs) != len(params):
@@ -114,10 +118,13 @@ class GradientBuckets:
         self.buckets: list[_Bucket] = []
         for i, (spec, group) in enumerate(groups):
             slot = i == 0 and spec == NONE
-            flat = np.zeros(
-                sum(p.numel() for p in group) + int(slot), dtype=_NUMPY_DTYPES[group[0].dtype]
-            )
-            tensor = torch.from_numpy(flat)
+            numel = sum(p.numel() for p in group) + int(slot)
+            if host_alloc is None:
+                flat = np.zeros(numel, dtype=_NUMPY_DTYPES[group[0].dtype])
+                tensor = torch.from_numpy(flat)
+            else:  # pinned host memory that a device copies to and from
+                tensor = host_alloc(numel, group[0].dtype)
+                flat = tensor.numpy()
             views, offset = [], 0
             for p in group:
                 views.append(tensor[offset : offset + p.numel()].view_as(p))
@@ -125,6 +132,8 @@ class GradientBuckets:
             self.buckets.append(_Bucket(i, spec, group, flat, tensor, views, slot))
         self._count = 0
         self._counted: set[int] = set()  # reducers that were told n_r this step
+        # parameters on a GPU: their gradients come and go through device staging
+        self.staging: DeviceStaging | None = None
 
     @property
     def num_elements(self) -> int:
@@ -198,6 +207,11 @@ class GradientBuckets:
         return self.finish(totals[0])
 
     def _fill(self, b: _Bucket) -> None:
+        if self.staging is not None:
+            self.staging.to_host(b.index)
+            if self._count != 1:
+                b.tensor.mul_(self._count)
+            return
         for p, view in zip(b.params, b.views, strict=True):
             if p.grad is None:
                 view.zero_()
@@ -212,6 +226,9 @@ class GradientBuckets:
             raise RuntimeError("no rank contributed samples to this step")
         for b in self.buckets:
             b.tensor.div_(total)
+            if self.staging is not None:
+                self.staging.to_device(b.index)
+                continue
             for p, view in zip(b.params, b.views, strict=True):
                 if p.grad is None:
                     p.grad = view.clone()

@@ -86,6 +86,9 @@ class WorkerContext:
     all_gather: Callable[[str], list[str]]
     barrier: Callable[[], None]
     spec: JobSpec | None = None
+    # the GPU addresses Spark assigned this task (TaskContext.resources()["gpu"]);
+    # worker/device.py pins the task to the first one
+    gpus: tuple[str, ...] = ()
 
     @property
     def job(self) -> JobSpec:

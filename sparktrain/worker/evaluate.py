@@ -22,6 +22,12 @@ from sparktrain.worker.scores import Scores
 EVAL_SLICE = 8192
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters live (the CPU for a model without any)."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def target_like(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Regression and BCE targets take the output's shape ((n,) labels vs (n, 1) outputs)."""
     if y.dtype.is_floating_point and y.shape != out.shape and y.numel() == out.numel():
@@ -48,6 +54,7 @@ def evaluate(
     collator = collator or Collator(data.layout)
     was_training = model.training
     model.eval()
+    device = model_device(model)
     total = 0.0
     with torch.no_grad():
         for start in range(0, data.size, EVAL_SLICE):
@@ -55,7 +62,7 @@ def evaluate(
             batch = data.batch(rows, collator, partition)
             assert batch.labels is not None
             y = batch.labels
-            out = forward(model, batch)
+            out = forward(model, batch.to(device)).cpu()
             per_row = y[0].numel() if y.ndim > 1 else 1
             if loss == "cross_entropy":
                 total += float((out.argmax(dim=1) == y.long()).sum())
@@ -93,14 +100,15 @@ def feed_scores(
     collator = collator or Collator(data.layout)
     was_training = model.training
     model.eval()
+    device = model_device(model)
     with torch.no_grad():
         for start in range(0, data.size, EVAL_SLICE):
             rows = np.arange(start, min(start + EVAL_SLICE, data.size))
             batch = data.batch(rows, collator, partition)
             assert batch.labels is not None
             with autocast() if autocast is not None else contextlib.nullcontext():
-                out = forward(model, batch)
-            scores.update(out.float(), batch.labels, batch.weights)
+                out = forward(model, batch.to(device))
+            scores.update(out.float().cpu(), batch.labels, batch.weights)
     model.train(was_training)
 
 

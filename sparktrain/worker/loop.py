@@ -83,6 +83,7 @@ def builtin_loop(ctx: RunContext) -> TrainedModel:
     with SEEDED_INIT:  # same seed on every rank: identical initial weights
         torch.manual_seed(cfg.seed)
         model = build_model(resolve_model_fn(spec.model_fn, spec.model_kwargs))
+    model.to(ctx.device)  # before the optimizer: its state follows the parameters
     params = [p for p in model.parameters() if p.requires_grad]
     loss_fn = build_loss(cfg.loss, dict(cfg.loss_kwargs))
     targets_dtype = label_dtype(cfg.loss)
@@ -91,6 +92,7 @@ def builtin_loop(ctx: RunContext) -> TrainedModel:
     auto = None
     if needs_auto(cfg.strategy, cfg.compression):
         sample = train.batch(np.arange(min(cfg.batch_size, train.size)), ctx.collator, ctx.rank)
+        sample = sample.to(ctx.device)
         assert sample.labels is not None
         labels = sample.labels.to(targets_dtype)
         ctx.task, auto = resolve_auto(ctx.task, ctx.mesh, model, loss_fn, sample, labels)
@@ -196,7 +198,8 @@ def builtin_loop(ctx: RunContext) -> TrainedModel:
         meta["early_stopping"] = early.summary(restored=best_state is not None)
     if best_state is not None:  # early_stopping.restore_best: the best epoch's model
         model.load_state_dict(best_state)
-    return TrainedModel(model.state_dict(), meta, stats)
+    # the driver's model is a CPU one whatever the device
+    return TrainedModel({k: v.cpu() for k, v in model.state_dict().items()}, meta, stats)
 
 
 def _save(

@@ -38,6 +38,7 @@ from sparktrain.errors import CheckpointError, ConfigError
 from sparktrain.metrics import MetricsClient
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, epoch_batches
+from sparktrain.worker.device import Placement
 from sparktrain.worker.divergence import diverged
 from sparktrain.worker.early_stop import EarlyStopping, agree_to_stop
 from sparktrain.worker.evaluate import feed_scores, finish_scores
@@ -91,10 +92,12 @@ class RunContext:
         val_rows_per_rank: Sequence[int] | None = None,
         reporter: MetricsClient | None = None,
         store: CheckpointStore | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.rank = task.rank
         self.world_size = task.world_size
-        self.device = torch.device("cpu")
+        self.placement = placement
+        self.device = placement.device if placement is not None else torch.device("cpu")
         self.steps_per_epoch = steps_per_epoch
         self.rows_per_rank = list(rows_per_rank if rows_per_rank is not None else [train.size])
         self.val_rows_per_rank = list(
@@ -229,6 +232,8 @@ class RunContext:
                 order = list(epoch_batches(self._train.size, cfg.batch_size, rng))
             plan = [order[i % len(order)] for i in range(self.steps_per_epoch)]
         make = functools.partial(_gather, self._train, plan, self._collator, self.rank)
+        if self.device.type != "cpu":  # the copy to the device on the prefetch thread too
+            make = functools.partial(_on_device, make, self.device)
         wanted = [i for i in range(start, len(plan)) if plan[i] is not None]
         prefetch = Prefetcher(make, wanted, cfg.prefetch_batches)
         fault = self.task.job.fault
@@ -262,7 +267,7 @@ class RunContext:
         size = batch_size or max(self.config.batch_size, 256)
         for start in range(0, self._val.size, size):
             idx = np.arange(start, min(start + size, self._val.size))
-            yield self._val.batch(idx, self._collator, self.rank)
+            yield self._val.batch(idx, self._collator, self.rank).to(self.device)
 
     def evaluate(
         self, model: nn.Module, metrics: Sequence[str | Callable[..., float]] | None = None
@@ -278,7 +283,7 @@ class RunContext:
             )
         width = np.zeros(1)
         if self._val.size:
-            probe = self._val.batch(np.arange(1), self._collator, self.rank)
+            probe = self._val.batch(np.arange(1), self._collator, self.rank).to(self.device)
             with torch.no_grad(), self.autocast():
                 out = forward(model, probe)
             width[0] = out.shape[1] if out.ndim == 2 else 1
@@ -295,6 +300,11 @@ class RunContext:
         ``min``) and return it; every rank gets bitwise the same result."""
         if op not in REDUCE_OPS:
             raise ConfigError(f"allreduce op={op!r}: use one of {', '.join(REDUCE_OPS)}")
+        if tensor.device.type != "cpu":  # the wire reads host memory: through a copy
+            host = self.allreduce(tensor.detach().cpu(), op)
+            with torch.no_grad():
+                tensor.copy_(host)
+            return tensor
         started = time.perf_counter()
         if tensor.dtype in (torch.float32, torch.float64) and tensor.is_contiguous():
             buf = tensor.detach().reshape(-1).numpy()
@@ -323,7 +333,8 @@ class RunContext:
         if not 0 <= src < self.world_size:
             raise ConfigError(f"broadcast src={src} is not a rank of a world of {self.world_size}")
         started = time.perf_counter()
-        target = tensor if tensor.is_contiguous() else tensor.contiguous()
+        on_host = tensor.is_contiguous() and tensor.device.type == "cpu"
+        target = tensor if on_host else tensor.detach().cpu().contiguous()
         view = byte_view(target)
         if src == 0:
             broadcast_(self._mesh, [view], chunk_bytes_for(self._mesh.max_frame_bytes))
@@ -584,7 +595,7 @@ class RunContext:
         build)? Two tiny rounds of a checksum instead of broadcasting the whole model."""
         crc = 0
         for t in (*model.parameters(), *model.buffers()):
-            crc = zlib.crc32(byte_view(t.detach().contiguous()).data, crc)
+            crc = zlib.crc32(byte_view(t.detach().cpu().contiguous()).data, crc)
         return self._same_everywhere([float(crc)])
 
     def _same_everywhere(self, values: list[float]) -> bool:
@@ -683,6 +694,8 @@ class RunContext:
         }
         if self._distributed is not None:
             out.update(self._distributed.stats())
+        if self.placement is not None:
+            out.update(self.placement.stats())
         return out
 
 
@@ -723,6 +736,10 @@ def _make_distributed(optimizer: torch.optim.Optimizer) -> None:
 
         counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = counted_step  # type: ignore[method-assign]
+
+
+def _on_device(make: Callable[[int], Batch], device: torch.device, index: int) -> Batch:
+    return make(index).to(device)
 
 
 def _maximum(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

@@ -26,6 +26,7 @@ from sparktrain.metrics import start_reporter
 from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, steps_for
+from sparktrain.worker.device import device_for, place
 from sparktrain.worker.loop import TrainedModel, builtin_loop
 from sparktrain.worker.meet import rendezvous
 from sparktrain.worker.memory import peak_anon_bytes, peak_rss_bytes, reset_peak_rss
@@ -44,6 +45,8 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
     started = time.perf_counter()
     builtin = spec.train_fn is None
     train_fn = builtin_loop if builtin else resolve_train_fn(spec.train_fn)
+    # before any socket: device="cuda" without a GPU fails on every rank alike
+    placement = place(device_for(cfg), ctx.gpus)
     mesh, infos, train, val = rendezvous(ctx, data, builtin_loop=builtin)
     spec = ctx.job  # a task that could not reach the driver met through Spark: no addresses
     try:
@@ -69,6 +72,7 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
             val_rows_per_rank=[int(i["val"]) for i in infos],
             reporter=reporter,
             store=store,
+            placement=placement,
         )
         try:
             value = train_fn(run)

@@ -74,10 +74,10 @@ def start_from_rank0(model: nn.Module, mesh: Mesh, chunk_bytes: int) -> int:
     tensors = [*model.parameters(), *model.buffers()]
     views, fixups = [], []
     for t in tensors:
-        if t.is_contiguous():
+        if t.is_contiguous() and t.device.type == "cpu":
             views.append(byte_view(t))
-        else:  # rare: receive into a contiguous copy of this tensor alone, then copy back
-            tmp = t.detach().contiguous()
+        else:  # strided or on a GPU: receive into a host copy of this tensor, copy back
+            tmp = t.detach().cpu().contiguous()
             views.append(byte_view(tmp))
             fixups.append((t, tmp))
     received = broadcast_(mesh, views, chunk_bytes)
@@ -92,7 +92,8 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
     weights are bitwise equal."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(byte_view(t.detach().contiguous()).data)  # the memory itself: no copy
+        # the memory itself: no copy (a GPU tensor's comes to the host first)
+        h.update(byte_view(t.detach().cpu().contiguous()).data)
     return h.hexdigest()[:16]
 
 

@@ -42,6 +42,7 @@ from sparktrain.errors import CommError, ConfigError
 from sparktrain.result import by_spec
 from sparktrain.worker.buckets import NONE, GradientBuckets, GradientReadiness
 from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.staging import DeviceStaging, staging_device
 
 WAIT_GRACE_S = 5.0
 """Added to ``comm_timeout`` for the backstop on a bucket's exchange: every socket
@@ -172,8 +173,21 @@ class AllreduceSync:
         self.timeout = cfg.comm_timeout
         self.optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, dict(cfg.optimizer_kwargs))
         specs = resolve_policy(cfg.compression, [n for n, _ in named])
-        self.buckets = GradientBuckets(params, int(cfg.bucket_mb * (1 << 20)), specs)
-        self.buckets.bind_grads()  # gradients live in the buckets: no second copy
+        device = staging_device(params)  # None on the CPU: the path stays as it was
+        self.buckets = GradientBuckets(
+            params,
+            int(cfg.bucket_mb * (1 << 20)),
+            specs,
+            host_alloc=device.pinned if device is not None else None,
+        )
+        self.staging: DeviceStaging | None = None
+        if device is None:
+            self.buckets.bind_grads()  # gradients live in the buckets: no second copy
+        else:
+            self.staging = DeviceStaging(
+                device, [(b.params, b.grads, b.spec) for b in self.buckets.buckets]
+            )
+            self.buckets.staging = self.staging
         self.allreduce = make_allreduce(cfg.strategy, mesh, **_options(cfg, mesh))
         # the tree sends a whole bucket per message: split buckets over the frame cap
         self._plain = PiecewiseAllreduce(self.allreduce, mesh.max_frame_bytes)
@@ -228,6 +242,8 @@ class AllreduceSync:
         """Hook callback: bucket ``index`` is complete; launch every bucket whose turn
         has come (in index order only, so all ranks start the same collective)."""
         assert self._worker is not None
+        if self.staging is not None:  # the copy to the host overlaps the backward
+            self.staging.start(index)
         with self._lock:
             self._is_ready[index] = True
             while self._launched < len(self._is_ready) and self._is_ready[self._launched]:
@@ -295,6 +311,8 @@ class AllreduceSync:
             "buckets": len(self.buckets.buckets),
             "buckets_launched_in_backward": self.launched_in_backward,
         }
+        if self.staging is not None:
+            out.update(self.staging.stats())
         if self.reducers:
             paths = {spec: r.path for spec, r in self.reducers.items()}
             out["compression_path"] = (

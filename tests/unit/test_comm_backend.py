@@ -9,6 +9,7 @@ from sparktrain import TrainConfig
 from sparktrain.comm_backend import HookSpec, hook_spec
 from sparktrain.errors import ConfigError, ResourceError
 from sparktrain.launch.resources import check_transport_security
+from sparktrain.launch.spark_env import ClassicEnv
 
 
 def test_default_and_unknown() -> None:
@@ -62,9 +63,10 @@ class _Sc:
 
 
 def test_the_gate_refuses_torch_when_spark_encrypts() -> None:
-    sc = _Sc(**{"spark.ssl.rpc.enabled": "true"})
+    env = ClassicEnv(_Sc(**{"spark.ssl.rpc.enabled": "true"}))  # type: ignore[arg-type]
     with pytest.raises(ResourceError, match="comm_backend='torch' sends through torch"):
-        check_transport_security(sc, TrainConfig(comm_backend="torch"))  # type: ignore[arg-type]
+        check_transport_security(env, TrainConfig(comm_backend="torch"))
     ok = TrainConfig(comm_backend="torch", allow_unencrypted=True)
-    assert check_transport_security(sc, ok).frame_integrity  # type: ignore[arg-type]
-    assert check_transport_security(_Sc(), TrainConfig(comm_backend="torch")).comm_backend  # type: ignore[arg-type]
+    assert check_transport_security(env, ok).frame_integrity
+    plain = ClassicEnv(_Sc())  # type: ignore[arg-type]
+    assert check_transport_security(plain, TrainConfig(comm_backend="torch")).comm_backend

@@ -183,7 +183,7 @@ def test_the_watchdog_cancels_a_stage_that_lost_its_slots(monkeypatch):
 
     from sparktrain.launch import resources
 
-    monkeypatch.setattr(resources, "max_concurrent_tasks", lambda env: 1)
+    monkeypatch.setattr(resources, "max_concurrent_tasks", lambda env, profile_id=0: 1)
     sc = _Cancellable()
     started = time.monotonic()
     dog = resources.SlotWatchdog(ClassicEnv(sc), 2, "grp", grace_s=0.3, poll_s=0.05)  # type: ignore[arg-type]
@@ -201,7 +201,7 @@ def test_the_watchdog_waits_out_a_short_loss_and_leaves_a_full_cluster_alone(mon
     from sparktrain.launch import resources
 
     seen = iter([1, 1, 2] + [2] * 1000)  # one executor briefly gone, then replaced
-    monkeypatch.setattr(resources, "max_concurrent_tasks", lambda env: next(seen))
+    monkeypatch.setattr(resources, "max_concurrent_tasks", lambda env, profile_id=0: next(seen))
     sc = _Cancellable()
     dog = resources.SlotWatchdog(ClassicEnv(sc), 2, "grp", grace_s=0.5, poll_s=0.05)  # type: ignore[arg-type]
     time.sleep(1.0)
