@@ -10,7 +10,7 @@ model's weights for ``transform``, a barrier stage's pickled task when ``model_f
 connection, in chunks (:mod:`sparktrain.comm.chunked`). :class:`ServedTask` is a barrier
 task whose body is such a payload.
 
-Executor-side code: imports no pyspark at module level.
+Executor-side code: never imports pyspark.
 """
 
 from __future__ import annotations
@@ -52,17 +52,9 @@ class ServedBytes:
     @property
     def value(self) -> bytes:
         """The payload's bytes, from the driver (one fetch per read)."""
-        return fetch_payload(self, rank=_partition())
-
-
-def _partition() -> int:
-    """This task's partition (its rank in the handshake); 0 outside a Spark task."""
-    try:
-        from pyspark import TaskContext
-    except ImportError:  # thread harnesses
-        return 0
-    tc = TaskContext.get()
-    return int(tc.partitionId()) if tc is not None else 0
+        # Rank 0 in the handshake: the payload is the same for every task and the service
+        # asks nothing else of a rank (this module must not ask pyspark for the partition)
+        return fetch_payload(self, rank=0)
 
 
 def fetch_payload(ref: ServedBytes, *, rank: int) -> bytes:
@@ -94,10 +86,10 @@ def fetch_payload(ref: ServedBytes, *, rank: int) -> bytes:
         _, status = conn.recv_bytes(KIND_CONTROL, max_bytes=4096)
         reply = json.loads(status)
         if "error" in reply:
-            raise CommError(f"partition {rank}: the driver's payload service: {reply['error']}")
+            raise CommError(f"the driver's payload service: {reply['error']}")
         step = int(reply["chunk_bytes"])
         if int(reply["nbytes"]) != ref.nbytes or not 0 < step <= conn.max_frame_bytes:
-            raise CommError(f"partition {rank}: the payload service sent a bad header {reply}")
+            raise CommError(f"the driver's payload service sent a bad header: {reply}")
         out = np.empty(ref.nbytes, dtype=np.uint8)
         recv_chunked_into(conn, out, step)
     return out.tobytes()

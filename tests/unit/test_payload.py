@@ -115,12 +115,30 @@ def _with_payload(payload: bytes, batches: Iterator[int]) -> Iterator[int]:
         yield len(payload)
 
 
+class _Conf:
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return self.values.get(key, default)
+
+
+class _ConnectSession:
+    """Stands in for a Spark Connect session (by its module's name): a conf, no server
+    URL (the services then listen on spark.driver.host, here 127.0.0.1)."""
+
+    def __init__(self, conf: dict[str, str]) -> None:
+        self.conf = _Conf({"spark.master": "local[2]", "spark.driver.host": HOST, **conf})
+
+
+_ConnectSession.__module__ = "pyspark.sql.connect.session"
+
+
 def test_transform_weights_stay_served_while_their_model_lives() -> None:
     from sparktrain.launch.spark_env import ConnectEnv
     from sparktrain.ml import TorchClassificationModel
-    from tests.unit.test_spark_env import _Session
 
-    env = ConnectEnv(_Session({"spark.connect.grpc.maxInboundMessageSize": "1k"}))
+    env = ConnectEnv(_ConnectSession({"spark.connect.grpc.maxInboundMessageSize": "1k"}))
     model = TorchClassificationModel()._set_state(b"m" * 4096, num_features=4, num_outputs=2)
     first = model._shipped_weights(env)
     assert isinstance(first, ServedBytes)
