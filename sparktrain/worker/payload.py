@@ -30,6 +30,12 @@ from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError, ConfigError, HandshakeError
 
+REACH_TIMEOUT_S = 5.0
+"""How long a task tries to reach the payload service (dial and handshake) before it
+takes it for unreachable, as for the driver's rendezvous
+(:data:`sparktrain.launch.rendezvous.REACH_TIMEOUT_S`): the service is listening before
+any task starts, so a refusal that lasts is no start-up race."""
+
 
 @dataclass(frozen=True)
 class ServedBytes:
@@ -68,7 +74,7 @@ def fetch_payload(ref: ServedBytes, *, rank: int) -> bytes:
             attempt=ref.attempt,
             my_rank=rank,
             peer_rank=DRIVER_RANK,
-            timeout=ref.timeout,  # the dial, the handshake and every frame
+            timeout=min(ref.timeout, REACH_TIMEOUT_S),
             stats=CommStats(),
             security=ref.security,
         )
@@ -82,6 +88,7 @@ def fetch_payload(ref: ServedBytes, *, rank: int) -> bytes:
             f"could not reach ({exc}). {ref.remedy}"
         ) from exc
     with conn:
+        conn.set_timeout(ref.timeout)  # every frame of the transfer
         conn.send_bytes(json.dumps({"key": ref.key}).encode(), KIND_CONTROL)
         _, status = conn.recv_bytes(KIND_CONTROL, max_bytes=4096)
         reply = json.loads(status)

@@ -151,3 +151,18 @@ def test_transform_weights_stay_served_while_their_model_lives() -> None:
     with pytest.raises(CommError, match="no longer served"):
         first.value  # noqa: B018 - the read is the fetch
     assert copy._shipped_weights(env).value == b"m" * 4096  # the copy's still is
+
+
+def test_the_shared_server_serves_over_tls_when_asked() -> None:
+    from sparktrain.launch.payload_server import discard_shared, shared_server
+
+    server = shared_server(HOST, None, tls=True)
+    assert shared_server(HOST, None, tls=True) is server  # one per address and security
+    ref = server.add(b"t" * 100_000, what="weights", timeout=10.0, remedy="")
+    assert ref.security is not None and ref.security.tls_fingerprint
+    assert ref.value == b"t" * 100_000
+    plain = ServedBytes(**{**ref.__dict__, "security": None})  # no TLS: no connection
+    with pytest.raises(ConfigError, match="could not reach"):
+        fetch_payload(plain, rank=0)
+    discard_shared(ref)
+    assert server.payloads == 0
