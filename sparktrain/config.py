@@ -165,7 +165,8 @@ class TrainConfig:
         encryption is on and ``encryption`` is not ``"tls"``.
     driver_services_host, driver_services_ports:
         Where the driver's services (progress channel, rendezvous, state receiver,
-        parameter-server shards, weights server) listen and the executors dial them:
+        parameter-server shards, weights server, and under Spark Connect the payload
+        service for a task too big for the request cap) listen and the executors dial them:
         an address of this process's host (empty: ``spark.driver.host``; under Spark
         Connect, the client's address) and a port range ``"LOW-HIGH"`` to open in a
         firewall (empty: any free port). When the executors cannot reach them, ring and

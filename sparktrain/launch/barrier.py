@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import pyarrow as pa
 
@@ -142,13 +143,21 @@ def is_unsupported_chain(exc: BaseException) -> bool:
     )
 
 
-def launch(prepared: PreparedData, spec: JobSpec, entry: TaskEntry) -> list[Record]:
+def launch(
+    prepared: PreparedData,
+    spec: JobSpec,
+    entry: TaskEntry,
+    ship: Callable[[Any], Any] | None = None,
+) -> list[Record]:
     """Run ``entry`` in every task of one barrier stage over the prepared data; Spark's
     errors come back as :class:`WorkerError` (a task's own sparktrain error keeps its
-    type)."""
+    type). ``ship`` (Spark Connect) turns a DataFrame stage's task function into what
+    the plan carries: itself, or a stand-in that fetches it from the driver when it is
+    too big for Connect's request cap
+    (:class:`~sparktrain.launch.payload_server.ClosureShipper`)."""
     try:
         try:
-            return _run(prepared, spec, entry)
+            return _run(prepared, spec, entry, ship)
         except Exception as exc:
             if not is_unsupported_chain(exc):
                 raise
@@ -159,19 +168,26 @@ def launch(prepared: PreparedData, spec: JobSpec, entry: TaskEntry) -> list[Reco
             "shuffling it into %d partitions",
             spec.config.num_workers,
         )
-        return _run(prepared.shuffled(spec.config.num_workers), spec, entry)
+        return _run(prepared.shuffled(spec.config.num_workers), spec, entry, ship)
     except SparkTrainError:
         raise
     except Exception as exc:  # Py4J / PythonException wrapping a task's error
         raise WorkerError.from_spark(exc) from exc
 
 
-def _run(prepared: PreparedData, spec: JobSpec, entry: TaskEntry) -> list[Record]:
+def _run(
+    prepared: PreparedData,
+    spec: JobSpec,
+    entry: TaskEntry,
+    ship: Callable[[Any], Any] | None = None,
+) -> list[Record]:
     """DataFrames go through ``mapInArrow(..., barrier=True)`` (works under Spark Connect
     too), RDDs through ``rdd.barrier().mapPartitions``; the task closures hold only the
-    picklable spec and entry."""
+    picklable spec and entry (or, as ``ship`` decides, a reference to them)."""
     if prepared.frame is not None:
-        task = functools.partial(_arrow_task, spec, entry)
+        task: Any = functools.partial(_arrow_task, spec, entry)
+        if ship is not None:
+            task = ship(task)
         options = gpu.map_in_arrow_options(prepared, spec.config)  # the GPUs' profile
         table = prepared.frame.mapInArrow(task, OUTPUT_DDL, barrier=True, **options).toArrow()
         return [Record(**row) for row in table.to_pylist()]

@@ -34,6 +34,7 @@ from sparktrain.config import TrainConfig, parse_port_range
 from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerError
 from sparktrain.launch import gpu
 from sparktrain.launch.barrier import TaskEntry, launch
+from sparktrain.launch.payload_server import ClosureShipper
 from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.rendezvous import RendezvousServer
 from sparktrain.launch.resources import SlotWatchdog, check_can_launch, task_cpus
@@ -118,6 +119,8 @@ class StageOutcome:
     stage_s: float
     # False: the tasks could not reach the driver's services and met through Spark
     driver_reached: bool = True
+    # Spark Connect: how the last attempt shipped its task (ClosureShipper.summary)
+    task_closure: dict[str, Any] | None = None
 
 
 def driver_host(env: SparkEnv, cfg: TrainConfig) -> ServiceHost:
@@ -240,6 +243,8 @@ def train_in_stage(
         raise
     if job.received is None:  # a driver model (sparktrain.run returns its own value)
         unscale_result(result, job.prepared)
+    if outcome.task_closure is not None:
+        result.summary["task_closure"] = outcome.task_closure
     if not outcome.driver_reached:
         result.summary["driver_services"] = unreachable_note(host)
         log.warning("%s", result.summary["driver_services"])
@@ -270,11 +275,11 @@ def run_stage(
         driver.begin_attempt(attempt)
         spec = dataclasses.replace(base, attempt=attempt, resume_step=step, resume_history=history)
         try:
-            records, met_here = _attempt(
+            records, met_here, closure = _attempt(
                 env, prepared, spec, display, entry, model, senders, received
             )
             return StageOutcome(
-                records, restarts, steps_redone, time.perf_counter() - launched, met_here
+                records, restarts, steps_redone, time.perf_counter() - launched, met_here, closure
             )
         except (WorkerError, CommError) as exc:  # data and config errors are final
             if attempt >= cfg.max_restarts:
@@ -303,13 +308,15 @@ def _attempt(
     model: nn.Module | None,
     senders: Mapping[int, Collection[str]] | None,
     received: dict[str, torch.Tensor] | None = None,
-) -> tuple[list[Record], bool]:
+) -> tuple[list[Record], bool, dict[str, Any] | None]:
     """One barrier stage with its own progress channel, rendezvous and state receiver:
     the ranks stream their trained state straight into ``model``
     (:mod:`sparktrain.launch.state_server`), not as task results; without a model,
-    rank 0's tensors as sent go into ``received``. Returns the records and whether the
+    rank 0's tensors as sent go into ``received``. Returns the records, whether the
     tasks reached these services (if not, they met through Spark's barrier
-    ``allGather`` and returned their state as task results)."""
+    ``allGather`` and returned their state as task results) and, under Spark Connect,
+    how the task was shipped: in the plan, or from a payload service when it is too big
+    for Connect's request cap (:class:`~sparktrain.launch.payload_server.ClosureShipper`)."""
     host = driver_host(env, spec.config)
     # every service authenticates this job's tasks of this attempt only
     job: dict[str, Any] = {
@@ -326,6 +333,11 @@ def _attempt(
         services.append(server)
         meeting = RendezvousServer(host, world_size=spec.config.num_workers, **job)
         services.append(meeting)
+        shipper = None
+        if env.connect:  # the task travels in one request, which Connect caps
+            cap = env.max_request_bytes()
+            shipper = ClosureShipper(cap, host, timeout=spec.config.comm_timeout, **job)
+            services.append(shipper)
         spec = dataclasses.replace(
             spec,
             metrics_address=server.address,
@@ -334,7 +346,7 @@ def _attempt(
         )
         with _job_group(env, spec) as watchdog:
             try:
-                records = launch(prepared, spec, entry)
+                records = launch(prepared, spec, entry, None if shipper is None else shipper.ship)
             except SparkTrainError as exc:
                 if watchdog is not None and watchdog.reason:  # cancelled: could never start
                     raise ResourceError(watchdog.reason) from exc
@@ -348,7 +360,7 @@ def _attempt(
         if received is not None:
             received.clear()
             received.update(receiver.received)
-        return records, reached
+        return records, reached, None if shipper is None else shipper.summary()
     finally:
         for service in reversed(services):
             service.stop()

@@ -336,6 +336,26 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         """Sets the value of :py:attr:`mlflowExperiment`."""
         return self._set(mlflowExperiment=value)
 
+    def setDevice(self, value: str) -> Self:
+        """Sets the value of :py:attr:`device` (``"auto"``, ``"cpu"`` or ``"cuda"``)."""
+        return self._set(device=value)
+
+    def setGpusPerTask(self, value: int) -> Self:
+        """Sets the value of :py:attr:`gpusPerTask`."""
+        return self._set(gpusPerTask=value)
+
+    def setCommBackend(self, value: str) -> Self:
+        """Sets the value of :py:attr:`commBackend` (``"sparktrain"`` or ``"torch"``)."""
+        return self._set(commBackend=value)
+
+    def setDriverServicesHost(self, value: str) -> Self:
+        """Sets the value of :py:attr:`driverServicesHost`."""
+        return self._set(driverServicesHost=value)
+
+    def setDriverServicesPorts(self, value: str) -> Self:
+        """Sets the value of :py:attr:`driverServicesPorts` (``"LOW-HIGH"``)."""
+        return self._set(driverServicesPorts=value)
+
     # ------------------------------------------------------------------ persistence
     def write(self) -> TorchEstimatorWriter:
         """An MLWriter of the params (MLlib metadata), whose ``overwrite()`` also works
@@ -440,6 +460,17 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
     tensorboardDir, mlflowTrackingUri, mlflowExperiment : str
         Log per-epoch metrics to TensorBoard event files there, and the run to MLflow
         (``""``: off; experiment ``"sparktrain"``).
+    device, gpusPerTask : str, int
+        ``"auto"`` (a GPU Spark gave the task when CUDA works, else the CPU), ``"cpu"``
+        or ``"cuda"``; GPUs the training stage asks for per task (0: none asked; see
+        docs/gpu.md).
+    commBackend : str
+        ``"sparktrain"`` (its own sockets) or ``"torch"`` (torch.distributed Gloo; see
+        docs/torch.md) for ring/tree gradients.
+    driverServicesHost, driverServicesPorts : str
+        The address (``""``: Spark's driver host, or the Connect client's) and port range
+        ``"LOW-HIGH"`` (``""``: any) of the driver's services, which executors must reach;
+        a model's ``transform`` serves large weights there under Spark Connect.
 
     Examples
     --------
@@ -506,6 +537,11 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         tensorboardDir: str = "",
         mlflowTrackingUri: str = "",
         mlflowExperiment: str = "sparktrain",
+        device: str = "auto",
+        gpusPerTask: int = 0,
+        commBackend: str = "sparktrain",
+        driverServicesHost: str = "",
+        driverServicesPorts: str = "",
     ) -> None:
         super().__init__()
         self._set(**self._input_kwargs)
@@ -553,6 +589,11 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         tensorboardDir: str = "",
         mlflowTrackingUri: str = "",
         mlflowExperiment: str = "sparktrain",
+        device: str = "auto",
+        gpusPerTask: int = 0,
+        commBackend: str = "sparktrain",
+        driverServicesHost: str = "",
+        driverServicesPorts: str = "",
     ) -> Self:
         """Sets params for this TorchClassifier (only the ones passed)."""
         return self._set(**self._input_kwargs)
@@ -672,6 +713,11 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         tensorboardDir: str = "",
         mlflowTrackingUri: str = "",
         mlflowExperiment: str = "sparktrain",
+        device: str = "auto",
+        gpusPerTask: int = 0,
+        commBackend: str = "sparktrain",
+        driverServicesHost: str = "",
+        driverServicesPorts: str = "",
     ) -> None:
         super().__init__()
         self._set(**self._input_kwargs)
@@ -718,6 +764,11 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         tensorboardDir: str = "",
         mlflowTrackingUri: str = "",
         mlflowExperiment: str = "sparktrain",
+        device: str = "auto",
+        gpusPerTask: int = 0,
+        commBackend: str = "sparktrain",
+        driverServicesHost: str = "",
+        driverServicesPorts: str = "",
     ) -> Self:
         """Sets params for this TorchRegressor (only the ones passed)."""
         return self._set(**self._input_kwargs)

@@ -2,7 +2,9 @@
 
 ``transform`` broadcasts the weights once (``torch.save`` bytes, read back on the
 executors with ``weights_only=True``; under Spark Connect, which has no broadcasts, they
-travel in the UDF's closure, up to half the server's request cap), rebuilds the module
+travel in the UDF's closure up to half the server's request cap, and beyond it each
+Python worker fetches them from this client's payload service,
+:mod:`sparktrain.launch.payload_server`), rebuilds the module
 from ``modelFn`` once per
 Python worker, and runs an iterator Arrow UDF over the features column: every Arrow batch
 becomes one ``(n, width)`` float32 tensor and one forward pass under ``torch.no_grad``.
@@ -31,8 +33,10 @@ std)`` (:attr:`TorchModel.labelStats`, saved in the metadata as ``labelScaling``
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,14 +51,22 @@ from pyspark.ml.util import MLReadable, MLWritable
 from torch import nn
 
 from sparktrain.builders import LabelScaled, build_model, import_callable
+from sparktrain.config import parse_port_range
 from sparktrain.data.batch import Collator, forward
 from sparktrain.data.columns import BINARY, DENSE, RAGGED, Layout, parse_columns
 from sparktrain.data.columns import Column as InputColumn
 from sparktrain.errors import ConfigError, DataError
+from sparktrain.launch.payload_server import discard_shared, fits_in_closure, shared_server
 from sparktrain.launch.spark_env import CONNECT_MAX_MESSAGE, spark_env
-from sparktrain.ml.params import _TorchClassifierParams, _TorchParams, _TorchRegressorParams
+from sparktrain.ml.params import (
+    ML_DEFAULTS,
+    _TorchClassifierParams,
+    _TorchParams,
+    _TorchRegressorParams,
+)
 from sparktrain.ml.persistence import TorchModelReader, TorchModelWriter
 from sparktrain.result import state_from_bytes
+from sparktrain.worker.payload import ServedBytes
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -62,6 +74,8 @@ if TYPE_CHECKING:
     from sparktrain.launch.spark_env import SparkEnv
 
 __all__ = ["TorchClassificationModel", "TorchModel", "TorchRegressionModel"]
+
+log = logging.getLogger(__name__)
 
 _OUT = "__sparktrain_output"
 
@@ -83,6 +97,16 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         self._summary: dict[str, Any] | None = None
         self._layout: Layout | None = None
         self._label_stats: tuple[float, float] | None = None
+        # weights on this process's payload service (Spark Connect, large models):
+        # (what they were shipped for, the reference), reused by later transforms
+        self._served: tuple[str, ServedBytes] | None = None
+
+    def copy(self, extra: Any = None) -> Self:
+        """A copy with the same weights (pyspark.ml's ``copy``); it ships its weights
+        to a payload service on its own, so each copy's lifetime governs its own."""
+        that = super().copy(extra)
+        that._served = None
+        return that
 
     # ------------------------------------------------------------------ state
     def _set_state(
@@ -198,6 +222,16 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         """Sets the value of :py:attr:`predictionCol`."""
         return self._set(predictionCol=value)
 
+    def setDriverServicesHost(self, value: str) -> Self:
+        """Sets the value of :py:attr:`driverServicesHost`: under Spark Connect, where
+        ``transform`` serves weights too large for the plan (an address of this client
+        the executors reach)."""
+        return self._set(driverServicesHost=value)
+
+    def setDriverServicesPorts(self, value: str) -> Self:
+        """Sets the value of :py:attr:`driverServicesPorts` (``"LOW-HIGH"``)."""
+        return self._set(driverServicesPorts=value)
+
     # ------------------------------------------------------------------ transform
     def _output_columns(self) -> list[tuple[str, str]]:
         """(param value, struct field) for every output column that is switched on."""
@@ -230,7 +264,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         env = spark_env(dataset.sparkSession)
         plan = _InferencePlan(
             token=self._token,
-            weights=ship_weights(env, self._state_bytes),
+            weights=self._shipped_weights(env),
             model_fn=self.getModelFn(),
             model_kwargs=self.getModelKwargsDict(),
             num_features=self._num_features,
@@ -248,6 +282,23 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             value = F.col(_OUT).getField(field)
             columns[name] = value if field == "prediction" else array_to_vector(value)
         return out.withColumns(columns).drop(_OUT)
+
+    def _shipped_weights(self, env: SparkEnv) -> Any:
+        """:func:`ship_weights` of this model's weights. Weights put on a payload service
+        stay there while this model lives (a transformed DataFrame may be evaluated any
+        time later) and serve every later transform with the same weights and address."""
+        host = self.getDriverServicesHost()
+        ports = parse_port_range(self.getDriverServicesPorts())
+        key = f"{self._token}|{host}|{ports}"
+        if self._served is not None and self._served[0] == key:
+            return self._served[1]
+        shipped = ship_weights(env, self._state_bytes, host=host, ports=ports)
+        if isinstance(shipped, ServedBytes):
+            if self._served is not None:  # other weights or another address: drop them
+                unship_weights(self._served[1])
+            self._served = (key, shipped)
+            weakref.finalize(self, unship_weights, shipped)
+        return shipped
 
     def _input_sources(self, layout: Layout) -> list[str]:
         """The columns ``transform`` reads, one per trained input column in the layout's
@@ -444,31 +495,70 @@ class InlineWeights:
     value: bytes
 
 
-def ship_weights(env: SparkEnv, blob: bytes) -> Any:
+TRANSFORM_REMEDY = (
+    "Set driverServicesHost (and driverServicesPorts, to open them in a firewall) on the "
+    "model to an address of this client the executors can reach, raise "
+    "spark.connect.grpc.maxInboundMessageSize on the Connect server to more than twice "
+    "the weights' size (they then travel in the plan), or transform from a classic session"
+)
+
+
+def ship_weights(
+    env: SparkEnv,
+    blob: bytes,
+    *,
+    host: str = "",
+    ports: tuple[int, int] | None = None,
+) -> Any:
     """How ``transform``'s tasks get the weights: a broadcast in a classic session; under
-    Spark Connect in the closure, while at most half the server's request cap
-    (``spark.connect.grpc.maxInboundMessageSize``), else a clear error."""
+    Spark Connect in the closure while at most half the server's request cap
+    (``spark.connect.grpc.maxInboundMessageSize``, :func:`fits_in_closure`), else from
+    this process's payload service (:func:`shared_server` on ``host``, default the
+    address the driver services use, within ``ports``): a
+    :class:`~sparktrain.worker.payload.ServedBytes` whose ``value`` each Python worker
+    fetches once. The service keeps the weights until :func:`unship_weights`."""
     if not env.connect:
         return env.spark_context("transform").broadcast(blob)
-    limit = (env.max_request_bytes() or CONNECT_MAX_MESSAGE) // 2
-    if len(blob) > limit:
-        raise ConfigError(
-            f"under Spark Connect, transform ships the weights inside the plan, and these "
-            f"({len(blob) / 2**20:.1f} MiB) exceed half of the server's request cap "
-            f"(spark.connect.grpc.maxInboundMessageSize: {2 * limit / 2**20:.0f} MiB); raise "
-            "that cap on the server or transform from a classic session (larger models under "
-            "Connect are not supported yet)"
-        )
-    return InlineWeights(blob)
+    cap = env.max_request_bytes() or CONNECT_MAX_MESSAGE
+    if fits_in_closure(len(blob), cap):
+        return InlineWeights(blob)
+    from sparktrain.launch.resources import spark_wire_encryption
+
+    where = host or env.driver_host()
+    # Spark encrypts its own wire: the weights must not leave this process in plaintext
+    server = shared_server(where, ports, tls=bool(spark_wire_encryption(env)))
+    served = server.add(
+        blob,
+        what="the model's weights for transform",
+        timeout=ML_DEFAULTS.comm_timeout,
+        remedy=TRANSFORM_REMEDY,
+    )
+    log.info(
+        "Spark Connect: the weights (%.1f MiB) are over half the server's request cap "
+        "(spark.connect.grpc.maxInboundMessageSize: %.0f MiB); transform's tasks fetch them "
+        "from this client's payload service on %s",
+        len(blob) / 2**20,
+        cap / 2**20,
+        served.address,
+    )
+    return served
+
+
+def unship_weights(shipped: Any) -> None:
+    """Stop serving weights :func:`ship_weights` put on a payload service (nothing for a
+    broadcast or closure weights)."""
+    if isinstance(shipped, ServedBytes):
+        discard_shared(shipped)
 
 
 @dataclass
 class _InferencePlan:
     """What each inference task needs; picklable (the weights travel in a broadcast, or
-    under Spark Connect in the plan itself)."""
+    under Spark Connect in the plan itself or, when large, as a reference to this
+    process's payload service)."""
 
     token: str
-    weights: Any  # pyspark Broadcast[bytes] or InlineWeights: .value is the bytes
+    weights: Any  # pyspark Broadcast[bytes], InlineWeights or ServedBytes: .value is the bytes
     model_fn: str
     model_kwargs: dict[str, Any]
     num_features: int

@@ -30,8 +30,13 @@ box (docs/ml.md has the table and why), and the regressor's ``labelScaling=True`
     tensorboardDir -> tensorboard_dir  mlflowTrackingUri -> mlflow_tracking_uri
     mlflowExperiment -> mlflow_experiment   precision, metrics (names only) -> the keys
                                                                           of the same name
+    device -> device              gpusPerTask -> gpus_per_task   commBackend -> comm_backend
+    driverServicesHost -> driver_services_host   driverServicesPorts -> driver_services_ports
 
-The training-loop params (schedule to metrics and loggers) have TrainConfig's defaults.
+The training-loop params (schedule to metrics and loggers) and the placement params
+(``device`` to ``driverServicesPorts``) have TrainConfig's defaults. A model keeps
+``driverServicesHost``/``driverServicesPorts``: under Spark Connect its ``transform``
+serves large weights from there.
 Their converters check a value when it is set, with TrainConfig's wording under the
 param's name; ``lrSchedule`` and ``earlyStopping`` are checked by TrainConfig itself, so
 the two cannot disagree on what a schedule name or an early-stopping table is. ``metrics``
@@ -62,7 +67,9 @@ from pyspark.ml.param.shared import (
     HasWeightCol,
 )
 
+from sparktrain.comm_backend import COMM_BACKENDS
 from sparktrain.config import (
+    DEVICES,
     LOSSES,
     METRICS,
     OPTIMIZERS,
@@ -71,6 +78,7 @@ from sparktrain.config import (
     SCHEDULE_INTERVALS,
     TrainConfig,
     check_metric_name,
+    parse_port_range,
 )
 from sparktrain.data.columns import ColumnsSpec, check_dtype, check_shape
 from sparktrain.errors import ConfigError
@@ -82,14 +90,19 @@ __all__ = [
     "HasBatchSize",
     "HasClipGradNorm",
     "HasCollate",
+    "HasCommBackend",
     "HasCompression",
     "HasDataMemoryInMB",
     "HasDecode",
+    "HasDevice",
+    "HasDriverServicesHost",
+    "HasDriverServicesPorts",
     "HasEarlyStopping",
     "HasFeatureDtypes",
     "HasFeatureShapes",
     "HasFeaturesCols",
     "HasFp16SkipLimit",
+    "HasGpusPerTask",
     "HasLabelScaling",
     "HasLearningRate",
     "HasLoss",
@@ -335,6 +348,17 @@ def _checked_by_train_config(
         return stored
 
     return check
+
+
+def _checked_port_range(value: Any) -> str:
+    """``driverServicesPorts``: a string ``"LOW-HIGH"`` (or one port, or ``""``), checked
+    as TrainConfig checks it, under the param's name."""
+    text = TypeConverters.toString(value)
+    try:
+        parse_port_range(text)
+    except ConfigError as exc:
+        raise ValueError(str(exc).replace("driver_services_ports", "driverServicesPorts")) from exc
+    return text
 
 
 def _to_metric_names(value: Any) -> list[str]:
@@ -1018,6 +1042,112 @@ class HasMlflowExperiment(Params):
         return self.getOrDefault(self.mlflowExperiment)
 
 
+class HasDevice(Params):
+    """Mixin for param device: where each training task trains."""
+
+    device: Param[str] = Param(
+        Params._dummy(),
+        "device",
+        f"where each task trains, one of {', '.join(DEVICES)}: 'cuda' is the first GPU "
+        "Spark assigned the task, 'auto' that GPU when there is one and CUDA works, else "
+        "the CPU (TrainConfig device)",
+        typeConverter=_one_of("device", DEVICES),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(device=_DEFAULTS.device)
+
+    def getDevice(self) -> str:
+        """Gets the value of device or its default ``"auto"``."""
+        return self.getOrDefault(self.device)
+
+
+class HasGpusPerTask(Params):
+    """Mixin for param gpusPerTask: GPUs the training stage asks for per task."""
+
+    gpusPerTask: Param[int] = Param(
+        Params._dummy(),
+        "gpusPerTask",
+        "GPUs the training stage asks for per task with a task-level resource profile "
+        "(>= 0; 0 = none asked, the application's spark.task.resource.gpu.amount applies) "
+        "(TrainConfig gpus_per_task)",
+        typeConverter=_int_at_least("gpusPerTask", 0),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(gpusPerTask=_DEFAULTS.gpus_per_task)
+
+    def getGpusPerTask(self) -> int:
+        """Gets the value of gpusPerTask or its default 0."""
+        return self.getOrDefault(self.gpusPerTask)
+
+
+class HasCommBackend(Params):
+    """Mixin for param commBackend: who averages the ring/tree gradients."""
+
+    commBackend: Param[str] = Param(
+        Params._dummy(),
+        "commBackend",
+        f"who averages ring/tree gradients, one of {', '.join(COMM_BACKENDS)}: sparktrain's "
+        "own authenticated sockets, or torch.distributed (Gloo) started from them "
+        "(TrainConfig comm_backend)",
+        typeConverter=_one_of("commBackend", COMM_BACKENDS),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(commBackend=_DEFAULTS.comm_backend)
+
+    def getCommBackend(self) -> str:
+        """Gets the value of commBackend or its default ``"sparktrain"``."""
+        return self.getOrDefault(self.commBackend)
+
+
+class HasDriverServicesHost(Params):
+    """Mixin for param driverServicesHost: the address the driver's services listen on."""
+
+    driverServicesHost: Param[str] = Param(
+        Params._dummy(),
+        "driverServicesHost",
+        "an address of the driver's (under Spark Connect: the client's) host that the "
+        "executors can reach, for the driver's services and, for large models under Spark "
+        "Connect, transform's weights; '' = spark.driver.host or the client's address "
+        "towards the Connect server (TrainConfig driver_services_host)",
+        typeConverter=TypeConverters.toString,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(driverServicesHost=_DEFAULTS.driver_services_host)
+
+    def getDriverServicesHost(self) -> str:
+        """Gets the value of driverServicesHost or its default ``""`` (Spark's driver
+        address, or the Connect client's)."""
+        return self.getOrDefault(self.driverServicesHost)
+
+
+class HasDriverServicesPorts(Params):
+    """Mixin for param driverServicesPorts: the port range of the driver's services."""
+
+    driverServicesPorts: Param[str] = Param(
+        Params._dummy(),
+        "driverServicesPorts",
+        "the port range 'LOW-HIGH' the driver's services take (to open in a firewall); "
+        "'' = any free port (TrainConfig driver_services_ports)",
+        typeConverter=_checked_port_range,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(driverServicesPorts=_DEFAULTS.driver_services_ports)
+
+    def getDriverServicesPorts(self) -> str:
+        """Gets the value of driverServicesPorts or its default ``""`` (any free port)."""
+        return self.getOrDefault(self.driverServicesPorts)
+
+
 # ---------------------------------------------------------------------- shared sets
 class _TorchParams(
     HasFeaturesCol,
@@ -1057,6 +1187,11 @@ class _TorchParams(
     HasTensorboardDir,
     HasMlflowTrackingUri,
     HasMlflowExperiment,
+    HasDevice,
+    HasGpusPerTask,
+    HasCommBackend,
+    HasDriverServicesHost,
+    HasDriverServicesPorts,
 ):
     """Params shared by :class:`TorchEstimator` and :class:`TorchModel`."""
 
@@ -1088,7 +1223,8 @@ class _TorchParams(
 
     def _loop_options(self) -> dict[str, Any]:
         """The training loop's schedule, precision, accumulation, clipping, early
-        stopping, metrics and loggers as TrainConfig keys."""
+        stopping, metrics and loggers, and where and how it runs (device, GPUs, the
+        gradient backend, the driver services' address) as TrainConfig keys."""
         return {
             "lr_schedule": self.getLrSchedule(),
             "lr_schedule_kwargs": json.loads(self.getLrScheduleKwargs()),
@@ -1103,6 +1239,11 @@ class _TorchParams(
             "tensorboard_dir": self.getTensorboardDir(),
             "mlflow_tracking_uri": self.getMlflowTrackingUri(),
             "mlflow_experiment": self.getMlflowExperiment(),
+            "device": self.getDevice(),
+            "gpus_per_task": self.getGpusPerTask(),
+            "comm_backend": self.getCommBackend(),
+            "driver_services_host": self.getDriverServicesHost(),
+            "driver_services_ports": self.getDriverServicesPorts(),
         }
 
     def _column_options(self) -> dict[str, dict[str, Any]]:

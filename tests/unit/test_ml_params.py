@@ -74,6 +74,8 @@ LOOP_PARAMS = {
     "mlflowExperiment": "mlflow_experiment",
 }
 OWN_PARAMS |= set(LOOP_PARAMS)
+# issue 19's placement params (tests/unit/test_ml_placement_params.py)
+OWN_PARAMS |= {"device", "gpusPerTask", "commBackend", "driverServicesHost", "driverServicesPorts"}
 # the params added with typed inputs: metadata saved before them lacks them
 TYPED_PARAMS = ("featuresCols", "featureShapes", "featureDtypes", "decode", "collate")
 STANDARD = {"featuresCol", "labelCol", "predictionCol", "weightCol"}

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError, DataError, ResourceError
+from sparktrain.errors import CommError, ConfigError, DataError, ResourceError
 from sparktrain.launch.resources import check_can_launch, check_transport_security
 from sparktrain.launch.spark_env import (
     CONNECT_MAX_MESSAGE,
@@ -27,8 +27,9 @@ from sparktrain.launch.spark_env import (
     slots_from_conf,
     spark_env,
 )
-from sparktrain.ml.model import InlineWeights, ship_weights
+from sparktrain.ml.model import InlineWeights, ship_weights, unship_weights
 from sparktrain.ml.persistence import _write_local, connect_local_path
+from sparktrain.worker.payload import ServedBytes
 
 
 class _Conf:
@@ -245,11 +246,16 @@ def test_transform_ships_small_weights_in_the_closure_under_connect():
     assert context.broadcasts == [b"w"]
 
 
-def test_weights_beyond_half_the_request_cap_are_refused_with_the_setting_named():
+def test_weights_beyond_half_the_request_cap_are_served_not_put_in_the_plan():
     env = ConnectEnv(_Session({"spark.connect.grpc.maxInboundMessageSize": "1k"}))
-    ship_weights(env, b"w" * 512)
-    with pytest.raises(ConfigError, match="spark.connect.grpc.maxInboundMessageSize"):
-        ship_weights(env, b"w" * 513)
+    assert isinstance(ship_weights(env, b"w" * 512), InlineWeights)
+    served = ship_weights(env, b"v" * 513)
+    assert isinstance(served, ServedBytes) and served.nbytes == 513
+    assert served.address.startswith("127.0.0.1:")  # the session's spark.driver.host default
+    assert served.value == b"v" * 513  # fetched from this process's payload service
+    unship_weights(served)
+    with pytest.raises(CommError, match="no longer served"):
+        served.value  # noqa: B018 - the read is the fetch
 
 
 def test_a_connect_save_at_a_relative_path_is_refused_before_spark_writes_anything():
