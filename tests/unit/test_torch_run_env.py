@@ -85,22 +85,6 @@ def test_entry_calls_fn_with_the_env_from_the_all_gather() -> None:
     assert seen["LOCAL_RANK"] == "0" and seen["LOCAL_WORLD_SIZE"] == "1"
 
 
-class _Conf:
-    def __init__(self, values: dict[str, str]) -> None:
-        self.values = values
-
-    def get(self, key: str, default: str) -> str:
-        return self.values.get(key, default)
-
-
-class _Sc:
-    def __init__(self, **values: str) -> None:
-        self.conf = _Conf(values)
-
-    def getConf(self) -> _Conf:
-        return self.conf
-
-
 def test_refused_when_encryption_is_required() -> None:
     with pytest.raises(ResourceError, match="neither authenticated nor encrypted"):
         check_torch_transport([], TrainConfig(encryption="tls"), "torch_run")
