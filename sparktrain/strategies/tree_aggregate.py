@@ -56,6 +56,7 @@ class TreeAggregate(Strategy):
             started=job.started,
             task_hook=job.fault.maybe_fire if job.fault else None,
             callbacks=job.callbacks,
+            env=job.spark,
         )
 
     def comm_s(
