@@ -14,8 +14,9 @@ import pytest
 
 from sparktrain import Trainer
 from sparktrain.errors import ConfigError
-from sparktrain.launch.round_frames import closure_budget
+from sparktrain.launch.round_frames import CLOSURE_SHARE
 from sparktrain.launch.spark_env import ConnectEnv
+from sparktrain.result import state_to_bytes
 
 from .fixtures import DIGITS_MODEL, SUMMARY_KEYS, accuracy, classic_mode, digits, fast_config
 
@@ -68,30 +69,46 @@ def test_digits_tree_aggregate_through_connect_reaches_95_percent(  # type: igno
         assert s["download_wire_bytes"] < 0.6 * s["download_bytes"]
 
 
-def _fit(spark: Any, cfg: Any) -> list[np.ndarray]:
+def _fit(spark: Any, cfg: Any) -> tuple[list[np.ndarray], dict[str, Any]]:
     train, test = keyed_digits_frames(spark)
     result = Trainer(DIGITS_MODEL, cfg, spark=spark).fit(train, validation_data=test)
-    return [p.detach().numpy().copy() for p in result.model.parameters()]
+    return [p.detach().numpy().copy() for p in result.model.parameters()], result.summary
 
 
-# 2 workers: no shuffle level (the sums merge in the same order); 5 workers at depth 2:
-# one grouped level, which the RDD path merges in shuffle-fetch order (float32 rounding).
+def _state_and_weight_bytes(cfg: Any) -> tuple[int, int]:
+    model = Trainer(DIGITS_MODEL, cfg)._build_model()[0]
+    weights = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
+    return len(state_to_bytes(model.state_dict())), weights
+
+
+# 2 workers: no shuffle level; 5 workers at depth 2: one grouped level, which the RDD
+# path merges in shuffle-fetch order (float32 rounding could differ there, not here).
+# "served": the request cap made small enough that the weights no longer fit the
+# round's closure, so the tasks fetch them from the driver's weights server.
 @pytest.mark.parametrize(
     "settings",
     [
-        {"num_workers": 2, "compression": "delta+int8", "epochs": 3, "local_steps": 2},
+        {"num_workers": 2, "compression": "delta+int8", "epochs": 2, "local_steps": 2},
         {"num_workers": 2, "compression": "none", "epochs": 2, "local_steps": 1},
         {"num_workers": 5, "compression": "none", "epochs": 1, "local_steps": 4},
+        {"num_workers": 2, "compression": "none", "epochs": 1, "local_steps": 2, "served": 1},
     ],
-    ids=["2-delta+int8", "2-none", "5-depth2"],
+    ids=["2-delta+int8", "2-none", "5-depth2", "2-served"],
 )
 def test_classic_and_connect_fits_end_with_the_same_parameters(  # type: ignore[no-untyped-def]
-    connect_spark, _sessions, settings
+    connect_spark, _sessions, monkeypatch, settings
 ):
+    served = bool(settings.pop("served", 0))
     cfg = fast_config(strategy="tree_aggregate", batch_size=64, aggregation_depth=2, **settings)
     with classic_mode():  # pyspark's classic implementations for the classic session
-        classic = _fit(_sessions.get("local[2]"), cfg)
-    connect = _fit(connect_spark, cfg)
+        classic, _ = _fit(_sessions.get("local[2]"), cfg)
+    if served:  # room in the closure for the state and half the weights
+        state, weights = _state_and_weight_bytes(cfg)
+        cap = CLOSURE_SHARE * (state + weights // 2)
+        monkeypatch.setattr(ConnectEnv, "max_request_bytes", lambda self: cap)
+    connect, summary = _fit(connect_spark, cfg)
+    if served:
+        assert summary["served_weight_bytes"] > 0 and summary["mirror_fetches"] > 0
     diff = max(float(np.abs(a - b).max()) for a, b in zip(classic, connect, strict=True))
     print(f"max |classic - connect| over the parameters: {diff:.3g}")
     assert diff <= 1e-6
@@ -104,9 +121,12 @@ def test_classic_and_connect_fits_end_with_the_same_parameters(  # type: ignore[
     assert moved > 1e-2
 
 
-def test_a_model_state_over_the_closure_share_is_refused_with_the_way_out(connect_spark):  # type: ignore[no-untyped-def]
-    env = ConnectEnv(connect_spark)
-    share = env.max_request_bytes() // 4
-    assert closure_budget(env, 1000) == share - 1000
-    with pytest.raises(ConfigError, match="maxInboundMessageSize on the Connect server"):
-        closure_budget(env, share + 1)
+def test_a_model_state_over_the_closure_share_is_refused_before_any_job(  # type: ignore[no-untyped-def]
+    connect_spark, monkeypatch
+):
+    cfg = fast_config(strategy="tree_aggregate")
+    state, _ = _state_and_weight_bytes(cfg)
+    monkeypatch.setattr(ConnectEnv, "max_request_bytes", lambda self: CLOSURE_SHARE * state - 4)
+    train, _ = keyed_digits_frames(connect_spark)
+    with pytest.raises(ConfigError, match="raise that setting on the Connect server"):
+        Trainer(DIGITS_MODEL, cfg).fit(train)
