@@ -66,6 +66,14 @@ def closure_budget(env: SparkEnv, state_bytes: int) -> int:
     return share - state_bytes
 
 
+def task_partition() -> int:
+    """The running task's partition index (executor side; 0 outside a task)."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return ctx.partitionId() if ctx is not None else 0
+
+
 class ConnectBackend:
     """A Spark Connect session: the encoded rows cached as a DataFrame, ``mapInArrow``
     partials and ``groupBy().applyInArrow`` levels (see the module docstring)."""
@@ -100,7 +108,8 @@ class ConnectBackend:
         codec: PayloadCodec,
         depth: int,
     ) -> Contribution | None:
-        partials = self.frame.mapInArrow(partial_fn(seq_op, self.width, self.build), PARTIAL_DDL)
+        partial = partial_fn(seq_op, self.width, self.build, task_partition)
+        partials = self.frame.mapInArrow(partial, PARTIAL_DDL)
         for groups in tree_levels(self.partitions, depth):
             keyed = partials.select((partials["key"] % groups).alias("group"), "*")
             partials = keyed.groupBy("group").applyInArrow(level_fn(codec), PARTIAL_DDL)

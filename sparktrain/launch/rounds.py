@@ -65,6 +65,13 @@ task), ``wire_bytes`` what was encoded and received (merged payloads of a deeper
 are in Spark's shuffle figures); ``upload_*`` / ``download_*`` split them, and
 ``spark_result_bytes`` / ``spark_shuffle_bytes`` are Spark's own count of what it
 shipped.
+
+Under Spark Connect (no RDDs, no broadcasts, no status store) the same loop runs over
+:class:`~sparktrain.launch.round_frames.ConnectBackend`: the encoded rows are a cached
+DataFrame, a round is ``mapInArrow`` partials plus ``groupBy().applyInArrow`` levels with
+``treeAggregate``'s arithmetic, the model state and small weights travel in the closure,
+larger weights come from the weights server (``served_weight_bytes``), and the
+``spark_*`` figures are ``None``.
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
 from sparktrain.launch.prepare import PreparedData, unscale_result
+from sparktrain.launch.resources import check_transport_security
 from sparktrain.launch.round_frames import ConnectBackend, closure_budget
 from sparktrain.launch.round_runner import ClassicBackend, RoundBackend, RoundRunner, cache_blocks
 from sparktrain.launch.spark_env import ClassicEnv, SparkEnv, spark_env
@@ -158,6 +166,11 @@ def run_rounds(
     backend = _backend(env, prepared, cfg, num_outputs, len(state))
     downloads: WeightsServer | None = None
     try:
+        # Without broadcasts (Spark Connect) weights too large for the closure are
+        # fetched from the weights server, which delta+ specs start anyway.
+        served = not backend.can_broadcast and first_weights.nbytes > backend.closure_max_bytes
+        if served:  # a socket the fit's encryption gate could not foresee: gate it now
+            cfg = check_transport_security(env, cfg, served_weights=True)
         partitions = backend.partitions
         sizing = RoundSpec(
             job_id=job_id,
@@ -172,9 +185,6 @@ def run_rounds(
             size_slots=partitions,
         )
         comp = download_compressor(cfg.compression)
-        # Without broadcasts (Spark Connect) weights too large for the closure are
-        # fetched from the weights server, which delta+ specs start anyway.
-        served = not backend.can_broadcast and first_weights.nbytes > backend.closure_max_bytes
         if comp is not None or served:
             secret = secrets.token_bytes(32)
             security = WireSecurity.for_job(cfg.encryption, cfg.frame_integrity)

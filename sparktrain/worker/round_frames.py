@@ -127,15 +127,15 @@ def partial_fn(
     seq_op: Callable[[Contribution | None, Block], Contribution | None],
     width: int,
     build: Callable[[int, PartitionData], Block],
+    task_partition: Callable[[], int],
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The round's ``mapInArrow`` function over the cached encoded rows
     (``part, x, y, v, w``): the partition's :class:`Block` (``build``: label checks and
     the validation split, as the RDD path's cache does), its contribution through
-    ``seq_op``, one partial row keyed by the partition index."""
+    ``seq_op``, one partial row keyed by the partition index (``task_partition``: the
+    running task's, for a partition without rows; the driver side passes Spark's)."""
 
     def partial(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from pyspark import TaskContext
-
         xs: list[bytes] = []
         ys: list[bytes] = []
         vs: list[bytes] = []
@@ -149,8 +149,7 @@ def partial_fn(
             vs += cols["v"]
             ws += cols["w"]
         if part is None:  # an empty partition wrote no rows: the task's own index
-            ctx = TaskContext.get()
-            part = ctx.partitionId() if ctx is not None else 0
+            part = task_partition()
         block = build(part, decode_parts(xs, ys, vs, ws, width))
         yield from _table([to_row(part, seq_op(None, block))]).to_batches()
 

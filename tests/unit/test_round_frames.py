@@ -14,11 +14,13 @@ import pyarrow as pa
 import pytest
 
 from sparktrain.compress.base import BucketState
+from sparktrain.worker.data import PartitionData
 from sparktrain.worker.round_codec import make_codec, merge
 from sparktrain.worker.round_frames import (
     fold_table,
     from_row,
     level_fn,
+    partial_fn,
     to_row,
     tree_levels,
 )
@@ -137,3 +139,55 @@ def test_partial_rows_round_trip_and_a_level_merges_like_comb_op(spec: str) -> N
     np.testing.assert_array_equal(codec.decode(merged[0]), codec.decode(expected[0]))
     np.testing.assert_array_equal(merged[1], expected[1])
     assert merged[1][0] == sum(10.0 + i for i in range(5))
+
+
+def _encoded_batch(part: int, data: PartitionData) -> pa.RecordBatch:
+    """One batch of the cached encoded rows, as the Arrow encoder writes them."""
+    return pa.RecordBatch.from_pydict(
+        {
+            "part": pa.array([part], pa.int32()),
+            "x": pa.array([data.x.tobytes()], pa.binary()),
+            "y": pa.array([data.y.tobytes()], pa.binary()),
+            "v": pa.array([data.is_val.tobytes()], pa.binary()),
+            "w": pa.array([None], pa.binary()),
+        }
+    )
+
+
+def test_a_partial_row_is_the_seq_op_of_the_partitions_block() -> None:
+    """The mapInArrow function rebuilds the block from the encoded batches (in order,
+    validation rows split off) and writes exactly what the RDD path's seqOp computes."""
+    from sparktrain.launch.round_runner import block_builder
+    from sparktrain.worker.rounds import _STATES, make_seq_op
+
+    from .fixtures import ROUNDS_WIDTH, rounds_blocks, rounds_cfg, rounds_model, rounds_spec
+
+    cfg = rounds_cfg(local_steps=2)
+    blocks = rounds_blocks((37, 20))
+    model = rounds_model()
+    spec = rounds_spec(cfg, model, blocks, "frames")
+    weights = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    seq_op = make_seq_op(spec, weights, 1, True, True)
+    build = block_builder(cfg, 3)
+    block = blocks[1]
+    rows = PartitionData.concat([block.train, block.val], ROUNDS_WIDTH)
+    halves = [PartitionData(rows.x[:15], rows.y[:15], rows.is_val[:15]),
+              PartitionData(rows.x[15:], rows.y[15:], rows.is_val[15:])]  # fmt: skip
+    fn = partial_fn(seq_op, ROUNDS_WIDTH, build, lambda: 9)
+    try:
+        (out,) = list(fn(iter([_encoded_batch(1, h) for h in halves])))
+        expected = seq_op(None, build(1, rows))
+        empty = list(fn(iter([])))
+    finally:
+        _STATES.clear()
+    assert out.column(0).to_pylist() == [1]
+    got = from_row(out.column(1)[0].as_py(), out.column(2)[0].as_py(), out.column(3)[0].as_py())
+    assert got is not None and expected is not None
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert got[1][:6].tolist() == expected[1][:6].tolist()  # all but the timing slots
+    assert got[1][0] == 4 and got[1][3] == 10  # round 1: the last 4 of 20 rows; 10 evaluated
+    # a partition without rows is keyed by its task and contributes no samples
+    (row,) = empty
+    assert row.column(0).to_pylist() == [9]
+    nothing = from_row(None, False, row.column(3)[0].as_py())
+    assert nothing is not None and nothing[0] is None and nothing[1][0] == 0
