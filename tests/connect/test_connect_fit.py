@@ -111,10 +111,11 @@ def test_an_rdd_under_connect_is_refused_with_the_way_out(connect_spark):  # typ
     from pyspark import RDD
 
     rdd = RDD.__new__(RDD)  # an RDD object; a Connect session could never have made one
-    trainer = Trainer(DIGITS_MODEL, fast_config(), spark=connect_spark)
-    with pytest.raises(
-        DataError, match="Spark Connect session, which has no RDDs: pass a DataFrame"
-    ):
-        trainer.fit(rdd)
+    for strategy in ("ring", "tree_aggregate"):  # tree_aggregate's RDD path included
+        trainer = Trainer(DIGITS_MODEL, fast_config(strategy=strategy), spark=connect_spark)
+        with pytest.raises(
+            DataError, match="Spark Connect session, which has no RDDs: pass a DataFrame"
+        ):
+            trainer.fit(rdd)
     with pytest.raises(DataError, match="pass a DataFrame"):
         sparktrain.run("sparktrain.recipes:digits_train_fn", rdd, spark=connect_spark)
