@@ -195,7 +195,8 @@ class TrainConfig:
         Per-worker parameter-memory cap in MiB (0 = none): data parallelism refuses a
         larger model; with a pipeline every stage must fit.
     aggregation_depth, local_steps:
-        ``tree_aggregate``: depth of ``RDD.treeAggregate``, and local SGD steps per round
+        ``tree_aggregate``: depth of ``RDD.treeAggregate`` (under Spark Connect: the
+        same levels, as grouped DataFrame steps), and local SGD steps per round
         (1 = synchronous mini-batch gradient; k > 1 averages model deltas, FedAvg-style).
     lr_schedule, lr_schedule_kwargs, lr_schedule_interval, warmup_steps:
         A ``torch.optim.lr_scheduler`` class by name (``"CosineAnnealingLR"``,

@@ -140,8 +140,6 @@ class Trainer:
         strategy = strategies.get(cfg.strategy)
         if strategy.launcher == "barrier" or cfg.parallelism_pipeline > 1:
             check_can_launch(env, cfg.num_workers)
-        elif env.connect:  # tree_aggregate: RDDs and broadcasts; refused before any job
-            env.spark_context(f"strategy={cfg.strategy!r}")  # raises: no SparkContext
         if weight_col:  # before any Spark job: can the loss take sample weights?
             check_weighted_loss(cfg.loss, dict(cfg.loss_kwargs))
         # The model, loss and optimizer are built while the driver waits on Spark's

@@ -84,7 +84,9 @@ def starts_own_sockets(cfg: TrainConfig) -> bool:
     return cfg.parallelism_pipeline > 1 or strategies.get(cfg.strategy).opens_sockets(cfg)
 
 
-def check_transport_security(env: SparkEnv, cfg: TrainConfig) -> TrainConfig:
+def check_transport_security(
+    env: SparkEnv, cfg: TrainConfig, *, served_weights: bool = False
+) -> TrainConfig:
     """The encryption gate: when Spark encrypts its wire, sparktrain must not send
     gradients or weights in plaintext. Returns the config the job must run with.
 
@@ -94,6 +96,9 @@ def check_transport_security(env: SparkEnv, cfg: TrainConfig) -> TrainConfig:
     wire encryption is on and the job's sockets would not run TLS (whose records are
     already authenticated), ``frame_integrity`` is forced on: the returned config is a
     copy with ``frame_integrity=True`` (``cfg`` itself when nothing changes).
+    ``served_weights``: tree_aggregate under Spark Connect found its weights too large for
+    a round's closure (known only once the model is built, after the fit's own gate), so
+    the driver's weights server sends them: a socket of its own whatever the spec.
     """
     enabled = spark_wire_encryption(env)
     if cfg.comm_backend == "torch":
@@ -101,7 +106,7 @@ def check_transport_security(env: SparkEnv, cfg: TrainConfig) -> TrainConfig:
     if not enabled:
         return cfg
     keys = ", ".join(f"{k}=true" for k in enabled)
-    if not starts_own_sockets(cfg):
+    if not (served_weights or starts_own_sockets(cfg)):
         log.info(
             "Spark encrypts its wire (%s); tree_aggregate without delta+ uses only Spark's "
             "own transport",
@@ -114,7 +119,7 @@ def check_transport_security(env: SparkEnv, cfg: TrainConfig) -> TrainConfig:
         raise ResourceError(
             f"Spark encrypts its wire here ({keys}), but this job would send gradients and "
             f"weights over sparktrain's own sockets in plaintext (strategy={cfg.strategy!r}"
-            f'{_delta_note(cfg)}). Set encryption = "tls" to encrypt them (or '
+            f'{_delta_note(cfg, served_weights)}). Set encryption = "tls" to encrypt them (or '
             "allow_unencrypted = true to accept plaintext on a network you trust)"
         )
     log.warning(
@@ -128,7 +133,12 @@ def check_transport_security(env: SparkEnv, cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def _delta_note(cfg: TrainConfig) -> str:
+def _delta_note(cfg: TrainConfig, served_weights: bool = False) -> str:
+    if served_weights:
+        return (
+            ": the weights are too large for a Spark Connect round's closure, so the "
+            "driver's weights server sends them"
+        )
     if strategies.get(cfg.strategy).launcher == "rounds" and cfg.parallelism_pipeline == 1:
         return f", compression={cfg.compression!r}: delta+ starts the driver's weights server"
     return ""

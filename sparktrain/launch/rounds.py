@@ -65,6 +65,13 @@ task), ``wire_bytes`` what was encoded and received (merged payloads of a deeper
 are in Spark's shuffle figures); ``upload_*`` / ``download_*`` split them, and
 ``spark_result_bytes`` / ``spark_shuffle_bytes`` are Spark's own count of what it
 shipped.
+
+Under Spark Connect (no RDDs, no broadcasts, no status store) the same loop runs over
+:class:`~sparktrain.launch.round_frames.ConnectBackend`: the encoded rows are a cached
+DataFrame, a round is ``mapInArrow`` partials plus ``groupBy().applyInArrow`` levels with
+``treeAggregate``'s arithmetic, the model state and small weights travel in the closure,
+larger weights come from the weights server (``served_weight_bytes``), and the
+``spark_*`` figures are ``None``.
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,8 +95,10 @@ from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
 from sparktrain.launch.prepare import PreparedData, unscale_result
-from sparktrain.launch.round_runner import RoundRunner, cache_blocks
-from sparktrain.launch.spark_env import ClassicEnv
+from sparktrain.launch.resources import check_transport_security
+from sparktrain.launch.round_frames import ConnectBackend, closure_budget
+from sparktrain.launch.round_runner import ClassicBackend, RoundBackend, RoundRunner, cache_blocks
+from sparktrain.launch.spark_env import ClassicEnv, SparkEnv, spark_env
 from sparktrain.launch.spark_volume import SparkVolume
 from sparktrain.launch.stage import driver_host
 from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
@@ -115,9 +124,6 @@ from sparktrain.worker.round_codec import (
 )
 from sparktrain.worker.rounds import RoundSpec
 
-if TYPE_CHECKING:
-    from pyspark import SparkContext
-
 log = logging.getLogger(__name__)
 
 # Spark's status store keeps the last spark.ui.retainedStages (1000) stages: read it often.
@@ -136,48 +142,54 @@ def run_rounds(
     started: float,
     task_hook: Callable[[int, int], None] | None = None,
     callbacks: Sequence[Any] = (),
+    env: SparkEnv | None = None,
 ) -> TrainResult:
     """Train ``model`` (built and seeded on the driver from ``model_fn`` and
     ``model_kwargs``, which the executors build it from too) with one Spark job per round;
-    ``callbacks`` and the config's loggers get every epoch's record on the driver."""
+    ``callbacks`` and the config's loggers get every epoch's record on the driver.
+    ``env``: the session's Spark (default: the data's); under Spark Connect the rounds
+    are DataFrame operations (:mod:`sparktrain.launch.round_frames`)."""
     listeners = make_listeners(cfg, callbacks)  # a missing logger package fails first
     try:  # fail on the driver, before any Spark job, for a spec the rounds cannot use
         make_codec(cfg.compression)
         download_compressor(cfg.compression)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    sc = _spark_context(prepared)
+    env = env if env is not None else _spark_env(prepared)
     job_id = uuid.uuid4().hex[:12]
     group = f"sparktrain-{job_id}"
-    previous_group = sc.getLocalProperty("spark.jobGroup.id")
-    previous_description = sc.getLocalProperty("spark.job.description")
     display = ProgressDisplay(cfg.progress, cfg.metrics_jsonl, listeners, config=cfg.to_dict())
     launched = time.perf_counter()
-    blocks = cache_blocks(prepared, cfg, num_outputs)
-    model_handle = None
+    state = state_to_bytes(model.state_dict())
+    params = [p for p in model.parameters() if p.requires_grad]
+    first_weights = flatten(params)
+    backend = _backend(env, prepared, cfg, num_outputs, len(state))
     downloads: WeightsServer | None = None
     try:
-        partitions = blocks.getNumPartitions()
-        model_handle = sc.broadcast(state_to_bytes(model.state_dict()))
+        # Without broadcasts (Spark Connect) weights too large for the closure are
+        # fetched from the weights server, which delta+ specs start anyway.
+        served = not backend.can_broadcast and first_weights.nbytes > backend.closure_max_bytes
+        if served:  # a socket the fit's encryption gate could not foresee: gate it now
+            cfg = check_transport_security(env, cfg, served_weights=True)
+        partitions = backend.partitions
         sizing = RoundSpec(
             job_id=job_id,
             config=cfg,
-            initial_state=model_handle,
+            initial_state=backend.share(state),
             model_fn=model_fn,
             model_kwargs=dict(model_kwargs or {}),
             rounds_per_epoch=0,  # not known until this round reports the row counts
             evaluate_on_validation=False,
-            threads=cfg.threads_per_worker or ClassicEnv(sc).task_cpus(),
+            threads=cfg.threads_per_worker or env.task_cpus(),
             task_hook=task_hook,
             size_slots=partitions,
         )
         comp = download_compressor(cfg.compression)
-        if comp is not None:
+        if comp is not None or served:
             secret = secrets.token_bytes(32)
             security = WireSecurity.for_job(cfg.encryption, cfg.frame_integrity)
-            host = driver_host(ClassicEnv(sc), cfg)
             downloads = WeightsServer(
-                host,
+                driver_host(env, cfg),
                 DownloadEncoder(comp, cfg.seed),
                 secret=secret,
                 job_id=job_id,
@@ -186,23 +198,21 @@ def run_rounds(
             sizing = dataclasses.replace(
                 sizing, weights_address=downloads.address, secret=secret, security=security
             )
-        runner = RoundRunner(sc, blocks, sizing, downloads=downloads)
+        runner = RoundRunner(backend, sizing, downloads=downloads)
         # The first round converts and caches the data, reports every partition's row
         # counts and (unless resuming, which must know rounds_per_epoch first) trains:
         # one Spark job where a separate sizing job used to cost one more job overhead.
         # It runs in a group of its own: its shuffle is the input's repartition, not ours.
-        sc.setJobGroup(f"{group}-cache", "sparktrain tree_aggregate: cache the data, round 0")
         resuming = bool(cfg.resume and cfg.checkpoint_dir)
-        first_volume = SparkVolume(sc, f"{group}-cache")
-        params = [p for p in model.parameters() if p.requires_grad]
-        first_weights = flatten(params)
+        first_volume = backend.volume(f"{group}-cache")
         t = time.perf_counter()
-        try:
-            first_vec, first_stats = runner.run(first_weights, 0, train=not resuming)
-        except SparkTrainError:
-            raise
-        except Exception as exc:
-            raise WorkerError.from_spark(exc) from exc
+        with env.job_group(f"{group}-cache", "sparktrain tree_aggregate: cache the data, round 0"):
+            try:
+                first_vec, first_stats = runner.run(first_weights, 0, train=not resuming)
+            except SparkTrainError:
+                raise
+            except Exception as exc:
+                raise WorkerError.from_spark(exc) from exc
         first_s = time.perf_counter() - t
         log.debug("tree_aggregate: first round (cache + sizing) took %.2f s", first_s)
         cache_s = time.perf_counter() - launched
@@ -227,15 +237,15 @@ def run_rounds(
             evaluate_on_validation=world_val > 0,
             size_slots=0,
         )
-        sc.setJobGroup(group, f"sparktrain tree_aggregate {job_id}: rounds")
-        volume = SparkVolume(sc, group)
+        volume = backend.volume(group)
         loop = _Loop(
             model, cfg, runner, display, volume, world_train, partitions, world_val > 0, started
         )
         loop.label_scale = prepared.label_scale
         if not resuming:
             loop.first_round = (first_weights, first_vec, first_stats)
-        train_s = loop.train()
+        with env.job_group(group, f"sparktrain tree_aggregate {job_id}: rounds"):
+            train_s = loop.train()
         volume.poll(final=True)
         first_volume.poll(final=True)
         # the first round's payloads are task results like every other round's
@@ -245,13 +255,9 @@ def run_rounds(
         raise
     finally:
         display.close()
-        blocks.unpersist(blocking=False)
+        backend.release()
         if downloads is not None:
             downloads.stop()
-        if model_handle is not None:
-            model_handle.destroy(blocking=False)
-        sc.setLocalProperty("spark.jobGroup.id", previous_group)  # type: ignore[arg-type]
-        sc.setLocalProperty("spark.job.description", previous_description)  # type: ignore[arg-type]
 
     history = loop.history
     last = history[-1]
@@ -295,6 +301,7 @@ def run_rounds(
         "round_overhead_s": loop.overhead_s / timed_rounds,
         "broadcast_bytes": runner.broadcast_bytes,
         "closure_weight_bytes": runner.closure_bytes,
+        "served_weight_bytes": runner.served_bytes,  # Connect: fetched from the server
         "cache_s": cache_s,  # conversion + caching, within the first round's job
         **volume.as_dict(),
     }
@@ -307,19 +314,24 @@ def run_rounds(
     return result
 
 
-def _spark_context(prepared: PreparedData) -> SparkContext:
-    """The classic SparkContext behind the data; tree_aggregate needs RDDs and broadcasts."""
-    try:
-        if prepared.rdd is not None:
-            return prepared.rdd.context
-        assert prepared.frame is not None
-        return prepared.frame.sparkSession.sparkContext
-    except Exception as exc:  # Spark Connect has no SparkContext
-        raise ConfigError(
-            "strategy='tree_aggregate' needs the classic PySpark API (RDDs, broadcasts), "
-            f"which this session does not offer ({exc}); use a classic session or a "
-            "barrier strategy ('ring', 'tree' or 'ps', which also run under Spark Connect)"
-        ) from exc
+def _spark_env(prepared: PreparedData) -> SparkEnv:
+    """The session behind the data (for callers that do not pass one)."""
+    if prepared.rdd is not None:
+        return ClassicEnv(prepared.rdd.context)
+    assert prepared.frame is not None
+    return spark_env(prepared.frame.sparkSession)
+
+
+def _backend(
+    env: SparkEnv, prepared: PreparedData, cfg: TrainConfig, num_outputs: int, state_bytes: int
+) -> RoundBackend:
+    """RDDs, broadcasts and treeAggregate in a classic session; DataFrame operations and
+    closures under Spark Connect (:mod:`sparktrain.launch.round_frames`)."""
+    if env.connect:
+        budget = closure_budget(env, state_bytes)
+        return ConnectBackend(prepared, cfg, num_outputs, budget)
+    sc = env.spark_context("strategy='tree_aggregate'")
+    return ClassicBackend(sc, cache_blocks(prepared, cfg, num_outputs))
 
 
 class _Loop:

@@ -22,14 +22,16 @@ class SparkVolume:
     ``AppStatusStore`` (the data behind the UI and the REST API; it is kept even with
     ``spark.ui.enabled=false``). Best effort: any Py4J surprise turns it off, not the run."""
 
-    def __init__(self, sc: SparkContext, group: str) -> None:
+    def __init__(self, sc: SparkContext | None, group: str) -> None:
+        """``sc=None`` (Spark Connect: no status store to read) reports every figure as
+        None."""
         self.group = group
         self.shuffle_write = 0
         self.shuffle_read = 0
         self.result_bytes = 0
         self.failed_tasks = 0
         self.stages = 0
-        self.available = True
+        self.available = sc is not None
         self._done: set[int] = set()
         self._sc = sc
 
@@ -44,6 +46,7 @@ class SparkVolume:
 
     def _poll(self, final: bool) -> None:
         sc = self._sc
+        assert sc is not None
         jsc = sc._jsc.sc()
         if final:
             jsc.listenerBus().waitUntilEmpty(10_000)

@@ -48,9 +48,11 @@ log = logging.getLogger(__name__)
 
 
 class DownloadEncoder:
-    """The driver's side: the mirror every task computes on, advanced once a round."""
+    """The driver's side: the mirror every task computes on, advanced once a round.
+    Without a compressor (``comp=None``: a Spark Connect run whose weights are too large
+    for the round's closure) every download is exact and the tasks fetch it."""
 
-    def __init__(self, comp: Compressor, seed: int) -> None:
+    def __init__(self, comp: Compressor | None, seed: int) -> None:
         self.comp = comp
         self.state = BucketState(key=0, seed=seed)
         self.mirror: np.ndarray | None = None
@@ -59,12 +61,12 @@ class DownloadEncoder:
     def next(self, weights: np.ndarray, exact: object = None, *, force: bool = False) -> Download:
         """The download for a round that should compute on ``weights``. The first one
         (or any with ``force``: the final evaluation) carries them exactly, in ``exact``
-        (their broadcast) or else a copy in the closure, and resets the mirror to them."""
+        (the array for the closure, or their broadcast), and resets the mirror to them;
+        ``exact=None``: the tasks fetch this mirror from the server."""
         self.seq += 1
-        if self.mirror is None or force:
+        if self.mirror is None or force or self.comp is None:
             self.mirror = np.array(weights, dtype=np.float32, copy=True)
-            values = self.mirror.copy() if exact is None else exact
-            return Download(self.seq, weights.size, None, values)
+            return Download(self.seq, weights.size, None, exact)
         delta = torch.from_numpy(weights - self.mirror)
         payload, ctx = self.comp.compress(delta, self.state)
         self.state.step += 1
@@ -122,6 +124,11 @@ class WeightsServer(DriverService):
                 self.fetches += 1
             except (CommError, OSError, ValueError, KeyError) as exc:
                 log.debug("weights server: a fetch failed: %s", exc)
+
+    @property
+    def compresses(self) -> bool:
+        """Does it send compressed deltas (a ``delta+`` spec), or only exact weights?"""
+        return self._encoder.comp is not None
 
     def next(self, weights: np.ndarray, exact: object = None, *, force: bool = False) -> Download:
         """:meth:`DownloadEncoder.next` under the server's lock."""

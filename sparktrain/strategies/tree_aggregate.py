@@ -2,8 +2,10 @@
 
 The driver holds the model and the optimizer; each round's tasks compute their
 partitions' contributions and ``RDD.treeAggregate`` sums them
-(:mod:`sparktrain.launch.rounds`). No barrier stage, so no gang scheduling and no
-sockets of its own, except the weights server a ``delta+`` spec starts.
+(:mod:`sparktrain.launch.rounds`; under Spark Connect the same levels as DataFrame
+operations, :mod:`sparktrain.launch.round_frames`). No barrier stage, so no gang
+scheduling and no sockets of its own, except the weights server a ``delta+`` spec starts
+(or, under Connect, weights too large for a round's closure).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class TreeAggregate(Strategy):
             started=job.started,
             task_hook=job.fault.maybe_fire if job.fault else None,
             callbacks=job.callbacks,
+            env=job.spark,
         )
 
     def comm_s(

@@ -198,14 +198,19 @@ def receive_weights(spec: RoundSpec, download: Download, partition: int) -> tupl
     state = worker_state(spec)
     with state.lock:
         held = state.mirror
-        if download.message is None:  # the mirror restarts from the exact weights
+        if download.message is None and download.first is not None:  # exact weights
             first = np.asarray(_value(download.first), dtype=np.float32)
             state.mirror = (download.seq, np.array(first, copy=True))
             return state.mirror[1], first.nbytes
-        got = download.message.nbytes
+        got = 0 if download.message is None else download.message.nbytes
         if held is not None and held[0] == download.seq:  # another partition's task did it
             return held[1], got
-        if held is not None and held[0] == download.seq - 1 and state.download_comp is not None:
+        if (
+            held is not None
+            and held[0] == download.seq - 1
+            and download.message is not None
+            and state.download_comp is not None
+        ):
             apply_delta(state.download_comp, held[1], download.message)
             state.mirror = (download.seq, held[1])
             return held[1], got

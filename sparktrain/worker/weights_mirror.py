@@ -33,7 +33,9 @@ class Download:
 
     ``message`` is ``C(mirror[seq] - mirror[seq - 1])`` (an ``encode_message`` buffer),
     or ``None`` when the mirror restarts from the exact weights in ``first`` (the first
-    round, and the final evaluation, whose metric is then the driver model's own).
+    round, and the final evaluation, whose metric is then the driver model's own). With
+    neither (weights too large for a Spark Connect closure) the tasks fetch ``mirror[seq]``
+    from the driver's weights server.
     """
 
     seq: int

@@ -211,6 +211,18 @@ def connect_mode() -> Iterator[None]:
             os.environ[CONNECT_MODE] = before
 
 
+@contextlib.contextmanager
+def classic_mode() -> Iterator[None]:
+    """pyspark's Connect switch off for the block (a classic session's work inside a
+    connect test), as it was afterwards."""
+    before = os.environ.pop(CONNECT_MODE, None)
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.environ[CONNECT_MODE] = before
+
+
 def client_session(url: str) -> Any:
     """A Spark Connect client session for ``url``: what
     ``SparkSession.builder.remote(url).getOrCreate()`` builds, asked of pyspark's Connect

@@ -18,7 +18,7 @@ from sparktrain.builders import build_model, resolve_model_fn
 from sparktrain.cli import main as cli_main
 from sparktrain.errors import DataError
 from sparktrain.launch.prepare import prepare
-from sparktrain.launch.round_runner import RoundRunner, cache_blocks
+from sparktrain.launch.round_runner import ClassicBackend, RoundRunner, cache_blocks
 from sparktrain.launch.rounds import run_rounds
 from sparktrain.launch.spark_volume import SparkVolume
 from sparktrain.result import state_to_bytes
@@ -187,7 +187,8 @@ def test_a_failed_task_is_retried_and_the_round_is_unchanged(spark_retry, tmp_pa
             spec = RoundSpec("retry-test", cfg, handle, rounds_per_epoch=11,
                              evaluate_on_validation=True, task_hook=hook,
                              model_fn=DIGITS_MODEL)  # fmt: skip
-            results.append(RoundRunner(sc, blocks, spec).run(weights, 3, evaluate=True))
+            runner = RoundRunner(ClassicBackend(sc, blocks), spec)
+            results.append(runner.run(weights, 3, evaluate=True))
         volume.poll(final=True)
     finally:
         sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]

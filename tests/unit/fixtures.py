@@ -493,6 +493,9 @@ class FakeBlocks:
     def __init__(self, blocks: list[Block]) -> None:
         self.blocks = blocks
 
+    def getNumPartitions(self) -> int:
+        return len(self.blocks)
+
     def treeAggregate(self, zero: Any, seq: Any, comb: Any, depth: int = 2) -> Any:
         from pyspark.cloudpickle import dumps
 

@@ -208,14 +208,15 @@ def test_tree_aggregate_error_feedback_state_survives_a_retry():
 
 @pytest.mark.parametrize("spec", ["fp16", "int8+ef", "topk:0.3+ef", "powersgd:1+ef"])
 def test_tree_aggregate_driver_loop_learns_compressed(spec):
-    from sparktrain.launch.round_runner import RoundRunner
+    from sparktrain.launch.round_runner import ClassicBackend, RoundRunner
     from sparktrain.launch.rounds import _Loop
 
     cfg = rounds_cfg(epochs=6, lr=0.2, compression=spec)
     blocks = rounds_blocks((90, 70))
     model = rounds_model()
     rspec = rounds_spec(cfg, model, blocks, f"loop-{spec}")
-    runner = RoundRunner(FakeContext(), FakeBlocks(blocks), rspec)  # type: ignore[arg-type]
+    backend = ClassicBackend(FakeContext(), FakeBlocks(blocks))  # type: ignore[arg-type]
+    runner = RoundRunner(backend, rspec)
     loop = _Loop(model, cfg, runner, lambda m: None, NoVolume(), 160, 2, True)  # type: ignore[arg-type]
     loop.train()
     assert loop.history[-1]["loss"] < loop.history[0]["loss"]

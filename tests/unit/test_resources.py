@@ -207,3 +207,15 @@ def test_the_watchdog_waits_out_a_short_loss_and_leaves_a_full_cluster_alone(mon
     time.sleep(1.0)
     dog.stop()
     assert sc.cancelled == [] and dog.reason is None
+
+
+def test_weights_served_to_connect_tasks_pass_the_gate_like_any_socket():
+    """tree_aggregate under Connect with weights over the closure share: the weights
+    server is a socket of its own even without delta+."""
+    cfg = TrainConfig(strategy="tree_aggregate")
+    with pytest.raises(ResourceError, match="too large for a Spark Connect round's closure"):
+        check_transport_security(_encrypted(), cfg, served_weights=True)
+    plain = TrainConfig(strategy="tree_aggregate", allow_unencrypted=True)
+    out = check_transport_security(_encrypted(), plain, served_weights=True)
+    assert out == dataclasses.replace(plain, frame_integrity=True)
+    assert check_transport_security(_env(), cfg, served_weights=True) is cfg  # no encryption

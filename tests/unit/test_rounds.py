@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sparktrain import TrainConfig
-from sparktrain.launch.round_runner import RoundRunner
+from sparktrain.launch.round_runner import ClassicBackend, RoundRunner
 from sparktrain.launch.rounds import _Loop
 from sparktrain.worker.flat import assign, assign_grads, flatten, flatten_grads
 from sparktrain.worker.round_codec import (
@@ -216,7 +216,8 @@ def test_driver_loop_learns_and_reports(local_steps: int, in_closure: bool) -> N
     sc = FakeContext()
     # small weights ride in the task closure; closure_max_bytes=0 forces a broadcast
     limit = 1 << 20 if in_closure else 0
-    runner = RoundRunner(sc, FakeBlocks(blocks), spec, closure_max_bytes=limit)  # type: ignore[arg-type]
+    backend = ClassicBackend(sc, FakeBlocks(blocks), closure_max_bytes=limit)  # type: ignore[arg-type]
+    runner = RoundRunner(backend, spec)
     messages: list[dict[str, Any]] = []
     loop = _Loop(model, cfg, runner, messages.append, NoVolume(), 160, 2, True)  # type: ignore[arg-type]
     loop.train()
@@ -295,12 +296,8 @@ def _delta_run(spec_text: str, forget: int) -> tuple[list[dict[str, Any]], _Loop
             **{**spec.__dict__, "job_id": "dl", "weights_address": server.address, "secret": secret}
         )
         _STATES.clear()
-        runner = RoundRunner(
-            FakeContext(),  # type: ignore[arg-type]
-            _ForgetfulBlocks(blocks, forget),  # type: ignore[arg-type]
-            spec,
-            downloads=server,
-        )
+        backend = ClassicBackend(FakeContext(), _ForgetfulBlocks(blocks, forget))  # type: ignore[arg-type]
+        runner = RoundRunner(backend, spec, downloads=server)
         loop = _Loop(model, cfg, runner, lambda m: None, NoVolume(), 160, 2, True)  # type: ignore[arg-type]
         loop.train()
         held = _STATES["dl"].mirror
