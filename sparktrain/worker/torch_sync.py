@@ -1,6 +1,10 @@
 """``comm_backend = "torch"``: the ring/tree gradient averaging through
-``torch.distributed``: Gloo today, since the buckets are host memory;
-:func:`init_process_group` picks NCCL for a CUDA device, for buckets on the device.
+``torch.distributed``: Gloo on the CPU, NCCL for a model on a CUDA device.
+
+The buckets are host memory whatever the model's device (the wire of the sparktrain
+backend reads them), and NCCL reduces only CUDA tensors: under NCCL each bucket is
+copied to the task's GPU, reduced there and copied back. Those two copies over PCIe are
+what NCCL's transport (NVLink, InfiniBand) costs here against Gloo's TCP.
 
 Everything but the collective is :class:`~sparktrain.worker.sync.AllreduceSync`'s:
 the same buckets, the same weighting by row counts (each rank's gradients times its
@@ -40,9 +44,15 @@ from sparktrain.worker.sync import AllreduceSync
 log = logging.getLogger(__name__)
 
 
-def init_process_group(ctx: WorkerContext, device: torch.device, timeout_s: float) -> str:
+def collective_device(model_device: torch.device, nccl: bool) -> torch.device | None:
+    """Where the collectives run: the model's CUDA device when NCCL is there (``nccl``:
+    ``dist.is_nccl_available()``), else ``None``, the host buckets themselves (Gloo)."""
+    return model_device if model_device.type == "cuda" and nccl else None
+
+
+def init_process_group(ctx: WorkerContext, device: torch.device | None, timeout_s: float) -> str:
     """Start torch's default process group for this task from the authenticated
-    rendezvous; returns the backend (``nccl`` on CUDA, else ``gloo``).
+    rendezvous; returns the backend (``nccl`` for a collective device, else ``gloo``).
 
     The store binds rank 0's own task address (never a wildcard) on a port the OS
     picks; the port goes out through ``ctx.all_gather``."""
@@ -64,7 +74,7 @@ def init_process_group(ctx: WorkerContext, device: torch.device, timeout_s: floa
         store = dist.TCPStore(
             peers[0]["host"], peers[0]["port"], ctx.world_size, is_master=False, timeout=timeout
         )
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device is not None else "gloo"
     dist.init_process_group(
         backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout
     )
@@ -72,10 +82,20 @@ def init_process_group(ctx: WorkerContext, device: torch.device, timeout_s: floa
 
 
 class TorchSumAllreduce:
-    """The plain bucket's sum: ``dist.all_reduce`` on the bucket's own memory."""
+    """The plain bucket's sum: ``dist.all_reduce`` on the bucket's own memory, or on a
+    copy on ``device`` (NCCL's GPU) that is copied back."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
 
     def allreduce_(self, buf: np.ndarray) -> None:
-        dist.all_reduce(torch.from_numpy(buf))
+        host = torch.from_numpy(buf)
+        if self.device is None:
+            dist.all_reduce(host)
+            return
+        work = host.to(self.device, copy=True)
+        dist.all_reduce(work)
+        host.copy_(work)
 
 
 class _HookBucket:
@@ -118,10 +138,12 @@ class HookReducer:
     A hook returns the mean over the world; times the world size that is the sum the
     bucket protocol wants (the buckets carry gradients times rows)."""
 
-    def __init__(self, spec: HookSpec, last_index: int, seed: int) -> None:
+    def __init__(
+        self, spec: HookSpec, last_index: int, seed: int, device: torch.device | None = None
+    ) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        self.spec, self.last_index = spec, last_index
+        self.spec, self.last_index, self.device = spec, last_index, device
         self.state: Any = None
         if spec.hook == "powersgd":
             self.state = powerSGD_hook.PowerSGDState(
@@ -147,12 +169,14 @@ class HookReducer:
         shapes: Sequence[tuple[int, ...]] = (),
         raw_length: int | None = None,
     ) -> float:
-        bucket = _HookBucket(index, grads, shapes or [tuple(grads.shape)], index == self.last_index)
+        # under NCCL the hook works on a copy on the GPU; copy_ brings the mean back
+        work = grads if self.device is None else grads.to(self.device, copy=True)
+        bucket = _HookBucket(index, work, shapes or [tuple(grads.shape)], index == self.last_index)
         mean = self.hook(self.state, bucket).wait()
         grads.copy_(mean).mul_(dist.get_world_size())
         if count is None:
             return float("nan")  # only the first bucket's total is read
-        total = torch.tensor([count], dtype=torch.float64)
+        total = torch.tensor([count], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return float(total.item())
 
@@ -168,19 +192,20 @@ class TorchSync(AllreduceSync):
 
     def __init__(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> None:
         cfg = ctx.job.config
-        # The buckets are host memory (numpy) whatever the model's device, and NCCL reduces
-        # only CUDA tensors: Gloo until the buckets can live on the device.
-        self.backend = init_process_group(ctx, torch.device("cpu"), cfg.comm_timeout)
+        param = next(model.parameters(), None)
+        model_device = param.device if param is not None else torch.device("cpu")
+        device = collective_device(model_device, dist.is_nccl_available())
+        self.backend = init_process_group(ctx, device, cfg.comm_timeout)
         try:
             super().__init__(ctx, model, mesh)
-            self._plain = TorchSumAllreduce()  # type: ignore[assignment]
+            self._plain = TorchSumAllreduce(device)  # type: ignore[assignment]
             specs = self.buckets.specs
             hooks: dict[str, HookReducer] = {}
             for spec in dict.fromkeys(specs):
                 parsed = hook_spec(spec) if spec != NONE else None
                 if parsed is not None:
                     last = max(i for i, s in enumerate(specs) if s == spec)
-                    hooks[spec] = HookReducer(parsed, last, cfg.seed)
+                    hooks[spec] = HookReducer(parsed, last, cfg.seed, device)
             self.reducers = hooks  # type: ignore[assignment]
             self._per_bucket = [hooks.get(s) for s in specs]  # type: ignore[misc]
         except BaseException:
