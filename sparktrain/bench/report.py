@@ -338,6 +338,13 @@ SECTIONS: tuple[Section, ...] = (
         "allreduce_torch.json", _allreduce, ("allreduce_torch.png",),
     ),
     Section(
+        "bench_train_torch", "comm_backend='torch' against the ring, whole fits",
+        "sparktrain bench train --parts matrix --strategies ring ring-torch \\\n"
+        "    --compressions none fp16 --links none --repeats 3 \\\n"
+        "    --json docs/results/bench_train_torch.json",
+        "bench_train_torch.json", _train, ("bench_train_torch.png",),
+    ),
+    Section(
         "bench_mllib", "tree_aggregate against MLlib's MultilayerPerceptronClassifier",
         "sparktrain bench mllib --json docs/results/bench_mllib.json",
         "bench_mllib.json", _mllib, ("bench_mllib.png",),

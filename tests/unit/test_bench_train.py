@@ -36,6 +36,7 @@ def test_first_reaching_and_strategy_names():
     assert bt.first_reaching(curve, None) is None
     assert bt.strategy_config("ps-async") == {"strategy": "ps", "ps_mode": "async"}
     assert bt.strategy_config("tree_aggregate")["local_steps"] == bt.TREE_AGGREGATE_LOCAL_STEPS
+    assert bt.strategy_config("ring-torch") == {"strategy": "ring", "comm_backend": "torch"}
     with pytest.raises(SparkTrainError, match="unknown contender 'rnig'"):
         bt.strategy_config("rnig")
 
