@@ -32,6 +32,7 @@ from tests.integration.fixtures import (  # noqa: F401 - re-exported for the con
     descendants,
     digits,
     digits_frames,
+    digits_pipeline_of,
     fast_config,
     pixel_frames,
     spark_home,

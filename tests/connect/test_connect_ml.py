@@ -12,11 +12,10 @@ import pytest
 import torch
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
-from pyspark.ml.feature import StandardScaler, VectorAssembler
 
 from sparktrain.ml import TorchClassificationModel, TorchClassifier
 
-from .fixtures import DIGITS_MODEL, PIXELS, pixel_frames
+from .fixtures import DIGITS_MODEL, digits_pipeline_of, pixel_frames
 
 pytestmark = [pytest.mark.connect, pytest.mark.timeout(300)]
 
@@ -27,23 +26,8 @@ def _predictions(model, frame):  # type: ignore[no-untyped-def]
 
 def test_pipeline_fit_transform_save_and_load(connect_spark, tmp_path: Path):  # type: ignore[no-untyped-def]
     train, test = pixel_frames(connect_spark)
-    clf = TorchClassifier(
-        modelFn=DIGITS_MODEL,
-        featuresCol="scaled",
-        optimizer="adam",
-        learningRate=0.003,
-        maxEpochs=10,
-        batchSize=32,
-        numWorkers=2,
-        strategy="ring",
-    )
-    pipeline = Pipeline(
-        stages=[
-            VectorAssembler(inputCols=PIXELS, outputCol="raw"),
-            StandardScaler(inputCol="raw", outputCol="scaled"),
-            clf,
-        ]
-    )
+    pipeline = digits_pipeline_of(numWorkers=2)
+    clf = pipeline.getStages()[-1]
     model = pipeline.fit(train)
     out = model.transform(test)
     assert MulticlassClassificationEvaluator(metricName="accuracy").evaluate(out) >= 0.95

@@ -101,6 +101,33 @@ def pixel_frames(spark):  # type: ignore[no-untyped-def]
     return frame(split.x_train, split.y_train, 0), frame(split.x_test, split.y_test, 10**6)
 
 
+def digits_pipeline_of(**classifier_params):  # type: ignore[no-untyped-def]
+    """VectorAssembler -> StandardScaler -> TorchClassifier over :func:`pixel_frames`'
+    columns (adam, 10 epochs, ring; ``classifier_params`` override)."""
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import StandardScaler, VectorAssembler
+
+    from sparktrain.ml import TorchClassifier
+
+    params = {
+        "modelFn": DIGITS_MODEL,
+        "featuresCol": "scaled",
+        "optimizer": "adam",
+        "learningRate": 0.003,
+        "maxEpochs": 10,
+        "batchSize": 32,
+        "strategy": "ring",
+        **classifier_params,
+    }
+    return Pipeline(
+        stages=[
+            VectorAssembler(inputCols=PIXELS, outputCol="raw"),
+            StandardScaler(inputCol="raw", outputCol="scaled"),
+            TorchClassifier(**params),
+        ]
+    )
+
+
 def fast_config(**overrides) -> TrainConfig:  # type: ignore[no-untyped-def]
     base = {
         "epochs": 20,

@@ -12,7 +12,7 @@ from pyspark.ml.evaluation import (
     MulticlassClassificationEvaluator,
     RegressionEvaluator,
 )
-from pyspark.ml.feature import StandardScaler, VectorAssembler
+from pyspark.ml.feature import VectorAssembler
 from pyspark.ml.linalg import SparseVector, Vectors, VectorUDT
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder, TrainValidationSplit
 from pyspark.sql.types import DoubleType
@@ -25,7 +25,7 @@ from sparktrain.ml import (
     TorchRegressor,
 )
 
-from .fixtures import DIGITS_MODEL, PIXELS, digits, pixel_frames
+from .fixtures import DIGITS_MODEL, PIXELS, digits, digits_pipeline_of, pixel_frames
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
@@ -39,22 +39,7 @@ def digits_pipeline(_sessions):  # type: ignore[no-untyped-def]
     """VectorAssembler -> StandardScaler -> TorchClassifier, fitted once for the module."""
     spark = _sessions.get("local[2]")
     train, test = pixel_frames(spark)
-    clf = TorchClassifier(
-        modelFn=DIGITS_MODEL,
-        featuresCol="scaled",
-        optimizer="adam",
-        learningRate=0.003,
-        maxEpochs=10,
-        batchSize=32,
-        strategy="ring",
-    )
-    pipeline = Pipeline(
-        stages=[
-            VectorAssembler(inputCols=PIXELS, outputCol="raw"),
-            StandardScaler(inputCol="raw", outputCol="scaled"),
-            clf,
-        ]
-    )
+    pipeline = digits_pipeline_of()
     return pipeline, pipeline.fit(train), train, test
 
 
