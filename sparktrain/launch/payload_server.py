@@ -220,13 +220,23 @@ _SHARED: dict[tuple[str, tuple[int, int] | None, bool], PayloadServer] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_server(host: str, ports: tuple[int, int] | None, tls: bool) -> PayloadServer:
-    """This process's payload server on ``host`` (``ports``: its port range; ``tls``:
-    TLS on its sockets), started on first use and kept until the process ends (its
-    accept thread is a daemon): ``transform``'s lazily evaluated plans may fetch from
-    it at any time. Its secret is its own, not a training job's."""
+def serve_shared(
+    blob: bytes,
+    *,
+    host: str,
+    ports: tuple[int, int] | None,
+    tls: bool,
+    what: str,
+    timeout: float,
+    remedy: str,
+) -> ServedBytes:
+    """Serve ``blob`` from this process's payload server on ``host`` (``ports``: its port
+    range; ``tls``: TLS on its sockets), started on first use: ``transform``'s lazily
+    evaluated plans may fetch from it at any time until :func:`discard_shared`. The
+    server's secret is its own, not a training job's; it stops when its last payload is
+    discarded, so a process that no longer holds large models keeps no listener."""
     key = (host, ports, tls)
-    with _SHARED_LOCK:
+    with _SHARED_LOCK:  # held while adding: a discard cannot stop the server in between
         server = _SHARED.get(key)
         if server is None or server.stopping:
             security = WireSecurity.for_job("tls") if tls else None
@@ -237,13 +247,17 @@ def shared_server(host: str, ports: tuple[int, int] | None, tls: bool) -> Payloa
                 security=security,
             )
             _SHARED[key] = server
-        return server
+        return server.add(blob, what=what, timeout=timeout, remedy=remedy)
 
 
 def discard_shared(ref: ServedBytes) -> None:
-    """Stop serving ``ref`` on the shared server that serves it (if it still runs)."""
+    """Stop serving ``ref`` on the shared server that serves it (if it still runs); the
+    server stops with its last payload."""
     with _SHARED_LOCK:
-        servers = list(_SHARED.values())
-    for server in servers:
-        if server.address == ref.address:
+        for key, server in list(_SHARED.items()):
+            if server.address != ref.address:
+                continue
             server.discard(ref.key)
+            if server.payloads == 0:
+                server.stop()
+                del _SHARED[key]

@@ -56,7 +56,7 @@ from sparktrain.data.batch import Collator, forward
 from sparktrain.data.columns import BINARY, DENSE, RAGGED, Layout, parse_columns
 from sparktrain.data.columns import Column as InputColumn
 from sparktrain.errors import ConfigError, DataError
-from sparktrain.launch.payload_server import discard_shared, fits_in_closure, shared_server
+from sparktrain.launch.payload_server import discard_shared, fits_in_closure, serve_shared
 from sparktrain.launch.spark_env import CONNECT_MAX_MESSAGE, spark_env
 from sparktrain.ml.params import (
     ML_DEFAULTS,
@@ -513,7 +513,7 @@ def ship_weights(
     """How ``transform``'s tasks get the weights: a broadcast in a classic session; under
     Spark Connect in the closure while at most half the server's request cap
     (``spark.connect.grpc.maxInboundMessageSize``, :func:`fits_in_closure`), else from
-    this process's payload service (:func:`shared_server` on ``host``, default the
+    this process's payload service (:func:`serve_shared` on ``host``, default the
     address the driver services use, within ``ports``): a
     :class:`~sparktrain.worker.payload.ServedBytes` whose ``value`` each Python worker
     fetches once. The service keeps the weights until :func:`unship_weights`."""
@@ -526,9 +526,11 @@ def ship_weights(
 
     where = host or env.driver_host()
     # Spark encrypts its own wire: the weights must not leave this process in plaintext
-    server = shared_server(where, ports, tls=bool(spark_wire_encryption(env)))
-    served = server.add(
+    served = serve_shared(
         blob,
+        host=where,
+        ports=ports,
+        tls=bool(spark_wire_encryption(env)),
         what="the model's weights for transform",
         timeout=ML_DEFAULTS.comm_timeout,
         remedy=TRANSFORM_REMEDY,

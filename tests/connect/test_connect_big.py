@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,3 +111,8 @@ def test_transform_of_a_model_over_the_cap_serves_its_weights(capped_spark, capl
         expected = module(torch.from_numpy(x)).argmax(1).numpy()
     assert [row.prediction for row in out] == expected.astype(float).tolist()
     assert len(out) == len(digits().y_test)
+    # the model gone, its weights are no longer served and the idle server stops
+    server = served_by[0]
+    del model, shipped
+    gc.collect()
+    assert server.stopping and server not in payload_server._SHARED.values()

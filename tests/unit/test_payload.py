@@ -154,15 +154,22 @@ def test_transform_weights_stay_served_while_their_model_lives() -> None:
 
 
 def test_the_shared_server_serves_over_tls_when_asked() -> None:
-    from sparktrain.launch.payload_server import discard_shared, shared_server
+    from sparktrain.launch.payload_server import _SHARED, discard_shared, serve_shared
 
-    server = shared_server(HOST, None, tls=True)
-    assert shared_server(HOST, None, tls=True) is server  # one per address and security
-    ref = server.add(b"t" * 100_000, what="weights", timeout=10.0, remedy="")
+    def serve(blob: bytes) -> ServedBytes:
+        return serve_shared(
+            blob, host=HOST, ports=None, tls=True, what="weights", timeout=10.0, remedy=""
+        )
+
+    ref, other = serve(b"t" * 100_000), serve(b"u" * 10)
+    assert other.address == ref.address  # one server per address and security
+    (server,) = [s for s in _SHARED.values() if s.address == ref.address]
     assert ref.security is not None and ref.security.tls_fingerprint
     assert ref.value == b"t" * 100_000
     plain = ServedBytes(**{**ref.__dict__, "security": None})  # no TLS: no connection
     with pytest.raises(ConfigError, match="could not reach"):
         fetch_payload(plain, rank=0)
     discard_shared(ref)
-    assert server.payloads == 0
+    assert server.payloads == 1 and not server.stopping
+    discard_shared(other)  # the last payload: the server and its thread go too
+    assert server.stopping and server not in _SHARED.values()
