@@ -246,3 +246,18 @@ def test_ctx_distributed_refuses_several_parameter_groups():
 
     with pytest.raises(ConfigError, match="one parameter group"):
         run_in_threads(loop_spec(shard_optimizer=True), random_parts([3, 3]), train_fn)
+
+
+def test_the_ml_param_maps_onto_train_config() -> None:
+    from sparktrain.ml import TorchClassificationModel, TorchClassifier, TorchRegressor
+
+    for cls in (TorchClassifier, TorchRegressor):
+        assert cls()._train_config().shard_optimizer is False
+        assert cls(shardOptimizer=True)._train_config().shard_optimizer is True
+        assert cls().setShardOptimizer(True).getShardOptimizer() is True
+    clf = TorchClassifier(shardOptimizer=True)
+    model = TorchClassificationModel()
+    clf._copyValues(model)
+    assert model.getShardOptimizer() is True
+    with pytest.raises(ConfigError, match="compression='none'"):
+        TorchClassifier(shardOptimizer=True, compression="int8")._train_config()
