@@ -16,6 +16,11 @@ than the transfer.
 
 Every rank ends with the same bytes: each segment's sum is computed by exactly one
 rank (in a fixed order around the ring) and then copied verbatim to the others.
+
+The two halves are also callable on their own (``shard_optimizer``, ZeRO-1):
+:meth:`RingAllreduce.reduce_scatter_` leaves rank ``r`` with the finished sum of segment
+``r + 1`` (the same bytes the allreduce gives), :meth:`RingAllreduce.allgather_` copies
+every rank's segment ``r + 1`` to the others.
 """
 
 from __future__ import annotations
