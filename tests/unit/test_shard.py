@@ -23,12 +23,14 @@ from .fixtures import (
     loop_spec,
     raise_first,
     random_parts,
+    rank0_value,
+    run_in_threads,
     run_mesh_ranks,
+    seeded_mlp,
     spec_with,
     train_and_assemble,
     train_in_threads,
 )
-from .test_run import rank0_value, run_in_threads, seeded_mlp
 
 pytestmark = pytest.mark.timeout(120)
 
