@@ -15,7 +15,7 @@ from sparktrain.builders import build_optimizer
 from sparktrain.checkpoint import CheckpointStore
 from sparktrain.comm.ring import RingAllreduce, ring_segments
 from sparktrain.config import TrainConfig
-from sparktrain.errors import CheckpointError, ConfigError, PeerLostError
+from sparktrain.errors import CheckpointError, CommError, ConfigError, PeerLostError
 from sparktrain.worker.faults import FaultPlan, InjectedFaultError
 from sparktrain.worker.run_context import RunContext
 
@@ -312,3 +312,43 @@ def test_the_syncs_own_step_shards_too():
         assert torch.equal(p, s)
     start = torch.cat([p.detach().reshape(-1) for p in seeded_mlp(0).parameters()])
     assert float((plain[0] - start).abs().max()) > 1e-3  # the steps did move the weights
+
+
+def _resumable_fn(ctx: RunContext) -> dict[str, Any]:
+    """Adam through ctx.distributed, a checkpoint every epoch, resuming from ctx.restore()."""
+    model = seeded_mlp(ctx.config.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, optimizer = ctx.distributed(model, optimizer)
+    state, start = ctx.restore(), 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["epoch"] + 1
+    for epoch in range(start, ctx.config.epochs):
+        for batch in ctx.batches(epoch):
+            ctx.backward(F.cross_entropy(model(batch.x), batch.y.long()))
+            optimizer.step()
+            optimizer.zero_grad()
+        ctx.report(epoch_done=float(epoch))
+        ctx.checkpoint(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+        )
+    return {"state": model.state_dict(), "started_at": start}
+
+
+def test_ctx_checkpoint_restores_the_slices_bitwise(tmp_path):
+    parts = random_parts([48, 40], seed=5)
+    base = {"batch_size": 16, "epochs": 4, "shard_optimizer": True}
+    clean = loop_spec(**base, checkpoint_dir=str(tmp_path / "clean"))
+    want, _ = rank0_value(run_in_threads(clean, parts, _resumable_fn))
+
+    spec = loop_spec(**base, checkpoint_dir=str(tmp_path / "killed"))
+    fault = FaultPlan(1, 7, str(tmp_path / "fired"))
+    with pytest.raises((InjectedFaultError, CommError)):
+        run_in_threads(spec_with(spec, fault=fault), parts, _resumable_fn)
+    step = CheckpointStore(spec.config.checkpoint_dir).newest_intact()
+    assert step == 6  # after epoch 1 (3 steps an epoch)
+    got, _ = rank0_value(run_in_threads(spec_with(spec, resume_step=step), parts, _resumable_fn))
+    assert got["started_at"] == 2
+    for name, tensor in want["state"].items():
+        assert torch.equal(got["state"][name], tensor), name
