@@ -156,8 +156,6 @@ class ShardedSync(AllreduceSync):
         after = self.mesh.stats.as_dict()
         self._bucket_raw[index] += after["raw_bytes_sent"] - before["raw_bytes_sent"]
         self._bucket_wire[index] += after["wire_bytes_sent"] - before["wire_bytes_sent"]
-        if index == 0:
-            self._total = 0.0  # the total rows come from the tree, in finish()
 
     def _finish(self, count: int) -> None:
         """Divide the owned slices by the total rows over the ranks."""

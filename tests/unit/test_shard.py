@@ -99,6 +99,10 @@ def test_sharded_ring_equals_unsharded_bitwise(optimizer, kwargs, sizes):
     sharded = train_and_assemble(loop_spec(shard_optimizer=True, **common), parts)
     assert max_diff(sharded.model, plain.model) == 0.0
     assert sharded.summary["replicas_in_sync"]
+    assert sharded.summary["shard_optimizer"] and "shard_optimizer" not in plain.summary
+    owned = sharded.summary["optimizer_state_elements_per_worker"]
+    assert len(owned) == len(sizes)
+    assert sum(owned) == sum(p.numel() for p in plain.model.parameters())
 
 
 @pytest.mark.parametrize(
