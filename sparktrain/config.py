@@ -70,6 +70,13 @@ class TrainConfig:
     overlap:
         Start each bucket's gradient exchange from gradient hooks while the backward pass
         continues (as DDP does), instead of after it.
+    shard_optimizer:
+        ZeRO-1 for ``ring`` and ``tree``: gradients are reduce-scattered, each rank steps
+        the optimizer on its ``1/N`` slice of the parameters (keeping only that slice's
+        momentum / Adam moments) and the parameters are all-gathered; the same weights
+        as unsharded. Not with compression, ``comm_backend="torch"``, pipelines,
+        ``precision="fp16"``, a CUDA device or an optimizer of several parameter groups.
+        Checkpoints hold each rank's slice: resume with the same world size.
     link, link_bandwidth_mbit, link_rtt_ms, link_jitter_ms, link_loss:
         Emulate a slow link in sparktrain's own transport (token bucket plus delay; no
         root needed). ``link`` is a profile (``none``, ``lan``, ``5g``, ``4g``, ``wan``) and
@@ -245,6 +252,7 @@ class TrainConfig:
     compression: str | dict[str, str] = "none"
     comm_backend: str = "sparktrain"
     overlap: bool = True
+    shard_optimizer: bool = False
     link_profile: str = "none"
     link_bandwidth_mbit: float = 0.0
     link_rtt_ms: float = 0.0
@@ -411,6 +419,7 @@ class TrainConfig:
             )
         _check_loop_options(self)
         check_comm_backend(self)
+        check_sharding(self)
         strategy.validate(self)
 
     # ------------------------------------------------------------------ building
@@ -788,3 +797,34 @@ def _check_services_address(host: str, ports: str) -> None:
     if not isinstance(ports, str):
         raise ConfigError(f"driver_services_ports={ports!r}: give a string 'LOW-HIGH'")
     parse_port_range(ports)
+
+
+def check_sharding(cfg: TrainConfig) -> None:
+    """Raise ConfigError for the combinations ``shard_optimizer`` does not support."""
+    if not isinstance(cfg.shard_optimizer, bool):
+        raise ConfigError(f"shard_optimizer={cfg.shard_optimizer!r} must be true or false")
+    if not cfg.shard_optimizer:
+        return
+    if cfg.strategy not in ("ring", "tree"):
+        raise ConfigError(
+            f"shard_optimizer=true needs strategy='ring' or 'tree', got {cfg.strategy!r} "
+            "('auto' cannot be sharded: choose ring or tree)"
+        )
+    if cfg.compression != "none":
+        raise ConfigError(
+            "shard_optimizer=true reduce-scatters uncompressed gradients: set compression='none'"
+        )
+    if cfg.comm_backend != "sparktrain":
+        raise ConfigError(
+            "shard_optimizer=true needs comm_backend='sparktrain' (the ring's reduce-scatter "
+            "and all-gather halves)"
+        )
+    if cfg.parallelism_pipeline > 1:
+        raise ConfigError("shard_optimizer=true does not combine with parallelism.pipeline > 1")
+    if cfg.precision == "fp16":
+        raise ConfigError(
+            "shard_optimizer=true does not support precision='fp16' (the loss scaler checks "
+            "the whole model's gradients): use 'bf16' or 'fp32'"
+        )
+    if cfg.device == "cuda":
+        raise ConfigError("shard_optimizer=true steps on the CPU: use device='cpu' or 'auto'")

@@ -257,6 +257,35 @@ def comm_s(
     return gather(wire, p, alpha, beta, calls=buckets)
 
 
+def zero1_comm_s(
+    nbytes: float, p: int, alpha: float, beta: float, *, buckets: int = 1, clip: bool = False
+) -> tuple[float, float]:
+    """``shard_optimizer`` (:mod:`sparktrain.worker.sharded`): ``(reduce-scatter,
+    after the step)`` seconds. The ring's two halves send the allreduce's bytes,
+    ``(p - 1) alpha + (p - 1) / p * n beta`` each per bucket; the reduce-scatter may
+    overlap backward, the all-gather of the parameters follows the optimizer step. The
+    row count (and, with clipping, the squared norm) take a tree allreduce of 8 bytes."""
+    _check(p, nbytes, alpha, beta)
+    if p == 1:
+        return 0.0, 0.0
+    half = buckets * (p - 1) * alpha + (p - 1) / p * nbytes * beta
+    small = (1 + int(clip)) * tree_allreduce_s(8.0, p, alpha, beta)
+    return half, half + small
+
+
+def optimizer_memory_bytes(
+    params: int, p: int, *, state_per_param: int = 2, itemsize: int = 4, sharded: bool = False
+) -> float:
+    """Bytes a worker holds for the model's training state: parameters, the gradient
+    buckets (the gradients themselves: they are bound to the buckets) and the optimizer
+    state (``state_per_param`` tensors per parameter: 2 for Adam's moments, 1 for SGD
+    momentum), the latter divided by ``p`` when sharded. Activations, the data and the
+    interpreter come on top."""
+    _check(p, params, state_per_param, itemsize)
+    state = state_per_param * params * itemsize
+    return 2 * params * itemsize + (state / p if sharded else state)
+
+
 def step_s(compute: float, comm: float, overlap: bool = False) -> float:
     """One step: ``compute + comm``, or ``max`` when the exchange overlaps backward."""
     return max(compute, comm) if overlap else compute + comm

@@ -246,6 +246,11 @@ def sync_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("overlap", "compression_path", "precision", "skipped_steps"):
         if key in first:
             out[key] = first[key]
+    if first.get("shard_optimizer"):  # ZeRO-1: whose optimizer state is where
+        out["shard_optimizer"] = True
+        out["optimizer_state_elements_per_worker"] = [
+            int(s.get("optimizer_state_elements", 0)) for s in stats
+        ]
     launched = [s[k] for s in stats for k in ("buckets_launched_in_backward",) if k in s]
     if launched:
         out["buckets_launched_in_backward"] = sum(launched)

@@ -16,6 +16,11 @@ than the transfer.
 
 Every rank ends with the same bytes: each segment's sum is computed by exactly one
 rank (in a fixed order around the ring) and then copied verbatim to the others.
+
+The two halves are also callable on their own (``shard_optimizer``, ZeRO-1):
+:meth:`RingAllreduce.reduce_scatter_` leaves rank ``r`` with the finished sum of segment
+``r + 1`` (the same bytes the allreduce gives), :meth:`RingAllreduce.allgather_` copies
+every rank's segment ``r + 1`` to the others.
 """
 
 from __future__ import annotations
@@ -168,21 +173,55 @@ class RingAllreduce:
         n = mesh.world_size
         if n == 1 or buf.size == 0:
             return
-        try:
-            self._ring(buf, np.add if add is None else add, kind)
-        except CommError as exc:
-            # Tear the mesh down so the neighbours fail now rather than at their
-            # timeout, and raise the first failure (the rank really lost).
-            failure = mesh.abort(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+        self._guarded(lambda: self._ring(buf, np.add if add is None else add, kind))
 
     def allgather(self, blob: np.ndarray, max_bytes: int) -> list[np.ndarray]:
         """Every rank's byte blob in rank order (see :func:`ring_allgather`)."""
         return ring_allgather(self.mesh, blob, max_bytes)
 
-    def _ring(self, buf: np.ndarray, add: AddFn, kind: int) -> None:
+    def reduce_scatter_(self, buf: np.ndarray, *, kind: int = KIND_DATA) -> tuple[int, int]:
+        """The first half of :meth:`allreduce_`: afterwards this rank's
+        :meth:`owned_segment` of ``buf`` holds the sum over all ranks (the rest of
+        ``buf`` holds partial sums). Returns that segment's ``[start, stop)``.
+
+        The sum of each segment is the same bytes :meth:`allreduce_` would give."""
+        check_buffer(buf)
+        segment = ring_segments(buf.size, self.mesh.world_size)[self.owned_segment()]
+        if self.mesh.world_size == 1 or buf.size == 0:
+            return segment
+        self._guarded(lambda: self._ring(buf, np.add, kind, scatter=True, gather=False))
+        return segment
+
+    def allgather_(self, buf: np.ndarray, *, kind: int = KIND_DATA) -> None:
+        """The second half of :meth:`allreduce_`: every rank's :meth:`owned_segment` of
+        ``buf`` is copied to all the others, so every rank ends with the same bytes."""
+        check_buffer(buf)
+        if self.mesh.world_size == 1 or buf.size == 0:
+            return
+        self._guarded(lambda: self._ring(buf, np.add, kind, scatter=False, gather=True))
+
+    def owned_segment(self, rank: int | None = None) -> int:
+        """The index (into :func:`ring_segments`) of the segment whose sum ``rank``
+        (default this rank) finishes in the reduce-scatter: its successor's, ``rank + 1``."""
+        n = self.mesh.world_size
+        return ((self.mesh.rank if rank is None else rank) + 1) % n
+
+    def _guarded(self, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except CommError as exc:
+            # Tear the mesh down so the neighbours fail now rather than at their
+            # timeout, and raise the first failure (the rank really lost).
+            failure = self.mesh.abort(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def _ring(
+        self, buf: np.ndarray, add: AddFn, kind: int, *, scatter: bool = True, gather: bool = True
+    ) -> None:
+        """Reduce-scatter and/or all-gather ``buf``; both (the allreduce) pipeline the
+        last reduce-scatter send into the first all-gather step."""
         mesh = self.mesh
         n, r = mesh.world_size, mesh.rank
         nxt, prv = (r + 1) % n, (r - 1) % n
@@ -191,7 +230,7 @@ class RingAllreduce:
         send_conn = mesh.connection(nxt)
         plan = self._chunks(buf.size, buf.itemsize)
         biggest = max((b - a for seg in plan for a, b in seg), default=0)
-        scratch = self._scratch_for(buf.dtype, biggest)
+        scratch = self._scratch_for(buf.dtype, biggest) if scatter else buf[:0]
         recv_into = recv.recv_into
         # Small buffers: send from this thread, skipping the hand-off to the sender
         # thread (tens of microseconds per wake-up). Safe from deadlock because a rank
@@ -204,32 +243,40 @@ class RingAllreduce:
         )
         sender = None if inline else mesh.sender(nxt)
         put = send_conn.send_array if sender is None else sender.put
-
-        # Reduce-scatter. Step 0 sends this rank's own segment; from then on every
-        # chunk goes out as soon as it has been reduced here, which pipelines the
-        # steps. The chunk finished in the last step is this rank's fully reduced
-        # segment r+1: sending it is the first all-gather step.
-        for a, b in plan[r]:
-            put(buf[a:b], kind)
-        for step in range(n - 1):
-            for a, b in plan[(r - step - 1) % n]:
-                view = buf[a:b]
-                tmp = scratch[: b - a]
-                recv_into(tmp, kind)
-                add(view, tmp, view)
-                put(view, kind)
-        # All-gather: finished segments arrive straight into place and are passed on,
-        # except in the last step, when the segment has been everywhere else.
-        # Overwriting buf here is safe even while our own earlier sends of the same
-        # chunk may still be queued: the finished chunk includes this rank's
-        # contribution, so it cannot arrive before the successor has read that send.
         last = n - 2
-        for step in range(n - 1):
-            for a, b in plan[(r - step) % n]:
-                view = buf[a:b]
-                recv_into(view, kind)
-                if step < last:
-                    put(view, kind)
+
+        if scatter:
+            # Reduce-scatter. Step 0 sends this rank's own segment; from then on every
+            # chunk goes out as soon as it has been reduced here, which pipelines the
+            # steps. The chunk finished in the last step is this rank's fully reduced
+            # segment r+1: sending it is the first all-gather step (only when
+            # gathering too).
+            for a, b in plan[r]:
+                put(buf[a:b], kind)
+            for step in range(n - 1):
+                for a, b in plan[(r - step - 1) % n]:
+                    view = buf[a:b]
+                    tmp = scratch[: b - a]
+                    recv_into(tmp, kind)
+                    add(view, tmp, view)
+                    if gather or step < last:
+                        put(view, kind)
+        elif gather:
+            # A separate all-gather starts by sending the segment this rank owns.
+            for a, b in plan[(r + 1) % n]:
+                put(buf[a:b], kind)
+        if gather:
+            # All-gather: finished segments arrive straight into place and are passed
+            # on, except in the last step, when the segment has been everywhere else.
+            # Overwriting buf here is safe even while our own earlier sends of the same
+            # chunk may still be queued: the finished chunk includes this rank's
+            # contribution, so it cannot arrive before the successor has read that send.
+            for step in range(n - 1):
+                for a, b in plan[(r - step) % n]:
+                    view = buf[a:b]
+                    recv_into(view, kind)
+                    if step < last:
+                        put(view, kind)
         # The caller may modify buf as soon as we return: wait for the sends.
         if sender is not None:
             sender.flush()

@@ -348,6 +348,10 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         """Sets the value of :py:attr:`commBackend` (``"sparktrain"`` or ``"torch"``)."""
         return self._set(commBackend=value)
 
+    def setShardOptimizer(self, value: bool) -> Self:
+        """Sets the value of :py:attr:`shardOptimizer`."""
+        return self._set(shardOptimizer=value)
+
     def setDriverServicesHost(self, value: str) -> Self:
         """Sets the value of :py:attr:`driverServicesHost`."""
         return self._set(driverServicesHost=value)
@@ -467,6 +471,9 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
     commBackend : str
         ``"sparktrain"`` (its own sockets) or ``"torch"`` (torch.distributed Gloo; see
         docs/torch.md) for ring/tree gradients.
+    shardOptimizer : bool
+        Shard the optimizer state over the ranks (ZeRO-1, ring/tree without
+        compression; ``False``). See docs/sharding.md.
     driverServicesHost, driverServicesPorts : str
         The address (``""``: Spark's driver host, or the Connect client's) and port range
         ``"LOW-HIGH"`` (``""``: any) of the driver's services, which executors must reach;
@@ -540,6 +547,7 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         device: str = "auto",
         gpusPerTask: int = 0,
         commBackend: str = "sparktrain",
+        shardOptimizer: bool = False,
         driverServicesHost: str = "",
         driverServicesPorts: str = "",
     ) -> None:
@@ -592,6 +600,7 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
         device: str = "auto",
         gpusPerTask: int = 0,
         commBackend: str = "sparktrain",
+        shardOptimizer: bool = False,
         driverServicesHost: str = "",
         driverServicesPorts: str = "",
     ) -> Self:
@@ -716,6 +725,7 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         device: str = "auto",
         gpusPerTask: int = 0,
         commBackend: str = "sparktrain",
+        shardOptimizer: bool = False,
         driverServicesHost: str = "",
         driverServicesPorts: str = "",
     ) -> None:
@@ -767,6 +777,7 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
         device: str = "auto",
         gpusPerTask: int = 0,
         commBackend: str = "sparktrain",
+        shardOptimizer: bool = False,
         driverServicesHost: str = "",
         driverServicesPorts: str = "",
     ) -> Self:

@@ -31,6 +31,7 @@ box (docs/ml.md has the table and why), and the regressor's ``labelScaling=True`
     mlflowExperiment -> mlflow_experiment   precision, metrics (names only) -> the keys
                                                                           of the same name
     device -> device              gpusPerTask -> gpus_per_task   commBackend -> comm_backend
+    shardOptimizer -> shard_optimizer
     driverServicesHost -> driver_services_host   driverServicesPorts -> driver_services_ports
 
 The training-loop params (schedule to metrics and loggers) and the placement params
@@ -120,6 +121,7 @@ __all__ = [
     "HasOptimizerKwargs",
     "HasPrecision",
     "HasPsMode",
+    "HasShardOptimizer",
     "HasStrategy",
     "HasTensorboardDir",
     "HasValidationFraction",
@@ -1105,6 +1107,27 @@ class HasCommBackend(Params):
         return self.getOrDefault(self.commBackend)
 
 
+class HasShardOptimizer(Params):
+    """Mixin for param shardOptimizer: ZeRO-1 sharded optimizer state for ring/tree."""
+
+    shardOptimizer: Param[bool] = Param(
+        Params._dummy(),
+        "shardOptimizer",
+        "shard the optimizer state over the ranks (ZeRO-1: reduce-scatter the gradients, "
+        "step each rank's 1/N slice, all-gather the parameters); ring/tree without "
+        "compression (TrainConfig shard_optimizer)",
+        typeConverter=TypeConverters.toBoolean,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(shardOptimizer=_DEFAULTS.shard_optimizer)
+
+    def getShardOptimizer(self) -> bool:
+        """Gets the value of shardOptimizer or its default ``False``."""
+        return self.getOrDefault(self.shardOptimizer)
+
+
 class HasDriverServicesHost(Params):
     """Mixin for param driverServicesHost: the address the driver's services listen on."""
 
@@ -1190,6 +1213,7 @@ class _TorchParams(
     HasDevice,
     HasGpusPerTask,
     HasCommBackend,
+    HasShardOptimizer,
     HasDriverServicesHost,
     HasDriverServicesPorts,
 ):
@@ -1242,6 +1266,7 @@ class _TorchParams(
             "device": self.getDevice(),
             "gpus_per_task": self.getGpusPerTask(),
             "comm_backend": self.getCommBackend(),
+            "shard_optimizer": self.getShardOptimizer(),
             "driver_services_host": self.getDriverServicesHost(),
             "driver_services_ports": self.getDriverServicesPorts(),
         }

@@ -42,6 +42,10 @@ class Allreduce(Strategy):
             from sparktrain.worker.torch_sync import TorchSync
 
             return TorchSync(ctx, model, mesh)
+        if ctx.job.config.shard_optimizer:  # ZeRO-1: the optimizer state in slices
+            from sparktrain.worker.sharded import ShardedSync
+
+            return ShardedSync(ctx, model, mesh)
         return AllreduceSync(ctx, model, mesh)
 
 

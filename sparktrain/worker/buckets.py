@@ -174,7 +174,7 @@ class GradientBuckets:
         Call for every bucket in index order on every rank (after :meth:`begin`).
         """
         b = self.buckets[index]
-        self._fill(b)
+        self.fill(b)
         if reducer is None:
             if b.count_slot:
                 b.flat[-1] = self._count
@@ -206,7 +206,9 @@ class GradientBuckets:
         assert totals[0] is not None
         return self.finish(totals[0])
 
-    def _fill(self, b: _Bucket) -> None:
+    def fill(self, b: _Bucket) -> None:
+        """Copy the gradients into bucket ``b`` (unless bound there) and weigh them by
+        this rank's count of the step (see :meth:`begin`)."""
         if self.staging is not None:
             self.staging.to_host(b.index)
             if self._count != 1:

@@ -54,6 +54,7 @@ from sparktrain.worker.memory import sample_anon
 from sparktrain.worker.probe import needs_auto, resolve_auto
 from sparktrain.worker.run_context import RunContext
 from sparktrain.worker.scores import Scores, metric_key
+from sparktrain.worker.sharded import SHARDED_WORLD, check_sharded_resume
 from sparktrain.worker.state import digest
 from sparktrain.worker.stepping import DistributedStep
 
@@ -227,6 +228,8 @@ def _save(
     }
     if mine is not None:
         extra[RANK_SHARDS] = ctx.world_size
+    if ctx.config.shard_optimizer:
+        extra[SHARDED_WORLD] = ctx.world_size
     ckpt = Checkpoint(
         step=step,
         model_state=model.state_dict(),
@@ -260,6 +263,7 @@ def _restore(
             f"the checkpoint of step {ckpt.step} in {store.uri} was written by "
             "sparktrain.run, not Trainer.fit: give the fit a checkpoint_dir of its own"
         )
+    check_sharded_resume(ckpt.extra, ctx.config.shard_optimizer, ctx.world_size, ckpt.step)
     model.load_state_dict(ckpt.model_state)
     optimizer = stepper.optimizer if stepper.local else None
     if optimizer is not None and ckpt.optimizer_state:

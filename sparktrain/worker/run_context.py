@@ -45,6 +45,7 @@ from sparktrain.worker.evaluate import feed_scores, finish_scores
 from sparktrain.worker.precision import Precision
 from sparktrain.worker.prefetch import Prefetcher
 from sparktrain.worker.scores import Scores
+from sparktrain.worker.sharded import SHARDED_WORLD, check_sharded_resume
 from sparktrain.worker.state import byte_view, start_from_rank0
 from sparktrain.worker.stepping import DistributedStep
 from sparktrain.worker.sync import make_sync
@@ -489,6 +490,8 @@ class RunContext:
             extra["step_state"] = self._distributed.state_dict()
         if mine is not None:
             extra[RANK_SHARDS] = self.world_size
+        if self.config.shard_optimizer and self._distributed is not None:
+            extra[SHARDED_WORLD] = self.world_size
         if self.rank == 0:
             ckpt = Checkpoint(step, {}, {}, torch.get_rng_state(), list(self.history), extra)
             store.save(ckpt)
@@ -525,6 +528,7 @@ class RunContext:
 
     def _load_step_state(self, ckpt: Checkpoint) -> None:
         assert self._distributed is not None
+        check_sharded_resume(ckpt.extra, self.config.shard_optimizer, self.world_size, ckpt.step)
         shard = None
         if int(ckpt.extra.get(RANK_SHARDS, 0) or 0) == self.world_size and self._store is not None:
             shard = self._store.load_shard(ckpt.step, self.rank, self.world_size)
@@ -712,7 +716,10 @@ def _make_distributed(optimizer: torch.optim.Optimizer) -> None:
     if cls is None:
 
         def step_(self: Any, closure: Callable[[], float] | None = None) -> Any:
-            if self._sparktrain_inner:  # the real step, from DistributedStep (or a scaler)
+            inner = self._sparktrain_inner
+            if callable(inner):  # a sharded step: the slices' optimizer steps instead
+                return inner()
+            if inner:  # the real step, from DistributedStep (or a scaler)
                 return base.step(self, closure)
             self._sparktrain_step.step(closure)
             return None
@@ -723,7 +730,12 @@ def _make_distributed(optimizer: torch.optim.Optimizer) -> None:
             if self._sparktrain_step.micro == 0:
                 self._sparktrain_step.zero_grad()
 
-        cls = type(f"Distributed{base.__name__}", (base,), {"step": step_, "zero_grad": zero_grad_})
+        cls = type(
+            f"Distributed{base.__name__}",
+            (base,),
+            # _sparktrain_base: the class a sharded step builds its slices' optimizer of
+            {"step": step_, "zero_grad": zero_grad_, "_sparktrain_base": base},
+        )
         _DISTRIBUTED_CLASSES[base] = cls
     optimizer._sparktrain_inner = False  # type: ignore[attr-defined]
     optimizer.__class__ = cls

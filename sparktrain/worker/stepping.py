@@ -31,6 +31,7 @@ from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
 from sparktrain.worker.precision import Precision
 from sparktrain.worker.schedule import LrSchedule
+from sparktrain.worker.sharded import ShardedSync
 from sparktrain.worker.sync import AllreduceSync, StepSync, load_rank_state, rank_state
 
 
@@ -75,6 +76,8 @@ class DistributedStep:
         self.closing = False
         self.steps = 0
         self.comm_s = 0.0
+        if isinstance(sync, ShardedSync):  # its slices step with this optimizer's class
+            sync.attach(optimizer)
 
     def closes(self, index: int, steps_per_epoch: int) -> bool:
         """Does micro-batch ``index`` of an epoch close an accumulated step (the same
@@ -125,6 +128,8 @@ class DistributedStep:
             return True
         if not isinstance(self.sync, AllreduceSync):
             return self._plugin_step(rows, micro, started)
+        if isinstance(self.sync, ShardedSync):
+            return self._sharded_step(self.sync, rows, micro, started)
         self.sync.reduce(rows)
         self.comm_s += time.perf_counter() - started
         self._to_one_mean(micro)
@@ -141,6 +146,31 @@ class DistributedStep:
         self.zero_grad()
         self.steps += 1
         return stepped
+
+    def _sharded_step(self, sync: ShardedSync, rows: int, micro: int, started: float) -> bool:
+        """The same steps as the unsharded path on this rank's slices only (ZeRO-1):
+        reduce-scatter and divide, one mean, clip by the global norm, step the slices'
+        optimizer, all-gather the parameters."""
+        sync.reduce(rows)
+        if micro > 1:
+            sync.scale_grads_(micro)
+        self.comm_s += time.perf_counter() - started
+        if self.clip > 0:
+            sync.clip_grad_norm_(self.clip)
+        self.schedule.before_step()
+        # through the optimizer's own step(), so a torch LR scheduler sees a step
+        self.optimizer._sparktrain_inner = sync.step_owned  # type: ignore[attr-defined]
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer._sparktrain_inner = False  # type: ignore[attr-defined]
+        gathered = time.perf_counter()
+        sync.gather()
+        self.comm_s += time.perf_counter() - gathered
+        self.schedule.after_step()
+        self.zero_grad()
+        self.steps += 1
+        return True
 
     def _plugin_step(self, rows: int, micro: int, started: float) -> bool:
         """A plug-in strategy's sync averages and steps in one ``step(count)``, with

@@ -277,6 +277,13 @@ class AllreduceSync:
         """:meth:`step` without the optimizer step: leaves every rank's gradients
         replaced by their sample-weighted average (for a caller that steps itself, e.g.
         after clipping the averaged gradients)."""
+        self._reduce_buckets(count)
+        assert self._total is not None
+        self.buckets.finish(self._total)
+
+    def _reduce_buckets(self, count: int) -> None:
+        """Run :meth:`_exchange` on every bucket in index order: those no gradient hook
+        handed over yet, then wait (bounded) for the communication thread."""
         if not self.overlap or self._worker is None or self._ready is None:
             self.buckets.begin(count)
             self._total = None
@@ -299,8 +306,6 @@ class AllreduceSync:
             except TimeoutError as exc:
                 error = CommError(f"rank {self.mesh.rank}: {exc}")
                 raise self.mesh.abort(error) from exc
-        assert self._total is not None
-        self.buckets.finish(self._total)
 
     def stats(self) -> dict[str, Any]:
         """Bucket and overlap figures; with compression, per-bucket and per-spec bytes

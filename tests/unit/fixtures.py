@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import pickle
 import threading
 import time
@@ -44,11 +45,11 @@ from sparktrain.parallel.stage import PipelineSpec, train_stage
 from sparktrain.ps import protocol
 from sparktrain.ps.client import ShardClient, connect_shards
 from sparktrain.ps.server import ParameterServer, start_parameter_server
-from sparktrain.result import TrainResult, assemble, state_to_bytes
+from sparktrain.result import TrainResult, assemble, load_state_records, state_to_bytes
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
 from sparktrain.worker.rounds import Block, RoundSpec
-from sparktrain.worker.run_task import run_partition
+from sparktrain.worker.run_task import decode_value, run_partition
 
 T = TypeVar("T")
 
@@ -285,6 +286,34 @@ def loop_spec(**overrides: Any) -> JobSpec:
 
 def spec_with(spec: JobSpec, **changes: Any) -> JobSpec:
     return dataclasses.replace(spec, **changes)
+
+
+# ---------------------------------------------------------------------- sparktrain.run
+# ranks are threads here: torch's global RNG is shared, so seeding and building a model
+# must not interleave (in Spark each task has its own Python worker)
+SEEDED_BUILD = threading.Lock()
+
+
+def seeded_mlp(seed: int) -> torch.nn.Module:
+    with SEEDED_BUILD:
+        torch.manual_seed(seed)
+        return mlp(4, (8,), 3)
+
+
+def run_in_threads(spec: Any, parts: list[Any], train_fn: Any) -> list[Any]:
+    spec = dataclasses.replace(spec, train_fn=train_fn)
+    world = len(parts)
+
+    def rank_fn(rank: int, coll: ThreadCollectives) -> Any:
+        return run_partition(worker_context(rank, world, coll, spec), parts[rank])
+
+    return run_ranks(world, rank_fn, timeout=60.0)
+
+
+def rank0_value(outputs: list[Any]) -> Any:
+    records = [r for out in outputs for r in out]
+    meta = json.loads(next(r.data for r in records if r.kind == "meta"))
+    return decode_value(meta["value"], load_state_records(records, 0, meta)), meta
 
 
 def train_in_threads(spec: JobSpec, parts: list[PartitionData], timeout: float = 120.0) -> Any:

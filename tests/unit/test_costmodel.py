@@ -173,3 +173,23 @@ def test_trainer_refuses_auto_where_no_probe_can_run(cfg):
 
     with pytest.raises(ConfigError, match="auto"):
         Trainer("sparktrain.models:digits_mlp", TrainConfig(**cfg))
+
+
+def test_zero1_halves_add_up_to_the_ring_plus_the_row_count():
+    n, a, b = 4e8, 1e-4, 1e-9
+    for p in (2, 3, 8):
+        scatter, after = cm.zero1_comm_s(n, p, a, b, buckets=16)
+        count = cm.tree_allreduce_s(8.0, p, a, b)
+        assert scatter + after == pytest.approx(cm.ring_allreduce_s(n, p, a, b, 16) + count)
+        _, clipped = cm.zero1_comm_s(n, p, a, b, buckets=16, clip=True)
+        assert clipped == pytest.approx(after + count)
+    assert cm.zero1_comm_s(n, 1, a, b) == (0.0, 0.0)
+
+
+def test_sharded_adam_state_shrinks_with_the_world():
+    params = 100_000_000
+    full = cm.optimizer_memory_bytes(params, 2)
+    assert full == 16 * params  # params + grads + two moments, float32
+    assert cm.optimizer_memory_bytes(params, 2, sharded=True) == 12 * params
+    assert cm.optimizer_memory_bytes(params, 8, sharded=True) == 9 * params
+    assert cm.optimizer_memory_bytes(params, 4, state_per_param=1, sharded=True) == 9 * params

@@ -76,6 +76,8 @@ LOOP_PARAMS = {
 OWN_PARAMS |= set(LOOP_PARAMS)
 # issue 19's placement params (tests/unit/test_ml_placement_params.py)
 OWN_PARAMS |= {"device", "gpusPerTask", "commBackend", "driverServicesHost", "driverServicesPorts"}
+# issue 20's sharded optimizer state (tests/unit/test_ml_placement_params.py)
+OWN_PARAMS |= {"shardOptimizer"}
 # the params added with typed inputs: metadata saved before them lacks them
 TYPED_PARAMS = ("featuresCols", "featureShapes", "featureDtypes", "decode", "collate")
 STANDARD = {"featuresCol", "labelCol", "predictionCol", "weightCol"}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 from typing import Any
 
 import numpy as np
@@ -22,41 +21,16 @@ from sparktrain.models import mlp
 from sparktrain.result import load_state_records
 from sparktrain.worker.faults import FaultPlan, InjectedFaultError
 from sparktrain.worker.run_context import RunContext
-from sparktrain.worker.run_task import decode_value, encode_value, run_partition
+from sparktrain.worker.run_task import decode_value, encode_value
 from tests.unit.fixtures import (
-    ThreadCollectives,
+    SEEDED_BUILD,
     loop_spec,
     random_parts,
-    run_ranks,
+    rank0_value,
+    run_in_threads,
+    seeded_mlp,
     train_in_threads,
-    worker_context,
 )
-
-# ranks are threads here: torch's global RNG is shared, so seeding and building a model
-# must not interleave (in Spark each task has its own Python worker)
-_INIT = threading.Lock()
-
-
-def seeded_mlp(seed: int) -> torch.nn.Module:
-    with _INIT:
-        torch.manual_seed(seed)
-        return mlp(4, (8,), 3)
-
-
-def run_in_threads(spec: Any, parts: list[Any], train_fn: Any) -> list[Any]:
-    spec = dataclasses.replace(spec, train_fn=train_fn)
-    world = len(parts)
-
-    def rank_fn(rank: int, coll: ThreadCollectives) -> Any:
-        return run_partition(worker_context(rank, world, coll, spec), parts[rank])
-
-    return run_ranks(world, rank_fn, timeout=60.0)
-
-
-def rank0_value(outputs: list[Any]) -> Any:
-    records = [r for out in outputs for r in out]
-    meta = json.loads(next(r.data for r in records if r.kind == "meta"))
-    return decode_value(meta["value"], load_state_records(records, 0, meta)), meta
 
 
 def mlp_train_fn(ctx: RunContext) -> dict[str, Any]:
@@ -352,7 +326,7 @@ def run_partition_values(spec: Any, parts: list[Any], train_fn: Any) -> list[Any
 
 def test_distributed_broadcasts_rank_0_only_when_the_replicas_differ() -> None:
     def build(seed: int) -> torch.nn.Module:
-        with _INIT:
+        with SEEDED_BUILD:
             torch.manual_seed(seed)
             return mlp(64, (256,), 10)  # 19 k parameters: far more than two checksums
 
