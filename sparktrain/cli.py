@@ -11,6 +11,7 @@
     sparktrain bench scaling --worlds 1 2 4 --links none 5g --out docs/results
     sparktrain bench overlap --strategies ring ps --out docs/results
     sparktrain bench data --out docs/results
+    sparktrain bench infer --json docs/results/bench_infer.json
 
 A training config is a TrainConfig (top-level keys) plus a ``[job]`` table that says what
 to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`` and
@@ -100,6 +101,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "pipeline": ("pipeline", "GPipe vs 1F1B: step time, activation memory"),
     "scaling": ("scaling", "worlds 1, 2, 4 measured; alpha-beta predictions to 1024 workers"),
     "overlap": ("overlap", "step time with overlap on/off, ring and ps"),
+    "infer": ("infer", "batch inference: transform vs pyspark's predict_batch_udf, same run"),
     "data": (
         "data",
         "data path: worker memory and samples/s, in RAM vs spilled, prefetch on/off, "

@@ -213,6 +213,12 @@ def _data(data: Any) -> str:
     return data_bench.table(data)
 
 
+def _infer(data: Any) -> str:
+    from sparktrain.bench import infer
+
+    return infer.table(data)
+
+
 def _scaling(data: Any) -> str:
     parts = []
     if data.get("oversubscription"):
@@ -429,6 +435,11 @@ SECTIONS: tuple[Section, ...] = (
         "bench_data", "Data path: partitions bigger than the worker's budget",
         "sparktrain bench data --out docs/results",
         "bench_data.json", _data, ("bench_data.png",),
+    ),
+    Section(
+        "bench_infer", "Batch inference: transform against predict_batch_udf",
+        "sparktrain bench infer --json docs/results/bench_infer.json",
+        "bench_infer.json", _infer,
     ),
 )  # fmt: skip
 

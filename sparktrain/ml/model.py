@@ -6,11 +6,17 @@ travel in the UDF's closure up to half the server's request cap, and beyond it e
 Python worker fetches them from this client's payload service,
 :mod:`sparktrain.launch.payload_server`), rebuilds the module
 from ``modelFn`` once per
-Python worker, and runs an iterator Arrow UDF over the features column: every Arrow batch
-becomes one ``(n, width)`` float32 tensor and one forward pass under ``torch.no_grad``.
+Python worker (kept for every later task and transform with the same weights), and runs
+an iterator Arrow UDF over the features column: every Arrow batch (Spark's
+``spark.sql.execution.arrow.maxRecordsPerBatch`` rows) becomes one ``(n, width)`` float32
+tensor and one forward pass under ``torch.inference_mode``, on the task's GPU when the
+``device`` Param allows it and Spark gave the task one (:func:`inference_device`).
 There is no per-row Python. The UDF returns a struct of ``prediction`` (double) and, for
 classifiers, ``rawPrediction`` / ``probability`` as ``array<double>``, turned into ml
-Vectors by the JVM's ``array_to_vector``; every input column is kept.
+Vectors by the JVM's ``array_to_vector``; every input column is kept. Only the columns
+whose Params are non-empty are computed: a Python UDF cannot see which of its fields a
+query keeps, so ``probabilityCol=""`` and ``rawPredictionCol=""`` are how a classifier
+scores predictions alone (its classes then come from the logits, no probabilities).
 
 A model trained on several or typed columns (``featuresCols``, ``featureShapes``...) keeps
 the trained :class:`~sparktrain.data.columns.Layout`, saved in its metadata as
@@ -271,6 +277,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             kind=self._kind,
             threads=env.task_cpus(),
             fields=tuple(field for _, field in outputs),
+            device=self.getDevice(),
             layout=typed,
             label_stats=self._label_stats,
         )
@@ -573,10 +580,19 @@ class _InferencePlan:
     label_stats: tuple[float, float] | None = None
     """A regressor's ``(mean, std)`` (``labelScaling``): prediction = output * std + mean,
     in float64; ``None``: the output is the prediction."""
+    device: str = "cpu"
+    """The model's ``device`` Param: ``"cuda"`` or ``"auto"`` score on the task's GPU when
+    Spark gave it one and CUDA works (:func:`inference_device`), else on the CPU."""
 
-    def module(self) -> nn.Module:
+    def module(self, device: torch.device | None = None) -> nn.Module:
+        """The module with the trained weights on ``device`` (default the CPU), built once
+        per Python worker: a worker runs task after task, and rebuilding (import,
+        ``load_state_dict`` of the decoded weights) for each would cost every task."""
+        device = device or torch.device("cpu")
         # copies of a model share weights (and token) but may differ in modelFn/modelKwargs
-        key = f"{self.token}|{self.model_fn}|{json.dumps(self.model_kwargs, sort_keys=True)}"
+        key = (
+            f"{self.token}|{self.model_fn}|{json.dumps(self.model_kwargs, sort_keys=True)}|{device}"
+        )
         with _MODULES_LOCK:
             cached = _MODULES.get(key)
             if cached is not None:
@@ -584,7 +600,7 @@ class _InferencePlan:
                 return cached
         module = build_module(self.model_fn, self.model_kwargs)
         module.load_state_dict(state_from_bytes(self.weights.value))
-        module.eval()
+        module.eval().to(device)
         with _MODULES_LOCK:
             _MODULES[key] = module
             while len(_MODULES) > _MODULES_KEPT:
@@ -593,19 +609,27 @@ class _InferencePlan:
 
     def run(self, batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
         """The Arrow UDF body: one forward pass per Arrow batch."""
+        # torch's default is one thread per core in every Python worker: with one worker
+        # per task slot they would oversubscribe the cores the tasks were given
         torch.set_num_threads(max(1, self.threads))
-        module = self.module()
+        device = inference_device(self.device)
+        module = self.module(device)
+        # inference_mode: no autograd bookkeeping at all (no version counters either)
         if self.layout is not None:
             collator = Collator(self.layout)
-            with torch.no_grad():
+            with torch.inference_mode():
                 for inputs in batches:
-                    yield self.predict_typed(module, collator, inputs)
+                    yield self.predict_typed(module, collator, inputs, device)
             return
-        with torch.no_grad():
+        with torch.inference_mode():
             for features in batches:
-                yield self.predict(module, features)
+                yield self.predict(module, features, device)
 
-    def predict(self, module: nn.Module, features: pa.Array) -> pa.Array:
+    def predict(
+        self, module: nn.Module, features: pa.Array, device: torch.device | None = None
+    ) -> pa.Array:
+        """One Arrow batch of ``array<float>`` feature rows: one ``(n, width)`` tensor,
+        one forward pass on ``device`` (default the CPU), the output struct."""
         n = len(features)
         width = self.num_features
         if features.null_count:
@@ -620,9 +644,17 @@ class _InferencePlan:
                 "every row must have the same width as in training"
             )
         x = torch.from_numpy(np.array(values, dtype=np.float32).reshape(n, width))  # writable
+        if device is not None and device.type != "cpu":
+            x = x.to(device, non_blocking=True)
         return self.outputs(module(x))
 
-    def predict_typed(self, module: nn.Module, collator: Collator, inputs: pa.Array) -> pa.Array:
+    def predict_typed(
+        self,
+        module: nn.Module,
+        collator: Collator,
+        inputs: pa.Array,
+        device: torch.device | None = None,
+    ) -> pa.Array:
         """One Arrow batch of the struct of input columns: rows as the training workers
         read them, one :class:`~sparktrain.data.batch.Batch`, one forward pass."""
         layout = collator.layout
@@ -632,6 +664,8 @@ class _InferencePlan:
         children = inputs.flatten()
         columns = [_rows(c, values, n) for c, values in zip(layout.columns, children, strict=True)]
         batch = collator.batch(columns, None, None, partition=-1)
+        if device is not None and device.type != "cpu":
+            batch = batch.to(device)
         out = forward(module, batch)
         if not isinstance(out, torch.Tensor):
             raise DataError(
@@ -651,6 +685,7 @@ class _InferencePlan:
             return pa.StructArray.from_arrays(
                 [empty[f] for f in self.fields], names=list(self.fields)
             )
+        out = out.detach().cpu()
         out = out.flatten(1) if out.ndim > 1 else out.unsqueeze(1)
         columns: dict[str, pa.Array] = {}
         if self.kind == "regression":
@@ -659,6 +694,8 @@ class _InferencePlan:
                 mean, std = self.label_stats
                 prediction = prediction * std + mean
             columns["prediction"] = pa.array(prediction.numpy())
+        elif "probability" not in self.fields and "rawPrediction" not in self.fields:
+            columns["prediction"] = pa.array(_classes(out).numpy())
         else:
             logits = out.double()
             if logits.shape[1] == 1:  # one logit: binary, as MLlib's LogisticRegression
@@ -675,6 +712,45 @@ class _InferencePlan:
         return pa.StructArray.from_arrays(
             [columns[f] for f in self.fields], names=list(self.fields)
         )
+
+
+def _classes(out: torch.Tensor) -> torch.Tensor:
+    """The predicted class of each row of ``(n, k)`` model outputs as float64, without
+    the probabilities (for a transform whose probability and rawPrediction columns are
+    switched off). The same classes as ``argmax`` of the probabilities: softmax is
+    monotonic, so its argmax is the logits' (the first on a tie, as there); a single
+    logit ``z`` is class 1 where ``sigmoid(z) > 1 - sigmoid(z)``, computed the same way
+    in float64 so that rounding ties fall as they do there."""
+    logits = out.double()
+    if logits.shape[1] == 1:
+        p1 = torch.sigmoid(logits[:, 0])
+        return (p1 > 1 - p1).double()
+    return logits.argmax(dim=1).double()
+
+
+def inference_device(requested: str) -> torch.device:
+    """Where this task scores: the task's GPU when ``device`` (the model's Param) is
+    ``"auto"`` or ``"cuda"``, Spark gave the task a GPU and CUDA works in this Python
+    worker (:func:`sparktrain.worker.device.resolve`, as training places itself), else
+    the CPU. Unlike training, ``"cuda"`` without a GPU scores on the CPU (with a warning):
+    a model fitted on GPUs keeps working on a CPU-only cluster."""
+    from pyspark import TaskContext
+
+    from sparktrain.errors import ResourceError
+    from sparktrain.worker.device import place
+
+    if requested == "cpu":
+        return torch.device("cpu")
+    ctx = TaskContext.get()
+    gpu = ctx.resources().get("gpu") if ctx is not None else None
+    gpus = list(gpu.addresses) if gpu is not None else []
+    try:
+        return place(requested, gpus).device
+    except ResourceError as exc:
+        if requested != "cuda":
+            raise
+        log.warning("transform scores on the CPU: %s", exc)
+        return torch.device("cpu")
 
 
 def _rows(column: InputColumn, values: pa.Array, n: int) -> Any:

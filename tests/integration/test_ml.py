@@ -111,6 +111,33 @@ def test_pipeline_model_save_load_gives_identical_predictions(  # type: ignore[n
     assert clf.getMaxEpochs() == 10 and clf.getFeaturesCol() == "scaled"
 
 
+def test_switched_off_columns_are_left_out_and_predictions_unchanged(  # type: ignore[no-untyped-def]
+    digits_pipeline, monkeypatch
+):
+    """probabilityCol="" and rawPredictionCol="": the UDF returns the prediction alone
+    (its struct has no other field) and predicts the same classes."""
+    from pyspark.sql import functions as F
+
+    returns = []
+    real_udf = F.arrow_udf
+
+    def recording(fn, return_type):  # type: ignore[no-untyped-def]
+        returns.append(return_type)
+        return real_udf(fn, return_type)
+
+    monkeypatch.setattr(F, "arrow_udf", recording)
+    _, model, _, test = digits_pipeline
+    scaled = model.stages[1].transform(model.stages[0].transform(test))
+    torch_model = model.stages[-1]
+    lean = torch_model.copy().setProbabilityCol("").setRawPredictionCol("")
+    out = lean.setPredictionCol("lean").transform(scaled)
+    assert "probability" not in out.columns and "rawPrediction" not in out.columns
+    assert returns == ["struct<prediction double>"]
+    both = torch_model.transform(out).select("lean", "prediction").collect()
+    assert len(both) == test.count()
+    assert all(r.lean == r.prediction for r in both)
+
+
 def test_binary_classifier_on_sparse_vectors(spark):  # type: ignore[no-untyped-def]
     """One logit with bce_with_logits, sparse input vectors, the tree strategy."""
     split = digits()

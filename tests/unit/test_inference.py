@@ -1,0 +1,116 @@
+"""transform's UDF body without Spark: the module is built once per Python worker, a
+prediction-only transform computes no probabilities, and where it scores."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from sparktrain.ml import model as ml_model
+from sparktrain.ml.model import InlineWeights, _InferencePlan, inference_device
+from sparktrain.models import digits_mlp
+from sparktrain.result import state_to_bytes
+
+ALL = ("rawPrediction", "probability", "prediction")
+
+
+def _features(rows: np.ndarray) -> pa.Array:
+    n, width = rows.shape
+    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1)))
+
+
+def _plan(module: torch.nn.Module, fields: tuple[str, ...], token: str) -> _InferencePlan:
+    return _InferencePlan(
+        token=token,
+        weights=InlineWeights(state_to_bytes(module.state_dict())),
+        model_fn="sparktrain.models:digits_mlp",
+        model_kwargs={},
+        num_features=64,
+        kind="classification",
+        threads=1,
+        fields=fields,
+    )
+
+
+@pytest.fixture
+def empty_cache(monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(ml_model, "_MODULES", type(ml_model._MODULES)())
+
+
+def test_the_module_is_built_once_for_many_batches_and_tasks(monkeypatch, empty_cache):  # type: ignore[no-untyped-def]
+    built = []
+    real = ml_model.build_module
+
+    def counting(model_fn, kwargs):  # type: ignore[no-untyped-def]
+        built.append(model_fn)
+        return real(model_fn, kwargs)
+
+    monkeypatch.setattr(ml_model, "build_module", counting)
+    torch.manual_seed(0)
+    module = digits_mlp().eval()
+    x = np.random.default_rng(0).random((50, 64), dtype=np.float32)
+    batches = [_features(x[i : i + 10]) for i in range(0, 50, 10)]
+    plan = _plan(module, ALL, "weights-a")
+    for _task in range(3):  # a worker runs task after task, each with its own batches
+        outs = list(plan.run(iter(batches)))
+        assert [len(o) for o in outs] == [10] * 5
+    assert built == ["sparktrain.models:digits_mlp"]
+    # the trained weights, not a fresh module's
+    got = np.concatenate([o.field("prediction").to_numpy() for o in outs])
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).argmax(1).double().numpy()
+    np.testing.assert_array_equal(got, want)
+    # other weights (another model's token) get their own module
+    list(_plan(digits_mlp(), ALL, "weights-b").run(iter(batches[:1])))
+    assert len(built) == 2
+
+
+def test_a_prediction_only_transform_computes_no_probabilities(monkeypatch):  # type: ignore[no-untyped-def]
+    calls = []
+    real_list, real_softmax = ml_model._list_array, torch.softmax
+
+    def counting_list(matrix):  # type: ignore[no-untyped-def]
+        calls.append("list")
+        return real_list(matrix)
+
+    def counting_softmax(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("softmax")
+        return real_softmax(*args, **kwargs)
+
+    monkeypatch.setattr(ml_model, "_list_array", counting_list)
+    monkeypatch.setattr(torch, "softmax", counting_softmax)
+    module = digits_mlp()
+    out = torch.randn(64, 10)
+    out[0, 3] = out[0, 7] = out[0].max() + 1  # a tie: the first class, as argmax of softmax
+    lean = _plan(module, ("prediction",), "t").outputs(out)
+    assert calls == []
+    assert lean.type.names == ["prediction"]
+    full = _plan(module, ALL, "t").outputs(out)
+    assert sorted(calls) == ["list", "list", "softmax"]
+    assert lean.field("prediction").to_pylist() == full.field("prediction").to_pylist()
+    assert lean.field("prediction")[0].as_py() == 3.0
+
+
+def test_a_single_logit_predicts_the_same_class_without_probabilities():
+    module = digits_mlp()
+    z = torch.tensor([[-2.0], [0.0], [1e-30], [3.0], [-1e-30]])
+    lean = _plan(module, ("prediction",), "t").outputs(z)
+    full = _plan(module, ALL, "t").outputs(z)
+    assert lean.field("prediction").to_pylist() == full.field("prediction").to_pylist()
+    assert lean.field("prediction").to_pylist()[:2] == [0.0, 0.0]
+    assert lean.field("prediction").to_pylist()[3] == 1.0
+
+
+def test_scoring_is_on_the_cpu_without_a_task_gpu(caplog):  # type: ignore[no-untyped-def]
+    # outside a Spark task there is no TaskContext, hence no GPU
+    assert inference_device("cpu") == torch.device("cpu")
+    assert inference_device("auto") == torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="sparktrain.ml.model"):
+        # a model fitted with device='cuda' still scores on a CPU-only cluster
+        assert inference_device("cuda") == torch.device("cpu")
+    assert "transform scores on the CPU" in caplog.text
