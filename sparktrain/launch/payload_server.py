@@ -17,8 +17,9 @@ what to set (:attr:`ServedBytes.remedy`).
 
 Two users: a barrier stage serves its pickled task for one attempt
 (:func:`sparktrain.launch.barrier.launch`), and ``transform`` serves a model's weights
-from a process-wide server (:func:`shared_server`) for as long as the model lives, since
-a transformed DataFrame may be evaluated at any later time.
+from a process-wide server (:func:`serve_shared`) for as long as the model lives, since
+a transformed DataFrame may be evaluated at any later time; that server stops with its
+last payload.
 """
 
 from __future__ import annotations
