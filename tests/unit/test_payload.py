@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import gc
 import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -101,6 +102,11 @@ def test_the_stage_task_ships_as_is_while_small_and_else_from_the_service() -> N
         assert isinstance(shipped, ServedTask) and shipped.body.attempt == 2
         assert shipped.body.nbytes > 3 << 20
         assert list(shipped(iter([1, 2]))) == [3 << 20, 3 << 20]  # fetched, unpickled, run
+        # the server counts a fetch after its last send, which may be after the reader
+        # returned: wait for it (bounded)
+        deadline = time.monotonic() + 5.0
+        while big.summary()["fetches"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert big.summary() == {
             "bytes": shipped.body.nbytes,
             "via": "driver service",

@@ -253,9 +253,13 @@ def test_weights_beyond_half_the_request_cap_are_served_not_put_in_the_plan():
     assert isinstance(served, ServedBytes) and served.nbytes == 513
     assert served.address.startswith("127.0.0.1:")  # the session's spark.driver.host default
     assert served.value == b"v" * 513  # fetched from this process's payload service
+    other = ship_weights(env, b"o" * 600)  # another model's: keeps the service up
     unship_weights(served)
     with pytest.raises(CommError, match="no longer served"):
         served.value  # noqa: B018 - the read is the fetch
+    unship_weights(other)  # the last payload: the service stops, nothing can reach it
+    with pytest.raises(ConfigError, match="could not reach"):
+        other.value  # noqa: B018
 
 
 def test_a_connect_save_at_a_relative_path_is_refused_before_spark_writes_anything():
