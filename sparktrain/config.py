@@ -77,6 +77,11 @@ class TrainConfig:
         as unsharded. Not with compression, ``comm_backend="torch"``, pipelines,
         ``precision="fp16"``, a CUDA device or an optimizer of several parameter groups.
         Checkpoints hold each rank's slice: resume with the same world size.
+    sparse_embeddings:
+        How embedding tables built with ``sparse=True`` (``nn.Embedding`` /
+        ``nn.EmbeddingBag``) exchange their gradients: ``"auto"`` sends only the rows a
+        step touched (docs/sparse.md); ``"off"`` densifies them and sends the whole table
+        like any other parameter.
     link, link_bandwidth_mbit, link_rtt_ms, link_jitter_ms, link_loss:
         Emulate a slow link in sparktrain's own transport (token bucket plus delay; no
         root needed). ``link`` is a profile (``none``, ``lan``, ``5g``, ``4g``, ``wan``) and
@@ -253,6 +258,7 @@ class TrainConfig:
     comm_backend: str = "sparktrain"
     overlap: bool = True
     shard_optimizer: bool = False
+    sparse_embeddings: str = "auto"
     link_profile: str = "none"
     link_bandwidth_mbit: float = 0.0
     link_rtt_ms: float = 0.0
@@ -420,6 +426,11 @@ class TrainConfig:
         _check_loop_options(self)
         check_comm_backend(self)
         check_sharding(self)
+        if self.sparse_embeddings not in SPARSE_EMBEDDINGS:
+            raise ConfigError(
+                f"sparse_embeddings={self.sparse_embeddings!r}: choose one of "
+                + ", ".join(repr(v) for v in SPARSE_EMBEDDINGS)
+            )
         strategy.validate(self)
 
     # ------------------------------------------------------------------ building
@@ -797,6 +808,9 @@ def _check_services_address(host: str, ports: str) -> None:
     if not isinstance(ports, str):
         raise ConfigError(f"driver_services_ports={ports!r}: give a string 'LOW-HIGH'")
     parse_port_range(ports)
+
+
+SPARSE_EMBEDDINGS = ("auto", "off")
 
 
 def check_sharding(cfg: TrainConfig) -> None:
