@@ -131,6 +131,7 @@ class GradientBuckets:
                 offset += p.numel()
             self.buckets.append(_Bucket(i, spec, group, flat, tensor, views, slot))
         self._count = 0
+        self._weight: float = 0
         self._counted: set[int] = set()  # reducers that were told n_r this step
         # parameters on a GPU: their gradients come and go through device staging
         self.staging: DeviceStaging | None = None
@@ -160,9 +161,13 @@ class GradientBuckets:
                         view.zero_()
                     p.grad = view
 
-    def begin(self, count: int) -> None:
-        """Start a step whose gradients stand for ``count`` samples of this rank."""
+    def begin(self, count: int, micro: int = 1) -> None:
+        """Start a step whose gradients stand for ``count`` samples of this rank, held as
+        the sum of ``micro`` micro-batch means (accumulation): each bucket carries
+        ``count * sum / micro``, so every rank turns its own sum back into one mean
+        before the exchange and all ranks receive the same average."""
         self._count = count
+        self._weight = count / micro if micro > 1 else count
         self._counted = set()
 
     def exchange(
@@ -211,16 +216,16 @@ class GradientBuckets:
         this rank's count of the step (see :meth:`begin`)."""
         if self.staging is not None:
             self.staging.to_host(b.index)
-            if self._count != 1:
-                b.tensor.mul_(self._count)
+            if self._weight != 1:
+                b.tensor.mul_(self._weight)
             return
         for p, view in zip(b.params, b.views, strict=True):
             if p.grad is None:
                 view.zero_()
             elif not _is_view(p.grad, view):  # bound gradients are already in place
                 view.copy_(p.grad)
-        if self._count != 1:
-            b.tensor.mul_(self._count)
+        if self._weight != 1:
+            b.tensor.mul_(self._weight)
 
     def finish(self, total: float) -> float:
         """Divide the summed buckets by N = ``total`` and write them to the gradients."""

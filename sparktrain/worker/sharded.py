@@ -167,12 +167,6 @@ class ShardedSync(AllreduceSync):
             assert p.grad is not None
             p.grad.div_(float(rows[0]))
 
-    def scale_grads_(self, factor: float) -> None:
-        """Divide the owned (summed, averaged) gradients by ``factor``."""
-        for p in self.owned_params:
-            assert p.grad is not None
-            p.grad.div_(factor)
-
     def clip_grad_norm_(self, max_norm: float) -> float:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model's averaged gradients,
         from the owned slices: their squared norms are summed over the ranks (float64).
@@ -208,11 +202,11 @@ class ShardedSync(AllreduceSync):
         for flat in self.param_flats:
             self.ring.allgather_(flat)
 
-    def reduce(self, count: int) -> None:
+    def reduce(self, count: int, micro: int = 1) -> None:
         """Reduce-scatter every bucket (overlapping backward as :class:`AllreduceSync`
         does) and divide the owned slices by the total rows. Only the owned slices of
         the gradients are meaningful afterwards."""
-        self._reduce_buckets(count)
+        self._reduce_buckets(count, micro)
         self._finish(count)
 
     def step(self, count: int) -> None:

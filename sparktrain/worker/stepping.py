@@ -6,7 +6,10 @@ the loop arms the exchange (:meth:`DistributedStep.arm`, so gradient hooks can s
 during that backward), then :meth:`DistributedStep.step`:
 
 1. average the gradients over the ranks, weighted by rows (the strategy's sync);
-2. turn the summed micro-batch means back into one mean (divide by the micro-batches);
+2. turn the summed micro-batch means back into one mean (divide by the micro-batches):
+   each rank its own sum, before the exchange (with ring or tree, inside it), so ranks
+   that filled different numbers of micro-batches in an epoch's last step still receive
+   the same average;
 3. unscale them (``precision="fp16"``) and clip them to ``clip_grad_norm``: after
    averaging, so every replica clips the same numbers alike;
 4. step the optimizer (the fp16 scaler may skip a step whose gradients overflowed: the
@@ -99,7 +102,10 @@ class DistributedStep:
                 return  # pushes start in backward: they would send the sum of the means
             self._send_rate()
         self.armed = True
-        self.sync.begin_step(self.rows)
+        if isinstance(self.sync, AllreduceSync):
+            self.sync.begin_step(self.rows, self.filled)
+        else:
+            self.sync.begin_step(self.rows)
 
     def step(self, closure: Callable[[], float] | None = None, *, force: bool = False) -> bool:
         """One micro-batch's backward is done: exchange and step when it closes the
@@ -130,9 +136,8 @@ class DistributedStep:
             return self._plugin_step(rows, micro, started)
         if isinstance(self.sync, ShardedSync):
             return self._sharded_step(self.sync, rows, micro, started)
-        self.sync.reduce(rows)
+        self.sync.reduce(rows, micro)
         self.comm_s += time.perf_counter() - started
-        self._to_one_mean(micro)
         self.precision.unscale_(self.optimizer)
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
@@ -151,9 +156,7 @@ class DistributedStep:
         """The same steps as the unsharded path on this rank's slices only (ZeRO-1):
         reduce-scatter and divide, one mean, clip by the global norm, step the slices'
         optimizer, all-gather the parameters."""
-        sync.reduce(rows)
-        if micro > 1:
-            sync.scale_grads_(micro)
+        sync.reduce(rows, micro)
         self.comm_s += time.perf_counter() - started
         if self.clip > 0:
             sync.clip_grad_norm_(self.clip)

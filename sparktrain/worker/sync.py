@@ -251,14 +251,16 @@ class AllreduceSync:
                 self._launched += 1
                 self.launched_in_backward += 1
 
-    def begin_step(self, count: int) -> None:
-        """Arm the gradient hooks for a step of ``count`` samples (overlap only)."""
+    def begin_step(self, count: int, micro: int = 1) -> None:
+        """Arm the gradient hooks for a step of ``count`` samples (overlap only), whose
+        gradients hold the sum of ``micro`` micro-batch means (see
+        :meth:`GradientBuckets.begin`)."""
         if not self.overlap or self._worker is None or self._ready is None:
             return
         error = self._worker.error
         if error is not None:
             raise error
-        self.buckets.begin(count)
+        self.buckets.begin(count, micro)
         self._total = None
         with self._lock:
             self._begun = count
@@ -273,25 +275,25 @@ class AllreduceSync:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
 
-    def reduce(self, count: int) -> None:
+    def reduce(self, count: int, micro: int = 1) -> None:
         """:meth:`step` without the optimizer step: leaves every rank's gradients
         replaced by their sample-weighted average (for a caller that steps itself, e.g.
-        after clipping the averaged gradients)."""
-        self._reduce_buckets(count)
+        after clipping the averaged gradients); ``micro`` as in :meth:`begin_step`."""
+        self._reduce_buckets(count, micro)
         assert self._total is not None
         self.buckets.finish(self._total)
 
-    def _reduce_buckets(self, count: int) -> None:
+    def _reduce_buckets(self, count: int, micro: int = 1) -> None:
         """Run :meth:`_exchange` on every bucket in index order: those no gradient hook
         handed over yet, then wait (bounded) for the communication thread."""
         if not self.overlap or self._worker is None or self._ready is None:
-            self.buckets.begin(count)
+            self.buckets.begin(count, micro)
             self._total = None
             for i in range(len(self.buckets.buckets)):
                 self._exchange(i)
         else:
             if self._begun is None:  # no batch, no backward: nothing was armed
-                self.begin_step(count)
+                self.begin_step(count, micro)
             elif self._begun != count:
                 raise ValueError(f"begin_step({self._begun}) but step({count}) in one step")
             self._ready.disarm()

@@ -39,6 +39,16 @@ def test_accumulated_steps_equal_the_larger_batch() -> None:
     assert_close_params(small.model, large.model, 1e-5)  # float32 sums in another order
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_accumulation_over_uneven_partitions_keeps_the_replicas_equal(overlap: bool) -> None:
+    # 5 micro-batches of 8 against 2: in each step the ranks hold sums of different
+    # numbers of micro-batch means; every rank must still receive the same average
+    parts = random_parts([40, 12], seed=3)
+    spec = loop_spec(batch_size=8, accumulate_steps=4, epochs=2, overlap=overlap)
+    result = train_and_assemble(spec, parts)
+    assert result.summary["replicas_in_sync"]
+
+
 def test_a_step_schedule_with_warmup_shows_its_rates_in_the_history() -> None:
     spec = loop_spec(
         batch_size=16,
