@@ -283,6 +283,7 @@ def test_the_switch_follows_the_touched_rows():
         {"clip_grad_norm": 0.05, "batch_size": 4},
         {"overlap": False, "batch_size": 4, "bucket_mb": 0.0001},
         {"precision": "bf16", "batch_size": 4},
+        {"precision": "fp16", "batch_size": 4},  # the loss scaler unscales the rows too
     ],
 )
 def test_rows_equal_dense_with_the_loops_features(extra):
@@ -294,6 +295,18 @@ def test_rows_equal_dense_with_the_loops_features(extra):
     if "clip_grad_norm" in extra:  # clipping did act
         unclipped = train_and_assemble(spec_for(**{**cfg, "clip_grad_norm": 0.0}), parts)
         assert max_diff(unclipped.model, rows.model) > 1e-3
+
+
+def test_compression_leaves_the_rows_alone():
+    """The dense head is compressed as asked; the table's rows travel uncompressed."""
+    parts = id_parts([9, 4])
+    cfg = {"compression": "int8", "lr": 0.1}
+    got = train_and_assemble(spec_for(**cfg), parts)
+    assert got.summary["sparse_tables"] == 1 and got.summary["sparse_bytes_sent"] > 0
+    by_spec = got.summary["compression_by_spec"]
+    assert set(by_spec) == {"int8"} and by_spec["int8"]["elements"] == IDS * DIM * 3 + 3
+    plain = train_and_assemble(spec_for(lr=0.1), parts)
+    assert max_diff(got.model, plain.model) > 0  # compression did act on the head
 
 
 def test_an_embedding_bag_and_a_model_of_tables_only():
