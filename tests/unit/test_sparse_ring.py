@@ -151,6 +151,9 @@ def test_rows_equal_dense_and_single_process_torch(strategy, optimizer, kwargs, 
     assert "sparse_tables" not in dense.summary
     taken = "sparse_row_way" if way is ROW_WAY else "sparse_dense_way"
     assert rows.summary[taken] == 3  # one exchange per epoch, all of them that way
+    # the row exchanges are counted in the run's byte totals
+    assert rows.summary["bytes_sent"] >= rows.summary["sparse_bytes_sent"] > 0
+    assert rows.summary["wire_bytes"] >= rows.summary["sparse_wire_bytes"] > 0
 
 
 def test_sparse_adam_matches_torch():
