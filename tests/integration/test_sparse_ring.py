@@ -50,7 +50,7 @@ def test_a_sparse_table_trains_on_its_rows_like_the_dense_path(spark, sparse_mod
     rows = [([float(i) for i in r], float(y)) for r, y in zip(ids, label, strict=True)]
     df = spark.createDataFrame(rows, "features array<double>, label double").repartition(2)
     cfg = fast_config(
-        strategy="ring", epochs=4, batch_size=16, lr=0.5, optimizer_kwargs={}, loss="mse"
+        strategy="ring", epochs=3, batch_size=40, lr=0.5, optimizer_kwargs={}, loss="mse"
     )
     sparse = Trainer("sparse_ids_model:build", cfg, spark=spark).fit(df)
     dense = Trainer(
