@@ -324,16 +324,19 @@ def test_an_embedding_bag_and_a_model_of_tables_only():
 
 
 def test_resume_from_a_checkpoint_continues_the_unbroken_run(tmp_path):
-    """Adagrad's per-row sums and the lazy momentum buffer round-trip a checkpoint."""
-    for name, opt, kwargs in [
-        ("adagrad", torch.optim.Adagrad, {}),
-        ("lazy", torch.optim.SGD, {"momentum": 0.9}),
+    """Adagrad's per-row sums, SparseAdam's moments and the lazy momentum buffer
+    round-trip a checkpoint."""
+    tables_only = functools.partial(SparseNet, head=False)
+    for name, opt, kwargs, model_fn in [
+        ("adagrad", torch.optim.Adagrad, {}, SparseNet),
+        ("sparse_adam", torch.optim.SparseAdam, {}, tables_only),
+        ("lazy", torch.optim.SGD, {"momentum": 0.9}, SparseNet),
     ]:
         cfg = {"epochs": 4, "optimizer": opt, "optimizer_kwargs": kwargs, "lr": 0.1}
         cfg["checkpoint_every"] = 1.0
         parts = id_parts([10, 7])
-        unbroken = train_and_assemble(spec_for(**cfg), parts)
-        spec = spec_for(checkpoint_dir=str(tmp_path / name), **cfg)
+        unbroken = train_and_assemble(spec_for(model_fn, **cfg), parts)
+        spec = spec_for(model_fn, checkpoint_dir=str(tmp_path / name), **cfg)
         plan = FaultPlan(rank=1, step=3, marker=str(tmp_path / f"fault-{name}"))
         with pytest.raises((InjectedFaultError, PeerLostError)):
             train_in_threads(spec_with(spec, fault=plan), parts)
