@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -82,6 +83,14 @@ class TrainConfig:
         ``nn.EmbeddingBag``) exchange their gradients: ``"auto"`` sends only the rows a
         step touched (docs/sparse.md); ``"off"`` densifies them and sends the whole table
         like any other parameter.
+    sparse_density:
+        The row path's switch to a dense exchange (ring and tree, docs/sparse.md): when
+        the rows the ranks touched in a step, summed over the ranks, exceed this
+        fraction of a table's rows, that step's rows of the table travel as one dense
+        allreduce of the table instead of an allgather of rows. Only the wire changes,
+        never the numbers. ``0`` always takes the dense way; the default 0.5 is about
+        where the allgather (``n - 1`` messages of the touched rows per rank) sends more
+        than the ring's ``2 (n - 1) / n`` of the table.
     link, link_bandwidth_mbit, link_rtt_ms, link_jitter_ms, link_loss:
         Emulate a slow link in sparktrain's own transport (token bucket plus delay; no
         root needed). ``link`` is a profile (``none``, ``lan``, ``5g``, ``4g``, ``wan``) and
@@ -259,6 +268,7 @@ class TrainConfig:
     overlap: bool = True
     shard_optimizer: bool = False
     sparse_embeddings: str = "auto"
+    sparse_density: float = 0.5
     link_profile: str = "none"
     link_bandwidth_mbit: float = 0.0
     link_rtt_ms: float = 0.0
@@ -430,6 +440,16 @@ class TrainConfig:
             raise ConfigError(
                 f"sparse_embeddings={self.sparse_embeddings!r}: choose one of "
                 + ", ".join(repr(v) for v in SPARSE_EMBEDDINGS)
+            )
+        if (
+            isinstance(self.sparse_density, bool)
+            or not isinstance(self.sparse_density, int | float)
+            or not math.isfinite(self.sparse_density)
+            or self.sparse_density < 0
+        ):
+            raise ConfigError(
+                f"sparse_density={self.sparse_density!r}: give a finite fraction >= 0 of a "
+                "table's rows (e.g. 0.5)"
             )
         strategy.validate(self)
 

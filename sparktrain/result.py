@@ -257,7 +257,25 @@ def sync_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
     buckets = [b for s in stats for b in s.get("compression_buckets", [])]
     if buckets:
         out["compression_by_spec"] = by_spec(buckets)
+    out.update(sparse_summary(stats))
     return out
+
+
+def sparse_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row path's figures (docs/sparse.md), when a rank reported sparse tables:
+    rank 0's view of each step (every rank sees the same union and takes the same way)
+    and the bytes of all ranks."""
+    first = stats[0]
+    if "sparse_tables" not in first:
+        return {}
+    return {
+        "sparse_tables": first["sparse_tables"],
+        "sparse_rows_per_step": first["sparse_rows_per_step"],
+        "sparse_row_way": first["sparse_row_way"],
+        "sparse_dense_way": first["sparse_dense_way"],
+        "sparse_bytes_sent": sum(int(s.get("sparse_raw_bytes_sent", 0)) for s in stats),
+        "sparse_wire_bytes": sum(int(s.get("sparse_wire_bytes_sent", 0)) for s in stats),
+    }
 
 
 def by_spec(buckets: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:

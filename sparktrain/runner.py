@@ -38,7 +38,13 @@ from sparktrain.launch.prepare import ColumnOptions, PreparedData, prepare
 from sparktrain.launch.resources import check_can_launch, check_transport_security
 from sparktrain.launch.spark_env import check_data_kind, session_of, spark_env
 from sparktrain.launch.stage import FitJob, train_in_stage
-from sparktrain.result import Record, TrainResult, data_summary, load_state_records
+from sparktrain.result import (
+    Record,
+    TrainResult,
+    data_summary,
+    load_state_records,
+    sparse_summary,
+)
 from sparktrain.worker.faults import FaultPlan
 from sparktrain.worker.run_task import decode_value, run_partition
 
@@ -234,6 +240,7 @@ def _assemble(
     for key in ("precision", "skipped_steps", "overlap", "compression_path"):
         if key in stats[0]:
             summary[key] = stats[0][key]
+    summary.update(sparse_summary(stats))
     if meta.get("early_stopping"):
         summary["early_stopping"] = meta["early_stopping"]
     if job.prepared.label_stats is not None:  # the train_fn saw standardised labels

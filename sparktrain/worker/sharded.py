@@ -44,6 +44,7 @@ from sparktrain.comm.ring import DEFAULT_CHUNK_BYTES, ring_segments
 from sparktrain.config import check_sharding
 from sparktrain.errors import CheckpointError, ConfigError
 from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.sparse_rows import sparse_parameters
 from sparktrain.worker.sync import AllreduceSync
 
 STATE_KEY = "zero1"
@@ -78,6 +79,14 @@ class ShardedSync(AllreduceSync):
 
     def __init__(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> None:
         check_sharding(ctx.job.config)
+        if ctx.job.config.sparse_embeddings == "auto" and sparse_parameters(model):
+            # a slice of a table's optimizer state per rank would need the rows routed to
+            # their owners: not built; the dense tables shard as before
+            raise ConfigError(
+                "shard_optimizer=true does not shard sparse=True embedding tables: set "
+                "sparse_embeddings='off' (the tables are then exchanged and sharded "
+                "densely) or shard_optimizer=false (the tables' rows are exchanged)"
+            )
         super().__init__(ctx, model, mesh)
         if self.staging is not None:
             raise ConfigError(

@@ -35,6 +35,7 @@ from sparktrain.errors import ConfigError
 from sparktrain.worker.precision import Precision
 from sparktrain.worker.schedule import LrSchedule
 from sparktrain.worker.sharded import ShardedSync
+from sparktrain.worker.sparse_step import SparseStepper, clip_grad_norm_
 from sparktrain.worker.sync import AllreduceSync, StepSync, load_rank_state, rank_state
 
 
@@ -81,6 +82,10 @@ class DistributedStep:
         self.comm_s = 0.0
         if isinstance(sync, ShardedSync):  # its slices step with this optimizer's class
             sync.attach(optimizer)
+        # sparse=True embedding tables on the row path: how this optimizer steps them
+        tables = sync.sparse_params if isinstance(sync, AllreduceSync) else []
+        self.sparse = SparseStepper(optimizer, tables) if tables else None
+        self._tables = {id(p) for p in tables}
 
     def closes(self, index: int, steps_per_epoch: int) -> bool:
         """Does micro-batch ``index`` of an epoch close an accumulated step (the same
@@ -140,11 +145,14 @@ class DistributedStep:
         self.comm_s += time.perf_counter() - started
         self.precision.unscale_(self.optimizer)
         if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+            clip_grad_norm_(self.params, self.clip)  # the tables' rows included
         self.schedule.before_step()
         self.optimizer._sparktrain_inner = True  # type: ignore[attr-defined]
         try:
-            stepped = self.precision.step(self.optimizer)
+            if self.sparse is None:
+                stepped = self.precision.step(self.optimizer)
+            else:
+                stepped = self.sparse.step(lambda: self.precision.step(self.optimizer))
         finally:
             self.optimizer._sparktrain_inner = False  # type: ignore[attr-defined]
         self.schedule.after_step()
@@ -215,10 +223,14 @@ class DistributedStep:
                     p.grad.div_(micro)
 
     def zero_grad(self) -> None:
-        """Zero in place (the gradients are views into the exchange buckets)."""
+        """Zero in place (the gradients are views into the exchange buckets); a sparse
+        table's gradient is dropped (the next backward starts it afresh)."""
         for p in self.params:
             if p.grad is not None:
-                p.grad.zero_()
+                if id(p) in self._tables or p.grad.is_sparse:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     def end_epoch(self, record: Mapping[str, Any]) -> None:
         """An epoch (a report, under ``sparktrain.run``) ended: a per-epoch schedule steps."""

@@ -42,6 +42,9 @@ from sparktrain.errors import CommError, ConfigError
 from sparktrain.result import by_spec
 from sparktrain.worker.buckets import NONE, GradientBuckets, GradientReadiness
 from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.sparse_exchange import SparseRowExchange
+from sparktrain.worker.sparse_rows import sparse_parameters
+from sparktrain.worker.sparse_step import SparseStepper
 from sparktrain.worker.staging import DeviceStaging, staging_device
 
 WAIT_GRACE_S = 5.0
@@ -168,10 +171,18 @@ class AllreduceSync:
     def __init__(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> None:
         cfg = ctx.job.config
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # sparse=True embedding tables take the row path (sparse_exchange.py), not the
+        # buckets: binding their gradients into a bucket would densify every step
+        sparse = sparse_parameters(model) if cfg.sparse_embeddings == "auto" else []
+        self.sparse_params = [p for _, p in sparse]
+        sparse_ids = {id(p) for p in self.sparse_params}
+        self.optimizer = build_optimizer(
+            cfg.optimizer, [p for _, p in named], cfg.lr, dict(cfg.optimizer_kwargs)
+        )
+        named = [(n, p) for n, p in named if id(p) not in sparse_ids]
         params = [p for _, p in named]
         self.mesh = mesh
         self.timeout = cfg.comm_timeout
-        self.optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, dict(cfg.optimizer_kwargs))
         specs = resolve_policy(cfg.compression, [n for n, _ in named])
         device = staging_device(params)  # None on the CPU: the path stays as it was
         self.buckets = GradientBuckets(
@@ -200,6 +211,14 @@ class AllreduceSync:
                 assert isinstance(algo, RingAllreduce | TreeAllreduce)
                 self.reducers[spec] = CompressedAllreduce(comp, algo, seed=cfg.seed)
         self._per_bucket = [self.reducers.get(s) for s in self.buckets.specs]
+        # the rows go uncompressed whatever `compression` says: compressing rows
+        # belongs to the compression issue (docs/sparse.md)
+        self.rows: SparseRowExchange | None = None
+        if sparse:
+            gather = self.allreduce
+            assert isinstance(gather, RingAllreduce | TreeAllreduce)
+            self.rows = SparseRowExchange(sparse, self._plain, gather, mesh, cfg.sparse_density)
+        self._stepper: SparseStepper | None = None
         self._bucket_raw = [0] * len(self.buckets.buckets)
         self._bucket_wire = [0] * len(self.buckets.buckets)
         self._total: float | None = None
@@ -272,7 +291,12 @@ class AllreduceSync:
         """Reduce the buckets not yet handed over, wait for all (bounded), average, and
         take the optimizer step; ``count`` as given to :meth:`begin_step`."""
         self.reduce(count)
-        self.optimizer.step()
+        if self.rows is None:
+            self.optimizer.step()
+        else:
+            if self._stepper is None:
+                self._stepper = SparseStepper(self.optimizer, self.sparse_params)
+            self._stepper.step(self.optimizer.step)
         self.optimizer.zero_grad(set_to_none=False)
 
     def reduce(self, count: int, micro: int = 1) -> None:
@@ -280,8 +304,13 @@ class AllreduceSync:
         replaced by their sample-weighted average (for a caller that steps itself, e.g.
         after clipping the averaged gradients); ``micro`` as in :meth:`begin_step`."""
         self._reduce_buckets(count, micro)
-        assert self._total is not None
-        self.buckets.finish(self._total)
+        total = self._total
+        if self.rows is not None:  # after the buckets: the same order on every rank
+            rows_total = self.rows.exchange(count, micro)
+            total = rows_total if total is None else total
+        if total is None:
+            raise RuntimeError("the model has no trainable parameters to exchange")
+        self.buckets.finish(total)
 
     def _reduce_buckets(self, count: int, micro: int = 1) -> None:
         """Run :meth:`_exchange` on every bucket in index order: those no gradient hook
@@ -320,6 +349,8 @@ class AllreduceSync:
         }
         if self.staging is not None:
             out.update(self.staging.stats())
+        if self.rows is not None:
+            out.update(self.rows.stats())
         if self.reducers:
             paths = {spec: r.path for spec, r in self.reducers.items()}
             out["compression_path"] = (

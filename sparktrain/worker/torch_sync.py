@@ -36,9 +36,10 @@ from torch import nn
 
 from sparktrain.comm import Mesh
 from sparktrain.comm_backend import HookSpec, hook_spec
-from sparktrain.errors import CommError
+from sparktrain.errors import CommError, ConfigError
 from sparktrain.worker.buckets import NONE
 from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.sparse_rows import sparse_parameters
 from sparktrain.worker.sync import AllreduceSync
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,13 @@ class TorchSync(AllreduceSync):
 
     def __init__(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> None:
         cfg = ctx.job.config
+        if cfg.sparse_embeddings == "auto" and sparse_parameters(model):
+            # the row path is sparktrain's allgather: not built on torch.distributed
+            raise ConfigError(
+                "comm_backend='torch' does not exchange the rows of sparse=True embedding "
+                "tables: set sparse_embeddings='off' (the tables go dense) or use "
+                "comm_backend='sparktrain'"
+            )
         param = next(model.parameters(), None)
         model_device = param.device if param is not None else torch.device("cpu")
         device = collective_device(model_device, dist.is_nccl_available())
