@@ -98,6 +98,13 @@ def served_tables(model: nn.Module, sparse_embeddings: str) -> list[tuple[str, n
         return []
     from sparktrain.worker.sparse_rows import sparse_parameters
 
+    for m in model.modules():
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.max_norm is not None:
+            raise ConfigError(
+                f"a sparse=True embedding with max_norm={m.max_norm} renormalises the rows it "
+                "reads inside its forward, on this rank's copy only: strategy='ps' keeps the "
+                "table on the server, so drop max_norm or set sparse_embeddings='off'"
+            )
     tables = sparse_parameters(model)
     for name, p in tables:
         if p.dim() != 2:

@@ -15,7 +15,7 @@ from torch import nn
 from sparktrain.checkpoint import CheckpointStore
 from sparktrain.comm.stats import CommStats
 from sparktrain.config import TrainConfig
-from sparktrain.errors import CommError
+from sparktrain.errors import CommError, ConfigError
 from sparktrain.ps import persist, protocol
 from sparktrain.ps.client import connect_shards
 from sparktrain.ps.layout import dense_ranges
@@ -293,3 +293,10 @@ def test_a_resumed_server_continues_with_its_rows_and_adagrad_state(tmp_path):
             assert torch.equal(sa, tb.optimizer.state_dict()["state"][0]["sum"])
     resumed, _ = train(c, data, server=fresh, resume_step=step)
     assert_same(resumed.model, straight.model, 1e-12)
+
+
+@pytest.mark.timeout(10)
+def test_a_table_with_max_norm_is_refused_clearly():
+    model = nn.Sequential(nn.Embedding(10, 2, sparse=True, max_norm=1.0), nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="max_norm=1.0 renormalises.*sparse_embeddings='off'"):
+        start_parameter_server(model, cfg(), host=HOST, secret=SECRET, job_id="job", attempt=0)
