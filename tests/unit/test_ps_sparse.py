@@ -160,6 +160,13 @@ def test_sparse_ps_equals_dense_ps_and_single_process_torch(optimizer):
     dense, _ = train(cfg(optimizer=optimizer, sparse_embeddings="off"), data)
     assert_same(sparse.model, dense.model, 1e-6)
     assert_same(sparse.model, torch_reference(cfg(optimizer=optimizer), data), 1e-6)
+    # micro-batches: the sparse gradients add up across them, then one mean
+    acc_sparse, _ = train(cfg(optimizer=optimizer, accumulate_steps=2), data)
+    acc_dense, _ = train(
+        cfg(optimizer=optimizer, accumulate_steps=2, sparse_embeddings="off"), data
+    )
+    assert_same(acc_sparse.model, acc_dense.model, 1e-6)
+    assert not torch.equal(acc_sparse.model.head.weight, sparse.model.head.weight)
     s = sparse.summary["ps"]
     assert s["rows_pushed"] > 0 and s["rows_pulled"] > 0 and s["row_pulls"] > 0
     assert dense.summary["ps"]["rows_pushed"] == 0
@@ -187,11 +194,13 @@ def test_momentum_and_adam_are_lazy_untouched_rows_never_move():
 
 
 @pytest.mark.timeout(120)
-def test_async_mode_trains_with_sparse_rows():
+@pytest.mark.parametrize(("mode", "extra"), [("async", {}), ("ssp", {"staleness": 1})])
+def test_async_and_ssp_train_with_sparse_rows(mode, extra):
     data = parts([12, 12])
-    result, _ = train(cfg(ps_mode="async", lr=0.1), data)
+    result, _ = train(cfg(ps_mode=mode, lr=0.1, **extra), data)
     s = result.summary["ps"]
-    assert s["mode"] == "async" and s["rows_pushed"] > 0 and s["failure"] is None
+    assert s["mode"] == mode and s["rows_pushed"] > 0 and s["failure"] is None
+    assert s["max_ssp_gap"] <= 1
     assert all(math.isfinite(h["loss"]) for h in result.history)
 
 
