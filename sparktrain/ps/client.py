@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -69,14 +70,22 @@ from sparktrain.errors import CommError, ConfigError, FrameError, PeerLostError
 from sparktrain.ps import protocol
 from sparktrain.ps.layout import (
     NUMPY_DTYPES,
+    dense_params,
+    dense_ranges,
     flat_dtype,
     flatten,
+    row_ranges,
+    served_tables,
     shard_ranges,
-    trainable,
     unflatten,
 )
 from sparktrain.worker.buckets import GradientReadiness
 from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.sparse_rows import rows_of
+
+TableRows = Sequence[tuple[np.ndarray, np.ndarray]]
+"""One push's sparse rows for one shard: per table, shard-local int64 ids (ascending,
+each once) and their ``[n, dim]`` gradient rows."""
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +141,7 @@ class ShardClient:
         self._scratch = np.empty(0, dtype=dtype)
         self.unchanged_pulls = 0
         self.payload_pulls = 0
+        self.rows_pulled = 0
 
     def _fail(self, status: int, lost: int, what: str) -> CommError:
         """Read the reason that follows an error status and build the error to raise."""
@@ -155,12 +165,15 @@ class ShardClient:
         *,
         attempt: int | None = None,
         lr: float = math.nan,
+        rows: TableRows = (),
     ) -> int:
         """Push the gradient of ``step`` (``count`` samples; ``grad`` None when 0).
 
         Returns ``OK`` or ``DUPLICATE`` (acknowledged, not applied again); raises for
         every other status. ``attempt`` overrides the stage attempt (tests only); ``lr``
-        (unless NaN) is the rate the worker's schedule gives this step.
+        (unless NaN) is the rate the worker's schedule gives this step; ``rows`` are
+        the step's rows of every sparse table this shard holds (one entry per table,
+        sent after the gradient when there is one).
         """
         has = count > 0 and grad is not None
         payload: np.ndarray | None = None
@@ -170,7 +183,7 @@ class ShardClient:
             payload = self.codec.encode(grad) if self.codec.compressed else grad
         for tries in itertools.count():
             try:
-                status, lost = self._push_once(step, count, grad, payload, attempt, lr)
+                status, lost = self._push_once(step, count, grad, payload, attempt, lr, rows)
                 break
             except (CommError, OSError) as exc:
                 self._reconnect_or_raise(exc, tries, f"push of step {step}")
@@ -186,6 +199,7 @@ class ShardClient:
         payload: np.ndarray | None,
         attempt: int | None,
         lr: float = math.nan,
+        rows: TableRows = (),
     ) -> tuple[int, int]:
         chunk = self.chunk_bytes
         header = protocol.PUSH.pack(
@@ -208,6 +222,10 @@ class ShardClient:
                 self.conn.stats.add_sent(0, grad.nbytes)  # what the plain push sends
             else:
                 protocol.send_chunked(self.conn, payload, KIND_DATA, chunk)
+            for t, (ids, values) in enumerate(rows):
+                self.conn.send_bytes(protocol.ROWS.pack(t, len(ids)), protocol.KIND_ROWS)
+                if len(ids):
+                    protocol.send_rows(self.conn, ids, values, chunk)
         _, reply = self.conn.recv_bytes(protocol.KIND_ACK, max_bytes=protocol.MAX_HEADER_BYTES)
         status, lost, _version = protocol.ACK.unpack(reply)
         return int(status), int(lost)
@@ -306,6 +324,32 @@ class ShardClient:
         self.version = int(version)
         return int(encoding)
 
+    def pull_rows(self, table: int, ids: np.ndarray, out: np.ndarray) -> None:
+        """Fetch the current rows ``ids`` (shard-local int64) of sparse table ``table``
+        into ``out`` (``[len(ids), dim]``, contiguous); reconnects as :meth:`pull`."""
+        for tries in itertools.count():
+            try:
+                self._pull_rows_once(table, ids, out)
+                return
+            except _Refused as refused:
+                raise self._fail(refused.status, refused.lost, "row pull") from None
+            except (CommError, OSError) as exc:
+                self._reconnect_or_raise(exc, tries, "row pull")
+
+    def _pull_rows_once(self, table: int, ids: np.ndarray, out: np.ndarray) -> None:
+        header = protocol.RPULL.pack(self.attempt, self.rank, table, len(ids))
+        self.conn.send_bytes(header, protocol.KIND_RPULL)
+        protocol.send_rows(self.conn, ids, None, self.chunk_bytes)
+        _, reply = self.conn.recv_bytes(protocol.KIND_RREPLY, max_bytes=protocol.MAX_HEADER_BYTES)
+        status, lost, n, chunk = protocol.RREPLY.unpack(reply)
+        if status != protocol.OK:
+            raise _Refused(status, lost)
+        if n != len(ids):
+            raise FrameError(f"a row pull of {len(ids)} rows was answered with {n}")
+        if n:
+            protocol.recv_chunked(self.conn, out.reshape(-1), KIND_DATA, chunk)
+        self.rows_pulled += n
+
     def bye(self, clean: bool) -> None:
         """Tell the shard this rank is done (``clean``) or failed; best effort."""
         with contextlib.suppress(CommError, OSError):
@@ -344,6 +388,7 @@ def connect_shards(
     link: LinkProfile | None = None,
     security: WireSecurity | None = None,
     max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
+    ranges: Sequence[tuple[int, int]] | None = None,
 ) -> list[ShardClient]:
     """Dial every shard in parallel and authenticate; all or nothing.
 
@@ -351,9 +396,11 @@ def connect_shards(
     for ``delta+`` specs); ``param_shapes`` lay out the flat vector for PowerSGD;
     ``link`` emulates a slow link on the pushes (see :mod:`sparktrain.comm.link`);
     ``max_frame_bytes`` caps every frame of these connections. Each client can dial its
-    shard again after a broken connection.
+    shard again after a broken connection. ``ranges`` (default: :func:`shard_ranges` of
+    ``num_elements``) are the shards' ranges of the flat vector.
     """
-    ranges = shard_ranges(num_elements, len(addresses))
+    if ranges is None:
+        ranges = shard_ranges(num_elements, len(addresses))
     clients: list[ShardClient | None] = [None] * len(addresses)
     errors: list[BaseException] = []
 
@@ -472,8 +519,12 @@ class ParameterServerSync:
         assert isinstance(cfg.compression, str)
         compression = protocol.make_compression(cfg.compression)
         self.rank = ctx.rank
-        self.params = trainable(model)
-        dtype = np.dtype(NUMPY_DTYPES[flat_dtype(self.params)])
+        # sparse tables travel by rows (docs/sparse_ps.md); a sparktrain.run job's server
+        # starts from rank 0's flat vector (ps/bootstrap.py), so there they stay dense
+        named = [] if spec.ps_bootstrap else served_tables(model, cfg.sparse_embeddings)
+        self.tables = [p for _, p in named]
+        self.params = dense_params(model, named)
+        dtype = np.dtype(NUMPY_DTYPES[flat_dtype(self.params + self.tables)])
         n = sum(p.numel() for p in self.params)
         self.flat = np.empty(n, dtype=dtype)
         self.grad = np.empty(n, dtype=dtype)
@@ -485,6 +536,7 @@ class ParameterServerSync:
         self._failed = False
         self._closed = False
         self._step_s = 0.0
+        self._hooks: list[Any] = []  # the tables' forward pre-hooks
         self.clients = connect_shards(
             spec.ps_addresses,
             rank=ctx.rank,
@@ -501,8 +553,20 @@ class ParameterServerSync:
             seed=cfg.seed,
             link=link_from_config(cfg),
             max_frame_bytes=mesh.max_frame_bytes,  # the job's cap, as between ranks
+            ranges=dense_ranges(n, len(spec.ps_addresses), bool(self.tables)),
         )
         k = len(self.clients)
+        # every shard holds a row range of every table: per table, per shard
+        self.table_rows = [row_ranges(int(p.shape[0]), k) for p in self.tables]
+        # this step's rows, per shard, per table: (ids, rows)
+        self._rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(k)]
+        self.rows_pushed = 0
+        self._hooks += [
+            m.register_forward_pre_hook(functools.partial(self._pull_rows, t), with_kwargs=True)
+            for t, p in enumerate(self.tables)
+            for m in model.modules()
+            if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.weight is p
+        ]
         self._pool = (
             cf.ThreadPoolExecutor(k, thread_name_prefix=f"sparktrain-ps-r{ctx.rank}")
             if k > 1
@@ -516,8 +580,10 @@ class ParameterServerSync:
         self._futures: dict[int, cf.Future[None]] = {}
         self._armed = False
         self._lock = threading.Lock()
-        # overlap needs a second shard to overlap with, and the pool to run it in
-        self.overlap = bool(cfg.overlap) and self._pool is not None
+        # overlap needs a second shard to overlap with, and the pool to run it in; with
+        # sparse tables every shard holds table rows, whose gradients come last in
+        # backward (embeddings are the first layers): nothing would overlap
+        self.overlap = bool(cfg.overlap) and self._pool is not None and not self.tables
         self._ready: GradientReadiness | None = None
         self.launched_in_backward = 0  # shard exchanges started from a gradient hook
         try:
@@ -534,7 +600,7 @@ class ParameterServerSync:
         returns whether it is on (never with a single shard)."""
         if self._armed:
             raise RuntimeError("set_overlap between begin_step and step")
-        self.overlap = on and self._pool is not None
+        self.overlap = on and self._pool is not None and not self.tables
         if self.overlap and self._ready is None:
             self._ready = GradientReadiness(
                 [self._params_in(c.lo, c.hi) for c in self.clients], self._on_ready
@@ -583,8 +649,69 @@ class ParameterServerSync:
         step, count = self.step_index, self._count
         if count > 0:
             self._copy_grads(c.lo, c.hi)
-        c.push(step, count, self.grad[c.lo : c.hi] if count > 0 else None, lr=self.lr)
+        rows = self._rows[c.index] if count > 0 else []
+        c.push(step, count, self.grad[c.lo : c.hi] if count > 0 else None, lr=self.lr, rows=rows)
         c.pull(step, self.flat[c.lo : c.hi])
+
+    @property
+    def cached_params(self) -> list[nn.Parameter]:
+        """The sparse tables: this rank's copies are caches of the rows it pulled, not
+        replicas of the server's (each rank pulls other rows), so replica checks skip
+        them; the driver's model takes the server's tables."""
+        return list(self.tables)
+
+    def _split_rows(self, count: int) -> None:
+        """Cut every table's gradient into the shards' row ranges for this step's pushes
+        (vectorised: one ``searchsorted`` per table)."""
+        self._rows = [[] for _ in self.clients]
+        for t, p in enumerate(self.tables):
+            dim = int(p.shape[1])
+            if count > 0 and p.grad is not None:
+                if not p.grad.is_sparse:
+                    raise ConfigError(
+                        f"the sparse embedding of shape {tuple(p.shape)} has a dense gradient "
+                        "(replaced after backward?): strategy='ps' sends its touched rows; "
+                        "leave its gradient sparse or set sparse_embeddings='off'"
+                    )
+                ids_t, rows_t = rows_of(p.grad)
+                ids = ids_t.cpu().numpy()
+                rows = rows_t.detach().cpu().contiguous().numpy()
+            else:
+                ids = np.empty(0, np.int64)
+                rows = np.empty((0, dim), self.flat.dtype)
+            ranges = self.table_rows[t]
+            cuts = np.searchsorted(ids, [lo for lo, _ in ranges] + [ranges[-1][1]])
+            for i, (lo, _) in enumerate(ranges):
+                a, b = int(cuts[i]), int(cuts[i + 1])
+                self._rows[i].append((ids[a:b] - lo, rows[a:b]))
+            self.rows_pushed += len(ids)
+
+    def _pull_rows(
+        self, t: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Forward pre-hook of an embedding of table ``t``: fetch the current values of
+        the rows this forward will read (its unique ids) into the local table, so a
+        forward never reads a stale row; the rest of the local copy is not read."""
+        ids = args[0] if args else kwargs.get("input")
+        if not isinstance(ids, torch.Tensor) or ids.numel() == 0:
+            return
+        weight = self.tables[t]
+        uniq = torch.unique(ids.detach().reshape(-1)).to("cpu", torch.int64)  # sorted
+        if uniq[0] < 0 or uniq[-1] >= weight.shape[0]:
+            return  # out of range: the embedding itself raises its clear IndexError
+        wanted = uniq.numpy()
+        out = np.empty((wanted.size, int(weight.shape[1])), self.flat.dtype)
+        ranges = self.table_rows[t]
+        cuts = np.searchsorted(wanted, [lo for lo, _ in ranges] + [ranges[-1][1]])
+
+        def fetch(c: ShardClient) -> None:
+            a, b = int(cuts[c.index]), int(cuts[c.index + 1])
+            if a < b:
+                c.pull_rows(t, wanted[a:b] - ranges[c.index][0], out[a:b])
+
+        self._each(fetch)
+        with torch.no_grad():
+            weight.index_copy_(0, uniq.to(weight.device), torch.from_numpy(out).to(weight.device))
 
     def _on_ready(self, index: int) -> None:
         """Hook callback: shard ``index``'s gradients are final; start its exchange."""
@@ -609,6 +736,7 @@ class ParameterServerSync:
     def step(self, count: int) -> None:
         """Push this rank's gradient slices, pull the shards' new parameters."""
         started = time.perf_counter()
+        self._split_rows(count)
         if self._ready is None or not self._armed:
             # no overlap, or a step without a batch (begin_step was not called)
             with self._lock:
@@ -628,6 +756,9 @@ class ParameterServerSync:
         for p in self.params:
             if p.grad is not None:
                 p.grad.zero_()
+        for p in self.tables:  # sparse: the next backward starts a fresh one
+            p.grad = None
+        self._rows = [[] for _ in self.clients]
         self.step_index += 1
         self._step_s += time.perf_counter() - started
 
@@ -681,6 +812,8 @@ class ParameterServerSync:
             "ps_unchanged_pulls": sum(c.unchanged_pulls for c in self.clients),
             "ps_payload_pulls": sum(c.payload_pulls for c in self.clients),
             "ps_reconnects": sum(c.reconnects for c in self.clients),
+            "ps_rows_pushed": self.rows_pushed,
+            "ps_rows_pulled": sum(c.rows_pulled for c in self.clients),
             "ps_grad_copies": self.grad_copies,
         }
 
@@ -692,6 +825,8 @@ class ParameterServerSync:
             self._closed = True
         if self._ready is not None:
             self._ready.remove()
+        for hook in self._hooks:
+            hook.remove()
         # Called from the loop's ``finally``: an exception in flight means the loop failed.
         clean = not self._failed and sys.exc_info()[0] is None
         for c in self.clients:

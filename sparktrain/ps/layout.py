@@ -87,3 +87,53 @@ def unflatten(flat: np.ndarray, params: list[nn.Parameter]) -> None:
             n = p.numel()
             p.copy_(source[offset : offset + n].view_as(p))
             offset += n
+
+
+def served_tables(model: nn.Module, sparse_embeddings: str) -> list[tuple[str, nn.Parameter]]:
+    """The embedding tables the server holds by rows (``sparse_embeddings="auto"``: the
+    ``sparse=True`` ones, :func:`~sparktrain.worker.sparse_rows.sparse_parameters`),
+    ``(name, weight)`` in ``named_parameters`` order; none with ``"off"`` (they stay in
+    the flat vector, whole)."""
+    if sparse_embeddings == "off":
+        return []
+    from sparktrain.worker.sparse_rows import sparse_parameters
+
+    for m in model.modules():
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.max_norm is not None:
+            raise ConfigError(
+                f"a sparse=True embedding with max_norm={m.max_norm} renormalises the rows it "
+                "reads inside its forward, on this rank's copy only: strategy='ps' keeps the "
+                "table on the server, so drop max_norm or set sparse_embeddings='off'"
+            )
+    tables = sparse_parameters(model)
+    for name, p in tables:
+        if p.dim() != 2:
+            raise ConfigError(f"the sparse embedding {name!r} has shape {tuple(p.shape)}, not 2-D")
+    return tables
+
+
+def dense_params(model: nn.Module, tables: list[tuple[str, nn.Parameter]]) -> list[nn.Parameter]:
+    """The flat vector's parameters: :func:`trainable` without the row-served tables."""
+    served = {id(p) for _, p in tables}
+    return [p for p in trainable(model) if id(p) not in served]
+
+
+def row_ranges(rows: int, shards: int) -> list[tuple[int, int]]:
+    """Split a table's ``rows`` into ``shards`` contiguous ``(lo, hi)`` row ranges whose
+    sizes differ by at most one (a shard may own none of a small table's rows)."""
+    base, extra = divmod(rows, shards)
+    ranges, lo = [], 0
+    for i in range(shards):
+        hi = lo + base + (1 if i < extra else 0)
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+def dense_ranges(num_elements: int, shards: int, has_tables: bool) -> list[tuple[int, int]]:
+    """The shards' ranges of the flat (dense) vector: :func:`shard_ranges`, except that
+    with row-served tables every shard also holds table rows, so a shard may own no
+    dense element (a model of embeddings alone has an empty flat vector)."""
+    if has_tables and shards >= 1:
+        return row_ranges(num_elements, shards)
+    return shard_ranges(num_elements, shards)

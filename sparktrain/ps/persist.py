@@ -69,8 +69,18 @@ def to_checkpoint(state: dict[str, Any], history: Sequence[dict[str, Any]]) -> C
     shards = state["shards"]
     return Checkpoint(
         step=completed_step(state),
-        model_state={f"shard{i}": s["values"] for i, s in enumerate(shards)},
-        optimizer_state={f"shard{i}": s["optimizer"] for i, s in enumerate(shards)},
+        model_state={f"shard{i}": s["values"] for i, s in enumerate(shards)}
+        | {
+            f"shard{i}.table{t}": table["values"]
+            for i, s in enumerate(shards)
+            for t, table in enumerate(s.get("tables", []))
+        },
+        optimizer_state={f"shard{i}": s["optimizer"] for i, s in enumerate(shards)}
+        | {
+            f"shard{i}.table{t}": table["optimizer"]
+            for i, s in enumerate(shards)
+            for t, table in enumerate(s.get("tables", []))
+        },
         rng_state=torch.get_rng_state(),
         history=list(history),
         extra={
@@ -78,6 +88,7 @@ def to_checkpoint(state: dict[str, Any], history: Sequence[dict[str, Any]]) -> C
             "mode": state["mode"],
             "world_size": state["world_size"],
             "ranges": state["ranges"],
+            "tables": state.get("tables", []),
             "shards": [
                 {k: s[k] for k in ("version", "applied", "last_steps", "rank_applied", "staleness")}
                 for s in shards
@@ -94,9 +105,19 @@ def from_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
             f"checkpoint of step {ckpt.step} is not a parameter-server checkpoint "
             f"(format {extra.get('ps_format')!r}); point checkpoint_dir elsewhere"
         )
+    tables = extra.get("tables", [])  # sparse tables: [name, rows, dim] (docs/sparse_ps.md)
     shards = [
         dict(
-            meta, values=ckpt.model_state[f"shard{i}"], optimizer=ckpt.optimizer_state[f"shard{i}"]
+            meta,
+            values=ckpt.model_state[f"shard{i}"],
+            optimizer=ckpt.optimizer_state[f"shard{i}"],
+            tables=[
+                {
+                    "values": ckpt.model_state[f"shard{i}.table{t}"],
+                    "optimizer": ckpt.optimizer_state[f"shard{i}.table{t}"],
+                }
+                for t in range(len(tables))
+            ],
         )
         for i, meta in enumerate(extra["shards"])
     ]
@@ -104,6 +125,7 @@ def from_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
         "mode": extra["mode"],
         "world_size": extra["world_size"],
         "ranges": extra["ranges"],
+        "tables": tables,
         "shards": shards,
     }
 

@@ -17,7 +17,23 @@ REPLY   status, lost rank, version, encoding, elements,         the delta or val
         payload bytes, chunk bytes                              chunks; a text frame if
                                                                 not OK
 BYE     attempt, rank, clean                                    -
+ROWS    table, rows                                             the row ids (int64), then
+                                                                the rows, in chunks
+RPULL   attempt, rank, table, rows                              the row ids (int64), in
+                                                                chunks
+RREPLY  status, lost rank, rows, chunk bytes                    the rows, in chunks; a
+                                                                text frame if not OK
 ======  =====================================================  ==========================
+
+Sparse embedding tables (``sparse_embeddings="auto"``, docs/sparse_ps.md): each table
+built with ``sparse=True`` is split by rows over the shards
+(:func:`~sparktrain.ps.layout.row_ranges`) and left out of the flat vector. A push
+with samples is followed, after its dense payload and before the ACK, by one ``ROWS``
+message per table: the shard-local ids (ascending, each once) of the rows the step
+touched and their gradient rows. ``RPULL`` asks for the current values of named rows
+(shard-local ids) and is answered at once (``RREPLY``): in sync mode the rank's
+previous pull already waited for its step, and the shard cannot apply another before
+this rank pushes again.
 
 Chunks: no payload depends on fitting one frame (``MAX_FRAME_BYTES_DEFAULT`` caps a
 frame at 1 GiB; a float32 shard of a 300M-parameter model is more). A payload of
@@ -79,7 +95,7 @@ import numpy as np
 import torch
 
 from sparktrain.comm.connection import Connection
-from sparktrain.comm.frames import KIND_USER_MIN
+from sparktrain.comm.frames import HEADER_BYTES, KIND_DATA, KIND_USER_MIN
 from sparktrain.compress.base import BucketState, Compressor, decode_message, encode_message
 from sparktrain.compress.registry import build, split_spec
 from sparktrain.errors import ConfigError, FrameError
@@ -93,6 +109,9 @@ KIND_TEXT = KIND_USER_MIN + 5
 KIND_CPAYLOAD = KIND_USER_MIN + 6
 """A compressed push or pull message: counted as wire bytes only (the sender adds the
 uncompressed equivalent to ``raw_bytes_sent`` itself)."""
+KIND_ROWS = KIND_USER_MIN + 7
+KIND_RPULL = KIND_USER_MIN + 8
+KIND_RREPLY = KIND_USER_MIN + 9
 
 # job tag, attempt, rank, step, count, version, has payload, payload bytes, chunk bytes,
 # learning rate (NaN: the server's own; else the worker's schedule sets the step's rate)
@@ -102,6 +121,9 @@ PULL = struct.Struct("<qqqq")  # attempt, rank, step (-1: before the first), ver
 # status, lost rank, version, encoding, elements, payload bytes, chunk bytes
 REPLY = struct.Struct("<BiqBqqq")
 BYE = struct.Struct("<qqB")  # attempt, rank, clean (1: finished, 0: failed)
+ROWS = struct.Struct("<qq")  # table, rows (then ids and rows, if any)
+RPULL = struct.Struct("<qqqq")  # attempt, rank, table, rows (then the ids)
+RREPLY = struct.Struct("<Biqq")  # status, lost rank, rows, chunk bytes (then the rows)
 
 MAX_HEADER_BYTES = 128
 CHUNK_BYTES_DEFAULT = 64 << 20
@@ -332,3 +354,35 @@ def make_compression(spec: str) -> Compression:
 def make_codec(spec: str) -> Codec:
     """A push codec for ``config.compression`` (one shard, fresh state)."""
     return make_compression(spec).push_codec()
+
+
+def send_rows(conn: Connection, ids: np.ndarray, rows: np.ndarray | None, chunk_bytes: int) -> int:
+    """Send int64 row ids, then (unless None) their ``[n, dim]`` rows, each in chunks
+    after the header the caller sent; returns the payload bytes (frame headers
+    included)."""
+    frames = send_chunked(conn, ids, KIND_DATA, chunk_bytes)
+    nbytes = ids.nbytes
+    if rows is not None:
+        flat = rows.reshape(-1)
+        frames += send_chunked(conn, flat, KIND_DATA, chunk_bytes)
+        nbytes += flat.nbytes
+    return frames * HEADER_BYTES + nbytes
+
+
+def recv_row_ids(
+    conn: Connection, n: int, limit: int, chunk_bytes: int, *, ascending: bool, what: str
+) -> np.ndarray:
+    """Receive ``n`` int64 row ids sent by :func:`send_rows` and check them: each in
+    ``[0, limit)`` (the shard's rows of the table), strictly ascending if ``ascending``
+    (a push's coalesced ids). A bad count or id is a :class:`FrameError`: the peer does
+    not speak this protocol."""
+    if not 0 <= n <= limit:
+        raise FrameError(f"{what} names {n} rows of a table slice of {limit} rows")
+    ids = np.empty(n, np.int64)
+    if n:
+        recv_chunked(conn, ids, KIND_DATA, chunk_bytes)
+        if ids[0] < 0 or ids[-1] >= limit or ids.min() < 0 or ids.max() >= limit:
+            raise FrameError(f"{what} names rows outside the table slice of {limit} rows")
+        if ascending and n > 1 and not bool(np.all(ids[1:] > ids[:-1])):
+            raise FrameError(f"{what} names rows that are not ascending and distinct")
+    return ids

@@ -44,6 +44,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,13 +65,16 @@ from sparktrain.ps import protocol
 from sparktrain.ps.consistency import AsyncLedger, SyncLedger, lr_scale, make_ledger
 from sparktrain.ps.layout import (
     NUMPY_DTYPES,
+    dense_params,
+    dense_ranges,
     flat_dtype,
     flatten,
-    shard_ranges,
-    trainable,
+    row_ranges,
+    served_tables,
     unflatten,
 )
 from sparktrain.ps.stats import ShardCounters, add_to_summary, shard_figures, summarize
+from sparktrain.ps.tables import RowTable, clone_state
 
 if TYPE_CHECKING:
     from sparktrain.result import TrainResult
@@ -106,6 +110,12 @@ class Shard(DriverService):
         self.server = server
         self.index = index
         self.lo, self.hi = lo, hi
+        # this shard's rows of every sparse table (docs/sparse_ps.md), in table order
+        self.tables = [
+            RowTable(name, rlo, rhi, values[rlo:rhi], cfg)
+            for name, values in server.table_values
+            for rlo, rhi in [row_ranges(values.shape[0], cfg.ps_shards)[index]]
+        ]
         self.param = nn.Parameter(torch.from_numpy(initial[lo:hi].copy()))
         self.values: np.ndarray = self.param.data.numpy()  # shares memory with the parameter
         self.optimizer = build_optimizer(
@@ -231,6 +241,8 @@ class Shard(DriverService):
                     self._push(conn, header, grad)
                 elif kind == protocol.KIND_PULL and len(header) == protocol.PULL.size:
                     self._pull(conn, header)
+                elif kind == protocol.KIND_RPULL and len(header) == protocol.RPULL.size:
+                    self._row_pull(conn, header)
                 elif kind == protocol.KIND_BYE and len(header) == protocol.BYE.size:
                     self._bye(conn, header)
                     return
@@ -283,6 +295,7 @@ class Shard(DriverService):
                     raise FrameError(f"a push of {nbytes} bytes for a {grad.nbytes}-byte shard")
                 frames = protocol.recv_chunked(conn, grad, KIND_DATA, chunk)
                 wire = frames * HEADER_BYTES + grad.nbytes
+        rows = self._recv_rows(conn, chunk, rank, step) if has_payload else []
         status, reason = self._check(attempt, rank, conn)
         if status == protocol.OK and decode_error:
             status, reason = protocol.PROTOCOL, decode_error
@@ -298,6 +311,10 @@ class Shard(DriverService):
             if has_payload:
                 self.counters.push_raw_bytes += grad.nbytes
                 self.counters.push_payload_bytes += wire
+                for ids, values, nbytes in rows:
+                    self.counters.rows_pushed += len(ids)
+                    self.counters.push_raw_bytes += ids.nbytes + values.nbytes
+                    self.counters.push_payload_bytes += nbytes
             failure = srv.failure
             if status == protocol.OK and failure is not None:
                 status, lost, reason = protocol.LOST, failure[0], failure[1]
@@ -314,10 +331,12 @@ class Shard(DriverService):
                     if count > 0:
                         self._acc += grad * count  # float32 ops as the ring's buckets
                         self._acc_count += count
+                        for table, (ids, values, _) in zip(self.tables, rows, strict=True):
+                            table.accumulate(torch.from_numpy(ids), values, count)
                     self._maybe_apply_sync()
                 else:
                     if count > 0:
-                        self._apply_async(grad, version, rank)
+                        self._apply_async(grad, version, rank, rows)
                     self.cond.notify_all()  # ssp: this rank's clock moved
             if status not in (protocol.OK, protocol.DUPLICATE):
                 self.counters.rejected += 1
@@ -337,14 +356,23 @@ class Shard(DriverService):
             for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
                 g["lr"] = base
             self.optimizer.step()
+            for table in self.tables:
+                table.apply_accumulated(self._acc_count, self._base_lrs)
             self.counters.updates += 1
         ledger.close_step()
         self._acc.fill(0.0)
         self._acc_count = 0.0
         self.cond.notify_all()
 
-    def _apply_async(self, grad: np.ndarray, version: int, rank: int) -> None:
-        """Apply one rank's gradient at once, recording its staleness (holding ``cond``)."""
+    def _apply_async(
+        self,
+        grad: np.ndarray,
+        version: int,
+        rank: int,
+        rows: list[tuple[np.ndarray, torch.Tensor, int]],
+    ) -> None:
+        """Apply one rank's gradient (and its table rows) at once, recording its
+        staleness (holding ``cond``)."""
         ledger = self.ledger
         assert isinstance(ledger, AsyncLedger)
         stale = ledger.staleness_of(version)
@@ -356,11 +384,71 @@ class Shard(DriverService):
             g["lr"] = base * scale
         try:
             self.optimizer.step()
+            for table, (ids, values, _) in zip(self.tables, rows, strict=True):
+                table.apply(torch.from_numpy(ids), values, [b * scale for b in self._base_lrs])
         finally:
             for g, base in zip(groups, self._base_lrs, strict=True):
                 g["lr"] = base
         ledger.record_update(rank)
         self.counters.updates += 1
+
+    def _recv_rows(
+        self, conn: Connection, chunk: int, rank: int, step: int
+    ) -> list[tuple[np.ndarray, torch.Tensor, int]]:
+        """Read a push's ``ROWS`` messages, one per table of this shard: per table the
+        shard-local ids, their gradient rows and the payload's wire bytes."""
+        out = []
+        for t, table in enumerate(self.tables):
+            _, header = conn.recv_bytes(protocol.KIND_ROWS, max_bytes=protocol.MAX_HEADER_BYTES)
+            if len(header) != protocol.ROWS.size:
+                raise FrameError(f"a rows header of {len(header)} bytes")
+            which, n = protocol.ROWS.unpack(header)
+            what = f"rank {rank}'s push of step {step} to table {table.name!r}"
+            if which != t:
+                raise FrameError(f"{what} came as table {which}, expected {t}")
+            ids = protocol.recv_row_ids(conn, n, table.rows, chunk, ascending=True, what=what)
+            values = np.empty((n, table.dim), dtype=self.server.dtype)
+            frames = protocol.recv_chunked(conn, values.reshape(-1), KIND_DATA, chunk) if n else 0
+            nbytes = (frames + (1 if n else 0)) * HEADER_BYTES + ids.nbytes + values.nbytes
+            out.append((ids, torch.from_numpy(values), nbytes))
+        return out
+
+    def _row_pull(self, conn: Connection, header: bytes) -> None:
+        """Answer a ``RPULL``: the current values of the named rows of one table, at once
+        (see :mod:`sparktrain.ps.protocol` for why no wait is needed)."""
+        srv = self.server
+        attempt, rank, which, n = protocol.RPULL.unpack(header)
+        chunk = srv.chunk_bytes
+        if not 0 <= which < len(self.tables):
+            raise FrameError(
+                f"a row pull names table {which}; shard {self.index} holds {len(self.tables)}"
+            )
+        table = self.tables[which]
+        what = f"rank {rank}'s row pull of table {table.name!r}"
+        ids = protocol.recv_row_ids(conn, n, table.rows, chunk, ascending=False, what=what)
+        status, reason = self._check(attempt, rank, conn)
+        lost = protocol.NO_RANK
+        values: np.ndarray | None = None
+        with self.cond:
+            if status == protocol.OK and srv.failure is not None:
+                status, (lost, reason) = protocol.LOST, srv.failure
+            if status == protocol.OK and srv.stopping:
+                status, reason = protocol.STOPPED, "the parameter server is shutting down"
+            if status == protocol.OK:
+                values = table.gather(torch.from_numpy(ids)).numpy()
+                self.counters.row_pulls += 1
+                self.counters.rows_pulled += n
+        conn.send_bytes(
+            protocol.RREPLY.pack(status, lost, n if values is not None else 0, chunk),
+            protocol.KIND_RREPLY,
+        )
+        if values is not None:
+            nbytes = protocol.send_rows(conn, values.reshape(-1), None, chunk) if n else 0
+            with self.cond:
+                self.counters.pull_raw_bytes += values.nbytes
+                self.counters.pull_payload_bytes += nbytes
+        else:
+            conn.send_bytes(reason.encode()[: protocol.MAX_TEXT_BYTES], protocol.KIND_TEXT)
 
     def _pull(self, conn: Connection, header: bytes) -> None:
         srv = self.server
@@ -490,6 +578,8 @@ class Shard(DriverService):
             self._conns.clear()
             self.ranks = {r: _RankState() for r in self.ranks}
             self.ledger.new_attempt()
+            for table in self.tables:
+                table.clear()
             self._acc.fill(0.0)
             self._acc_count = 0.0
             self.cond.notify_all()
@@ -507,7 +597,8 @@ class Shard(DriverService):
         with self.cond:
             return {
                 "values": torch.from_numpy(self.values.copy()),
-                "optimizer": _clone(self.optimizer.state_dict()),
+                "optimizer": clone_state(self.optimizer.state_dict()),
+                "tables": [t.state() for t in self.tables],
                 **self.ledger.state(),
                 "staleness": dict(self.counters.staleness),
             }
@@ -524,6 +615,15 @@ class Shard(DriverService):
                 )
             np.copyto(self.values, values)
             self.optimizer.load_state_dict(state["optimizer"])
+            tables = state.get("tables", [])
+            if len(tables) != len(self.tables):
+                raise ConfigError(
+                    f"the checkpoint's shard {self.index} holds {len(tables)} sparse tables, "
+                    f"this server's {len(self.tables)}: resume with the same model and "
+                    "sparse_embeddings"
+                )
+            for table, table_state in zip(self.tables, tables, strict=True):
+                table.load_state(table_state)
             self.ledger.load_state(state)
             self.ranks = {r: _RankState() for r in self.ranks}
             self.counters.staleness.update({int(k): int(v) for k, v in state["staleness"].items()})
@@ -588,7 +688,10 @@ class ParameterServer:
         security: WireSecurity | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT,
         chunk_bytes: int | None = None,
+        tables: Sequence[tuple[str, np.ndarray]] = (),
     ) -> None:
+        # the sparse embedding tables served by rows: (name, [rows, dim] initial values)
+        self.table_values = [(name, np.asarray(values)) for name, values in tables]
         self.compression = protocol.make_compression(single_spec(cfg.compression, cfg.strategy))
         self.max_frame_bytes = max_frame_bytes
         # 8: a whole number of float64 (and float32, and uint8) elements per chunk
@@ -607,7 +710,7 @@ class ParameterServer:
         self._failure: tuple[int, str] | None = None
         self._lock = threading.Lock()
         self._stopped = False
-        self.ranges = shard_ranges(int(initial.size), cfg.ps_shards)
+        self.ranges = dense_ranges(int(initial.size), cfg.ps_shards, bool(self.table_values))
         self.dtype = initial.dtype
         self.shards: list[Shard] = []
         try:
@@ -682,6 +785,7 @@ class ParameterServer:
             "mode": self.mode,
             "world_size": self.world_size,
             "ranges": [list(r) for r in self.ranges],
+            "tables": self.table_shapes(),
             "shards": [s.state() for s in self.shards],
         }
 
@@ -695,6 +799,13 @@ class ParameterServer:
                 f"this run has {len(self.ranges)} shards over {self.ranges[-1][1]} elements for "
                 f"{self.world_size} workers: resume with the same model, ps_shards and "
                 "num_workers (or start from scratch with resume=false)"
+            )
+        tables = [list(t) for t in state.get("tables", [])]
+        if tables != self.table_shapes():
+            raise ConfigError(
+                f"the parameter-server checkpoint holds the sparse tables {tables} "
+                f"([name, rows, dim]), this run {self.table_shapes()}: resume with the same "
+                "model and sparse_embeddings"
             )
         if state["mode"] != self.mode:
             raise ConfigError(
@@ -710,6 +821,20 @@ class ParameterServer:
         for shard in self.shards:
             with shard.cond:
                 out[shard.lo : shard.hi] = shard.values
+        return out
+
+    def table_shapes(self) -> list[list[Any]]:
+        """``[name, rows, dim]`` of every table served by rows, in table order."""
+        return [[name, int(v.shape[0]), int(v.shape[1])] for name, v in self.table_values]
+
+    def table(self, index: int) -> np.ndarray:
+        """The current values of sparse table ``index``, every shard's rows (a copy)."""
+        initial = self.table_values[index][1]
+        out = np.empty(initial.shape, dtype=self.dtype)
+        for shard in self.shards:
+            t = shard.tables[index]
+            with shard.cond:
+                out[t.lo : t.hi] = t.values.numpy()
         return out
 
     def stop(self) -> None:
@@ -744,7 +869,16 @@ class ParameterServer:
         workers count what they push, the server what it sends back, so the totals cover
         both directions, as the ring's cover every rank's sends.
         """
-        params = trainable(result.model)
+        tables = []
+        if self.table_values:
+            tables = served_tables(result.model, self.cfg.sparse_embeddings)
+        if [name for name, _ in tables] != [name for name, _ in self.table_values]:
+            raise ConfigError(
+                f"the result's model has the sparse tables {[n for n, _ in tables]}, the "
+                f"parameter server {[n for n, _ in self.table_values]}: not the model the "
+                "server was started with"
+            )
+        params = dense_params(result.model, tables)
         flat = self.parameters()
         if sum(p.numel() for p in params) != flat.size:
             raise ConfigError(
@@ -752,18 +886,10 @@ class ParameterServer:
                 f"the parameter server {flat.size}: not the model the server was started with"
             )
         unflatten(flat, params)
+        with torch.no_grad():  # the server's tables, not rank 0's partly stale copies
+            for i, (_, weight) in enumerate(tables):
+                weight.copy_(torch.from_numpy(self.table(i)))
         add_to_summary(result.summary, self.stats())
-
-
-def _clone(value: Any) -> Any:
-    """A deep copy of an optimizer state dict's tensors (the live ones keep changing)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clone(v) for v in value]
-    return value
 
 
 def start_parameter_server(
@@ -789,8 +915,9 @@ def start_parameter_server(
     :data:`~sparktrain.ps.protocol.CHUNK_BYTES_DEFAULT`, at most the cap) sizes the
     chunks payloads travel in (tests inject tiny ones).
     """
-    params = trainable(model)
-    dtype = flat_dtype(params)
+    tables = served_tables(model, cfg.sparse_embeddings)
+    params = dense_params(model, tables)
+    dtype = flat_dtype(params + [p for _, p in tables])
     flat = np.empty(sum(p.numel() for p in params), dtype=NUMPY_DTYPES[dtype])
     flatten(params, flat)
     return ParameterServer(
@@ -804,4 +931,5 @@ def start_parameter_server(
         security=security,
         max_frame_bytes=max_frame_bytes,
         chunk_bytes=chunk_bytes,
+        tables=[(name, p.detach().numpy().copy()) for name, p in tables],
     )

@@ -40,6 +40,9 @@ class ShardCounters:
     push_payload_bytes: int = 0  # their frames on the wire (headers included)
     pull_raw_bytes: int = 0  # uncompressed size of the values/deltas sent
     pull_payload_bytes: int = 0
+    rows_pushed: int = 0  # sparse table rows received in pushes (docs/sparse_ps.md)
+    rows_pulled: int = 0  # sparse table rows sent in row pulls
+    row_pulls: int = 0
 
     def record_staleness(self, staleness: int) -> None:
         """Count one applied push of ``staleness`` in the histogram."""
@@ -82,6 +85,9 @@ def shard_figures(
         "push_payload_bytes": c.push_payload_bytes,
         "pull_raw_bytes": c.pull_raw_bytes,
         "pull_payload_bytes": c.pull_payload_bytes,
+        "rows_pushed": c.rows_pushed,
+        "rows_pulled": c.rows_pulled,
+        "row_pulls": c.row_pulls,
         "staleness_hist": dict(sorted(c.staleness.items())),
         "max_ssp_gap": c.max_ssp_gap,
         "wait_s": wait_s,
@@ -118,6 +124,9 @@ def summarize(
         "rejected": sum(s["rejected"] for s in shards),
         "pulls": sum(s["pulls"] for s in shards),
         "unchanged_pulls": sum(s["unchanged_pulls"] for s in shards),
+        "rows_pushed": sum(s["rows_pushed"] for s in shards),
+        "rows_pulled": sum(s["rows_pulled"] for s in shards),
+        "row_pulls": sum(s["row_pulls"] for s in shards),
         "bytes_in": sum(s["bytes_in"] for s in shards),
         "bytes_out": sum(s["bytes_out"] for s in shards),
         "raw_bytes_out": sum(s["raw_bytes_out"] for s in shards),

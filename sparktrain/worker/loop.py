@@ -187,9 +187,11 @@ def builtin_loop(ctx: RunContext) -> TrainedModel:
         if stop:
             break
 
+    cached = {id(p) for p in getattr(stepper.sync, "cached_params", ())}
     stats: dict[str, Any] = {
         "train_s": time.perf_counter() - started,
-        "param_digest": digest(params),
+        # a parameter server's sparse tables are per-rank caches of pulled rows
+        "param_digest": digest(p for p in params if id(p) not in cached),
         **({"auto": auto} if auto is not None else {}),
     }
     if ctx.rank != 0:
