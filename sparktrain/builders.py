@@ -215,7 +215,8 @@ def build_optimizer(
     lr: float,
     kwargs: dict[str, Any],
 ) -> torch.optim.Optimizer:
-    """``sgd`` / ``adam`` / ``adamw`` with keyword arguments, or ``callable(params, lr)``."""
+    """``sgd`` / ``adam`` / ``adamw`` / ``adagrad`` / ``sparse_adam`` with keyword
+    arguments, or ``callable(params, lr)``."""
     if callable(name):
         factory: Callable[..., torch.optim.Optimizer] = name
         return factory(params, lr=lr, **kwargs)
@@ -223,6 +224,8 @@ def build_optimizer(
         "sgd": torch.optim.SGD,
         "adam": torch.optim.Adam,
         "adamw": torch.optim.AdamW,
+        "adagrad": torch.optim.Adagrad,
+        "sparse_adam": torch.optim.SparseAdam,
     }
     if name not in classes:
         raise ConfigError(f"optimizer={name!r} unknown; allowed: {', '.join(classes)}")

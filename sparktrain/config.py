@@ -28,7 +28,7 @@ COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk:R", "randomk:R", "sign", "
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 LINK_PROFILES = ("none", "lan", "5g", "4g", "wan")
 """Named link-emulation profiles; their figures live in :mod:`sparktrain.comm.link`."""
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "sparse_adam")
 ENCRYPTIONS = ("none", "tls")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -101,7 +101,9 @@ class TrainConfig:
         Passes over the data, samples per worker per step, learning rate.
     optimizer, optimizer_kwargs:
         ``"sgd"`` (``momentum``, ``nesterov``, ``weight_decay``), ``"adam"``, ``"adamw"``,
-        or a callable ``(params, lr) -> torch.optim.Optimizer``.
+        ``"adagrad"``, ``"sparse_adam"`` (torch's ``SparseAdam``: a model of
+        ``sparse=True`` tables only; docs/sparse.md), or a callable
+        ``(params, lr) -> torch.optim.Optimizer``.
     loss, loss_kwargs:
         ``"cross_entropy"``, ``"mse"``, ``"bce_with_logits"`` or a callable
         ``(output, target) -> scalar tensor`` (mean over the batch).

@@ -418,7 +418,7 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
     modelKwargs : str or dict
         Keyword arguments for ``modelFn``, as JSON text or a dict.
     loss : {"cross_entropy", "bce_with_logits"}
-    optimizer : {"adam", "sgd", "adamw"}
+    optimizer : {"adam", "sgd", "adamw", "adagrad", "sparse_adam"}
         ``"adam"`` by default (the estimators' defaults are chosen to train standardised
         tabular data out of the box; docs/ml.md says why each).
     optimizerKwargs : str or dict

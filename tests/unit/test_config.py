@@ -24,7 +24,7 @@ def test_defaults_validate():
         ("local_steps", 0, "local_steps=0 must be an integer >= 1"),
         ("epochs", 0, "epochs=0 must be an integer >= 1"),
         ("lr", -1.0, "lr=-1.0 must be a number > 0"),
-        ("optimizer", "lbfgs", "allowed values: sgd, adam, adamw"),
+        ("optimizer", "lbfgs", "allowed values: sgd, adam, adamw, adagrad, sparse_adam"),
         ("loss", "hinge", "allowed values: cross_entropy, mse, bce_with_logits"),
         ("validation_fraction", 1.5, "validation_fraction"),
         ("compression", "zip", "allowed values: none"),

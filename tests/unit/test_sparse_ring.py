@@ -384,3 +384,15 @@ def test_ctx_distributed_takes_the_row_path():
     want = reference(model, torch.optim.Adagrad(model.parameters(), lr=0.1), parts, 3)
     for k, v in want.state_dict().items():
         assert float((value[k] - v).abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "name,cls", [("adagrad", torch.optim.Adagrad), ("sparse_adam", torch.optim.SparseAdam)]
+)
+def test_the_sparse_optimizers_have_config_names(name, cls):
+    """A TOML config or an ml Param names them; the same numbers as passing the class."""
+    parts = id_parts([8, 5])
+    tables_only = functools.partial(SparseNet, head=False)
+    named = train_and_assemble(spec_for(tables_only, optimizer=name, lr=0.1), parts)
+    given = train_and_assemble(spec_for(tables_only, optimizer=cls, lr=0.1), parts)
+    assert max_diff(named.model, given.model) == 0.0
