@@ -485,7 +485,8 @@ def table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Loss curves by step (medians per contender, smoothed) and step time bars."""
+    """Loss curves by step (medians per contender, smoothed), step time and wire bytes
+    bars (log scales)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -493,7 +494,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     runs, d = report["runs"], report["derived"]
     window = report["spec"]["smooth"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, wire) = plt.subplots(1, 3, figsize=(15, 4))
     for name in d["contenders"]:
         curve = median_curve(_ok(runs, name))
         if curve:
@@ -508,6 +509,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.set_xscale("log")
     right.set_xlabel("median step time, ms (log)")
     right.invert_yaxis()
+    sent = [
+        (n + (" (est.)" if (c["wire_bytes_source"] or "").startswith("estimated") else ""),
+         c["wire_bytes_per_step"])
+        for n, c in d["contenders"].items()
+        if c["wire_bytes_per_step"] is not None
+    ]  # fmt: skip
+    wire.barh([b[0] for b in sent], [b[1] / 1e6 for b in sent], color="tab:orange")
+    wire.set_xscale("log")
+    wire.set_xlabel("wire bytes per step, MB, both ranks (log)")
+    wire.invert_yaxis()
     save_figure(fig, path)
 
 
