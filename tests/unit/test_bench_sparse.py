@@ -351,3 +351,18 @@ def test_a_tiny_bench_runs_the_dense_ring(spark, tmp_path: Path):
     assert run["raw_bytes_per_step"] >= 2 * 4 * params
     assert run["wire_bytes_per_step"] >= run["raw_bytes_per_step"]
     assert report["derived"]["contenders"]["dense-ring"]["runs"] == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="no /proc/self/io here")
+def test_written_bytes_count_what_the_process_writes(tmp_path: Path):
+    import os
+
+    before = sb.written_bytes()
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.writev(fd, [b"x" * 100_000, b"y" * 23])  # as Gloo writes its sockets
+    finally:
+        os.close(fd)
+    after = sb.written_bytes()
+    assert before is not None and after is not None
+    assert after - before >= 100_023
