@@ -585,7 +585,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zipf", type=float, default=1.1, help="the ids' Zipf exponent")
     parser.add_argument("--batch", type=int, default=512, help="rows per worker per step")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40, help="steps per run")
+    parser.add_argument("--steps", type=int, default=30, help="steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of step time")
     parser.add_argument("--lr", type=float, default=3.0, help="SGD learning rate")
     parser.add_argument("--smooth", type=int, default=5, help="loss smoothing window (steps)")
