@@ -617,16 +617,20 @@ def write(report: dict[str, Any], path: Path, with_plot: bool) -> None:
         plot(report, path.with_suffix(".png"))
 
 
+def rederive(path: Path, given_target: float | None, with_plot: bool) -> None:
+    """Recompute a written report's derived figures from its runs, and rewrite it."""
+    if not path.exists():
+        raise ConfigError(f"--rederive reads {path}, which does not exist: run the bench")
+    report: dict[str, Any] = json.loads(path.read_text())
+    report["derived"] = derive(report["runs"], report["spec"]["smooth"], given_target)
+    write(report, path, with_plot)
+
+
 def main(args: argparse.Namespace) -> int:
     validate(args)
     path = Path(args.json)
     if args.rederive:
-        if not path.exists():
-            raise ConfigError(f"--rederive reads {path}, which does not exist: run the bench")
-        report = json.loads(path.read_text())
-        spec = report["spec"]
-        report["derived"] = derive(report["runs"], spec["smooth"], args.target_loss)
-        write(report, path, not args.no_plot)
+        rederive(path, args.target_loss, not args.no_plot)
         return 0
     from sparktrain import datasets
     from sparktrain.session import get_or_create_session
