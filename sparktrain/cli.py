@@ -12,6 +12,7 @@
     sparktrain bench overlap --strategies ring ps --out docs/results
     sparktrain bench data --out docs/results
     sparktrain bench infer --json docs/results/bench_infer.json
+    sparktrain bench sparse --json docs/results/bench_sparse.json
 
 A training config is a TrainConfig (top-level keys) plus a ``[job]`` table that says what
 to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`` and
@@ -102,6 +103,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "scaling": ("scaling", "worlds 1, 2, 4 measured; alpha-beta predictions to 1024 workers"),
     "overlap": ("overlap", "step time with overlap on/off, ring and ps"),
     "infer": ("infer", "batch inference: transform vs pyspark's predict_batch_udf, same run"),
+    "sparse": (
+        "sparse",
+        "two-tower recommender, 1M x 64 table: dense ring vs sparse ring/ps vs DDP, same run",
+    ),
     "data": (
         "data",
         "data path: worker memory and samples/s, in RAM vs spilled, prefetch on/off, "

@@ -127,3 +127,79 @@ def order_task(
         sequences.append(seq.tolist())
         labels[i] = int(a < b)
     return sequences, labels
+
+
+def zipf_ids(n: int, count: int, a: float, rng: np.random.Generator) -> np.ndarray:
+    """``count`` int64 ids in ``[0, n)`` from a Zipf law truncated to ``n`` ids: id ``k``
+    has probability proportional to ``(k + 1) ** -a``, so id 0 is the most frequent.
+
+    Drawn by inverting the truncated law's CDF rather than with ``numpy.random.zipf``:
+    that one is unbounded (with ``a = 1.1`` about a quarter of its draws exceed a
+    million), and folding or redrawing the tail would change the law or loop."""
+    if n < 1 or count < 0:
+        raise ConfigError(f"zipf_ids needs n >= 1 and count >= 0, got n={n}, count={count}")
+    if a <= 0:
+        raise ConfigError(f"zipf_ids needs an exponent a > 0, got {a}")
+    cdf = np.cumsum(np.arange(1, n + 1, dtype=np.float64) ** -a)
+    cdf /= cdf[-1]
+    ids = np.searchsorted(cdf, rng.random(count), side="right")
+    return np.minimum(ids, n - 1).astype(np.int64)  # a draw of exactly 1.0 stays in range
+
+
+@dataclass
+class Clicks:
+    """Synthetic click logs: who saw what and whether they clicked (:func:`clicks`)."""
+
+    user: np.ndarray  # int64 [rows]
+    item: np.ndarray  # int64 [rows]
+    label: np.ndarray  # float32 [rows], 0.0 or 1.0
+    ctr: np.ndarray  # float32 [rows]: the hidden model's click probability
+
+
+def clicks(
+    rows: int,
+    num_users: int,
+    num_items: int,
+    a: float = 1.1,
+    seed: int = 0,
+    rank: int = 8,
+) -> Clicks:
+    """``rows`` impressions with user and item ids from Zipf(``a``) laws over the two
+    tables and a click drawn from a hidden ground-truth model, so a recommender's loss can
+    fall: ``logit = <u, v> / sqrt(rank) + 2 (b_user + b_item)`` with ``u``, ``v`` rank-``rank``
+    Gaussian vectors and Gaussian biases per id. The biases are what a model learns
+    first (popular ids click more or less), the dot product what it learns later. The
+    same arguments give the same rows (one ``numpy`` generator seeded by ``seed``)."""
+    if rows < 0 or num_users < 1 or num_items < 1 or rank < 1:
+        raise ConfigError(
+            f"clicks needs rows >= 0 and num_users, num_items, rank >= 1, got rows={rows}, "
+            f"num_users={num_users}, num_items={num_items}, rank={rank}"
+        )
+    truth = np.random.default_rng([seed, 0])  # the hidden model: independent of rows
+    draws = np.random.default_rng([seed, 1])
+    user = zipf_ids(num_users, rows, a, draws)
+    item = zipf_ids(num_items, rows, a, draws)
+    # the whole hidden tables (1M x 9 floats is 36 MB), drawn before any row, so an id's
+    # hidden vector does not depend on how many rows are drawn
+    u = truth.standard_normal((num_users, rank + 1), dtype=np.float32)[user]
+    v = truth.standard_normal((num_items, rank + 1), dtype=np.float32)[item]
+    logit = (u[:, :rank] * v[:, :rank]).sum(axis=1) / np.sqrt(rank)
+    logit += 2.0 * (u[:, rank] + v[:, rank])
+    ctr = 1.0 / (1.0 + np.exp(-logit))
+    label = (draws.random(rows) < ctr).astype(np.float32)
+    return Clicks(user, item, label, ctr.astype(np.float32))
+
+
+def clicks_dataframe(spark: Any, data: Clicks, partitions: int) -> Any:
+    """A DataFrame with int64 ``user`` and ``item`` columns and a double ``label``, built
+    through Arrow."""
+    import pyarrow as pa
+
+    table = pa.table(
+        {
+            "user": pa.array(data.user, pa.int64()),
+            "item": pa.array(data.item, pa.int64()),
+            "label": pa.array(data.label.astype(np.float64)),
+        }
+    )
+    return spark.createDataFrame(table).repartition(partitions)

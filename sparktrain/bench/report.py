@@ -219,6 +219,12 @@ def _infer(data: Any) -> str:
     return infer.table(data)
 
 
+def _sparse(data: Any) -> str:
+    from sparktrain.bench import sparse
+
+    return sparse.table(data)
+
+
 def _scaling(data: Any) -> str:
     parts = []
     if data.get("oversubscription"):
@@ -440,6 +446,11 @@ SECTIONS: tuple[Section, ...] = (
         "bench_infer", "Batch inference: transform against predict_batch_udf",
         "sparktrain bench infer --json docs/results/bench_infer.json",
         "bench_infer.json", _infer,
+    ),
+    Section(
+        "bench_sparse", "Sparse embeddings: a two-tower recommender's 1M x 64 table",
+        "sparktrain bench sparse --json docs/results/bench_sparse.json",
+        "bench_sparse.json", _sparse, ("bench_sparse.png",),
     ),
 )  # fmt: skip
 

@@ -61,6 +61,7 @@ from typing import Any
 
 from sparktrain import datasets
 from sparktrain.bench.plots import save_figure
+from sparktrain.bench.torchdist import rank0_everywhere, run_local
 from sparktrain.errors import SparkTrainError
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
@@ -366,12 +367,7 @@ def ddp_train(epochs: int, seed: int, target: float) -> dict[str, Any]:
         "train_samples": len(split.x_train),
         "target": target,
     }
-    # TorchDistributor's local mode has every process pickle its return value to the same
-    # file, last writer wins: every rank returns rank 0's record
-    shared: list[Any] = [record if rank == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    dist.destroy_process_group()
-    out: dict[str, Any] = shared[0]
+    out: dict[str, Any] = rank0_everywhere(record)
     return out
 
 
@@ -413,29 +409,17 @@ def child_main(args: argparse.Namespace) -> int:
         out["warm_fit_s"] = warm["fit_s"]
         out["warm_total_s"] = time.perf_counter() - warm_started
     elif args.child == "torchdistributor":
-        from pyspark.ml.torch.distributor import TorchDistributor
-
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like ours
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         fit_started = time.time()
         t = time.perf_counter()
-        result = TorchDistributor(num_processes=WORKERS, local_mode=True, use_gpu=False).run(
-            ddp_train, args.epochs, args.seed, args.target
-        )
-        if result is None:
-            raise SparkTrainError("TorchDistributor returned nothing from rank 0")
+        result = run_local(ddp_train, args.epochs, args.seed, args.target, workers=WORKERS)
         fit_s = time.perf_counter() - t
         curve_abs = [(float(a), float(b)) for a, b in result["curve_abs"]]
         # the same run() again in this now-warm process (torchrun still starts afresh:
         # that is how TorchDistributor works)
         warm_started = time.time()
         t = time.perf_counter()
-        td_warm: dict[str, Any] | None = TorchDistributor(
-            num_processes=WORKERS, local_mode=True, use_gpu=False
-        ).run(ddp_train, args.epochs, args.seed, args.target)
+        td_warm = run_local(ddp_train, args.epochs, args.seed, args.target, workers=WORKERS)
         warm_fit_s = time.perf_counter() - t
-        if td_warm is None:
-            raise SparkTrainError("TorchDistributor returned nothing from rank 0")
         warm_ttt = first_reaching(
             [(float(a) - warm_started, float(b)) for a, b in td_warm["curve_abs"]], args.target
         )
