@@ -29,7 +29,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -223,6 +225,13 @@ def ddp_fit(net: Any, job: dict[str, Any], name: str, samples: int) -> dict[str,
 
 
 # ---------------------------------------------------------------------- the two parts
+def rotated(items: list[str], repeat: int) -> list[str]:
+    """``items`` starting at ``repeat``'s position: over the repeats each one leads in
+    turn, so none always runs first after a reshaping or a warm-up."""
+    k = repeat % len(items)
+    return [*items[k:], *items[:k]]
+
+
 def _one(spark: Any, net: Any, data: Any, job: dict[str, Any], name: str, contender: str,
          samples: int, link_mbit: float = 0.0) -> dict[str, Any]:  # fmt: skip
     try:
@@ -242,7 +251,7 @@ def run_contenders(spark: Any, net: Any, args: argparse.Namespace) -> list[dict[
         job = workload(name, _epochs(name, args), args.synthetic_samples)
         data = frames(spark, job)
         for repeat in range(args.repeats):
-            for contender in args.contenders:
+            for contender in rotated(args.contenders, repeat):
                 rec = {"workload": name, "contender": contender, "repeat": repeat,
                        "link": f"tbf {args.rate_mbit:g} Mbit/s"}  # fmt: skip
                 rec.update(_one(spark, net, data, job, name, contender, args.synthetic_samples))
@@ -272,7 +281,7 @@ def compare_link(
     try:
         for repeat in range(repeats):
             for contender in contenders:
-                for mode in ("tbf", "emulated"):
+                for mode in rotated(["tbf", "emulated"], repeat):
                     net.shape(rate_mbit if mode == "tbf" else None)
                     mbit = rate_mbit if mode == "emulated" else 0.0
                     rec = {"workload": name, "contender": contender, "mode": mode,
@@ -437,6 +446,8 @@ def main(args: argparse.Namespace) -> int:
     reason = unavailable()
     if reason is not None:
         raise SparkTrainError(f"bench multihost needs network namespaces: {reason}")
+    # a SIGTERM (timeout, CI) unwinds like Ctrl-C, so the cluster's cleanup still runs
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)

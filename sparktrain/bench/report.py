@@ -219,6 +219,12 @@ def _infer(data: Any) -> str:
     return infer.table(data)
 
 
+def _multihost(data: Any) -> str:
+    from sparktrain.bench import multihost
+
+    return multihost.table(data)
+
+
 def _scaling(data: Any) -> str:
     parts = []
     if data.get("oversubscription"):
@@ -440,6 +446,12 @@ SECTIONS: tuple[Section, ...] = (
         "bench_infer", "Batch inference: transform against predict_batch_udf",
         "sparktrain bench infer --json docs/results/bench_infer.json",
         "bench_infer.json", _infer,
+    ),
+    Section(
+        "bench_multihost", "Multi-host: workers in network namespaces, links shaped by tc tbf",
+        "sparktrain bench multihost --rate-mbit 100 --repeats 3 \\\n"
+        "    --json docs/results/bench_multihost.json   # as root",
+        "bench_multihost.json", _multihost,
     ),
 )  # fmt: skip
 
