@@ -45,7 +45,8 @@ CONTENDERS = ("ring", "tree", "ps", "tree_aggregate", "ddp")
 WORKLOADS = ("digits", "synthetic")
 WORKERS = 2
 TARGET_RATIO = 0.15  # emulated vs tbf time per step: within 15 %
-DDP_TIMEOUT_S = 600.0
+PARTS = ("contenders", "compare", "busbw")
+MAX_BUSBW_WORLD = 8  # namespaces in the subnet's plan (netcluster.MAX_WORKERS)
 
 
 # ---------------------------------------------------------------------- workloads
@@ -295,6 +296,76 @@ def compare_link(
     return records
 
 
+def run_busbw(net: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Allreduce bus bandwidth between barrier tasks in the namespaces, at each world of
+    ``--busbw-worlds``: sparktrain's ring against Gloo (``comm_backend="torch"``'s
+    bootstrap, in the same tasks; :func:`sparktrain.bench.allreduce.bench_ours`), links
+    shaped by tbf at the rate and unshaped (the veths' own speed). One session per world,
+    with that many one-core executors."""
+    from sparktrain.bench import allreduce
+    from sparktrain.session import get_or_create_session
+
+    sizes = [allreduce.parse_size(s) for s in args.busbw_sizes]
+    records: list[dict[str, Any]] = []
+    shaping = net.rate_mbit
+    try:
+        for world in args.busbw_worlds:
+            conf = net.spark_conf(cores_max=world)
+            spark = get_or_create_session(
+                conf.pop("spark.master"), app_name=f"sparktrain-bench-busbw{world}", conf=conf
+            )
+            try:
+                net.wait_for_executors(spark, count=world)
+                for link in rotated(["tbf", "unshaped"], world):
+                    net.shape(args.rate_mbit if link == "tbf" else None)
+                    load = os.getloadavg()[0]
+                    rows = allreduce.bench_ours(
+                        spark, world, sizes, ["ring", "torch"], iterations=args.busbw_iterations
+                    )
+                    for row in rows:
+                        row["algo"] = "gloo" if row["algo"] == "torch" else row["algo"]
+                        row.update(link=_link_name(link, args.rate_mbit), load_1m=load)
+                        records.append(row)
+                        print(
+                            f"[busbw world {world} {row['link']}] {row['algo']} "
+                            f"{row['bytes'] >> 20} MiB: {row['busbw']:.4f} GB/s, load {load:.2f}",
+                            flush=True,
+                        )
+            finally:
+                spark.stop()
+    finally:
+        net.shape(shaping)
+    return records
+
+
+def _link_name(link: str, rate_mbit: float) -> str:
+    return f"tbf {rate_mbit:g} Mbit/s" if link == "tbf" else "veth, unshaped"
+
+
+def busbw_ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per link, world and size: ring's busbw over Gloo's."""
+    out = []
+    for r in records:
+        if r["algo"] != "ring":
+            continue
+        gloo = next(
+            (g for g in records if g["algo"] == "gloo" and
+             (g["link"], g["world"], g["bytes"]) == (r["link"], r["world"], r["bytes"])), None,
+        )  # fmt: skip
+        out.append(
+            {
+                "link": r["link"],
+                "world": r["world"],
+                "bytes": r["bytes"],
+                "ring_busbw": r["busbw"],
+                "gloo_busbw": gloo["busbw"] if gloo else None,
+                "ring_over_gloo": r["busbw"] / gloo["busbw"] if gloo and gloo["busbw"] else None,
+                "load_1m": r["load_1m"],
+            }
+        )
+    return out
+
+
 def _epochs(name: str, args: argparse.Namespace) -> int:
     return int(args.epochs if name == "digits" else args.synthetic_epochs)
 
@@ -369,7 +440,7 @@ def table(report: dict[str, Any]) -> str:
         "| veth bytes | load |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in report["summary"]:
+    for r in report.get("summary", []):
         parts.append(
             f"| {r['workload']} | {r['contender']} | {_ms(r['step_s'])} "
             f"| {_num(r['samples_per_s'], '{:,.0f}')} | {_num(r['accuracy'], '{:.4f}')} "
@@ -384,17 +455,33 @@ def table(report: dict[str, Any]) -> str:
         "| within 15 % | load |",
         "|---|---|---:|---:|---:|---|---:|",
     ]
-    for v in report["link_compare"]:
+    for v in report.get("link_compare", []):
         parts.append(
             f"| {v['workload']} | {v['contender']} | {_ms(v['tbf_step_s'])} "
             f"| {_ms(v['emulated_step_s'])} | {_num(v['ratio'], '{:.3f}')} "
             f"| {'yes' if v['within_15pct'] else 'no'} | {_num(v['load_1m'], '{:.2f}')} |"
         )
+    if report.get("busbw"):
+        parts += [
+            "",
+            "Allreduce between barrier tasks in the namespaces: sparktrain's ring against "
+            'Gloo (bootstrapped as `comm_backend="torch"` does, in the same tasks); busbw = '
+            "bytes x 2(n-1)/n / time, median over iterations of the slowest rank:",
+            "",
+            "| link | world | size | ring busbw | Gloo busbw | ring / Gloo | load |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for b in busbw_ratios(report["busbw"]):
+            parts.append(
+                f"| {b['link']} | {b['world']} | {b['bytes'] >> 20} MiB "
+                f"| {b['ring_busbw'] * 1e3:.1f} MB/s | {_num(b['gloo_busbw'], '{:.1f} MB/s', 1e3)} "
+                f"| {_num(b['ring_over_gloo'], '{:.2f}')} | {b['load_1m']:.2f} |"
+            )
     return "\n".join(parts)
 
 
-def _num(value: Any, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
+def _num(value: Any, pattern: str, scale: float = 1.0) -> str:
+    return "-" if value is None else pattern.format(value * scale)
 
 
 def _ms(value: float | None) -> str:
@@ -417,6 +504,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-workload", default="synthetic")
     parser.add_argument("--compare-contenders", nargs="+", default=["ring", "ps"])
     parser.add_argument("--compare-repeats", type=int, default=3)
+    parser.add_argument("--busbw-worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--busbw-sizes", nargs="+", default=["1M", "16M"])
+    parser.add_argument("--busbw-iterations", type=int, default=5)
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=list(PARTS),
+        default=list(PARTS),
+        help="contenders: every strategy and DDP under tbf; compare: own emulation vs tbf; "
+        "busbw: ring vs Gloo allreduce",
+    )
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the JSON's other parts, replace these"
+    )
     parser.add_argument("--workdir", default=None, help="cluster logs (default: a temp dir)")
     parser.add_argument("--json", default="docs/results/bench_multihost.json")
 
@@ -434,6 +535,10 @@ def _check(args: argparse.Namespace) -> None:
                 f"--compare-contenders {name!r}: sparktrain strategies only (emulation is "
                 "sparktrain's own), e.g. ring ps"
             )
+    if any(w < 2 or w > MAX_BUSBW_WORLD for w in args.busbw_worlds):
+        raise SparkTrainError(f"--busbw-worlds: each between 2 and {MAX_BUSBW_WORLD}")
+    if args.busbw_iterations < 1 or args.repeats < 1 or args.compare_repeats < 1:
+        raise SparkTrainError("--repeats, --compare-repeats and --busbw-iterations must be >= 1")
     if not args.rate_mbit > 0:
         raise SparkTrainError("--rate-mbit must be > 0 (the tbf rate both methods share)")
 
@@ -446,43 +551,56 @@ def main(args: argparse.Namespace) -> int:
     reason = unavailable()
     if reason is not None:
         raise SparkTrainError(f"bench multihost needs network namespaces: {reason}")
+    path = Path(args.json)
+    report: dict[str, Any] = json.loads(path.read_text()) if args.merge and path.exists() else {}
     # a SIGTERM (timeout, CI) unwinds like Ctrl-C, so the cluster's cleanup still runs
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.perf_counter()
+    workers = max([WORKERS, *(args.busbw_worlds if "busbw" in args.parts else [])])
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
-        with NetCluster(workdir, workers=WORKERS) as net:
-            conf = net.spark_conf()
-            spark = get_or_create_session(
-                conf.pop("spark.master"), app_name="sparktrain-bench-multihost", conf=conf
-            )
-            try:
-                net.wait_for_executors(spark)
-                # warm-up, unrecorded: the Python workers import torch once
-                warm = workload("digits", 1, args.synthetic_samples)
-                sparktrain_fit(spark, net, frames(spark, warm), warm, "ring")
-                records = run_contenders(spark, net, args)
-                compare = compare_link(
-                    spark, net, args.compare_workload, args.compare_contenders,
-                    args.rate_mbit, args.compare_repeats,
-                    _epochs(args.compare_workload, args), args.synthetic_samples,
-                )  # fmt: skip
-            finally:
-                spark.stop()
-    report: dict[str, Any] = {
-        "rate_mbit": args.rate_mbit,
-        "repeats": args.repeats,
-        "workers": WORKERS,
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
-        "machine": bench_train.machine(),
-        "bench_s": time.perf_counter() - started,
-        "records": records,
-        "summary": summarize(records, ("workload", "contender")),
-        "compare_records": compare,
-        "link_compare": link_verdicts(compare),
-    }
+        with NetCluster(workdir, workers=workers) as net:
+            if "contenders" in args.parts or "compare" in args.parts:
+                conf = net.spark_conf(cores_max=WORKERS)
+                spark = get_or_create_session(
+                    conf.pop("spark.master"), app_name="sparktrain-bench-multihost", conf=conf
+                )
+                try:
+                    net.wait_for_executors(spark, count=WORKERS)
+                    # warm-up, unrecorded: the Python workers import torch once
+                    warm = workload("digits", 1, args.synthetic_samples)
+                    sparktrain_fit(spark, net, frames(spark, warm), warm, "ring")
+                    if "contenders" in args.parts:
+                        records = run_contenders(spark, net, args)
+                        report["records"] = records
+                        report["summary"] = summarize(records, ("workload", "contender"))
+                        report["repeats"] = args.repeats
+                    if "compare" in args.parts:
+                        compare = compare_link(
+                            spark, net, args.compare_workload, args.compare_contenders,
+                            args.rate_mbit, args.compare_repeats,
+                            _epochs(args.compare_workload, args), args.synthetic_samples,
+                        )  # fmt: skip
+                        report["compare_records"] = compare
+                        report["link_compare"] = link_verdicts(compare)
+                finally:
+                    spark.stop()
+            if "busbw" in args.parts:
+                report["busbw"] = run_busbw(net, args)
+    if report.get("rate_mbit", args.rate_mbit) != args.rate_mbit:
+        raise SparkTrainError(
+            f"--merge: {path} was measured at {report['rate_mbit']:g} Mbit/s, this run at "
+            f"{args.rate_mbit:g}; use the same --rate-mbit or another --json"
+        )
+    runs = report.get("runs", [])
+    runs.append({"parts": args.parts, "args": {k: v for k, v in vars(args).items()
+                 if k != "func"}, "bench_s": time.perf_counter() - started,
+                 "date": time.strftime("%Y-%m-%d")})  # fmt: skip
+    report.update(
+        rate_mbit=args.rate_mbit, workers=WORKERS, machine=bench_train.machine(), runs=runs
+    )
+    report.setdefault("repeats", args.repeats)
     print(table(report))
-    path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"report written to {path}")

@@ -280,15 +280,19 @@ class NetCluster:
             "spark.task.maxFailures": "1",
         }
 
-    def wait_for_executors(self, spark: Any, timeout: float = 90.0) -> None:
-        """Block (bounded) until one executor per worker has registered with the driver."""
+    def wait_for_executors(
+        self, spark: Any, count: int | None = None, timeout: float = 90.0
+    ) -> None:
+        """Block (bounded) until ``count`` executors (default: one per worker) have
+        registered with the driver."""
         import time
 
+        want = self.workers if count is None else count
         sc = spark.sparkContext
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             # the driver itself is one of the block managers
-            if sc._jsc.sc().getExecutorMemoryStatus().size() >= self.workers + 1:
+            if sc._jsc.sc().getExecutorMemoryStatus().size() >= want + 1:
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"{self.workers} executors did not register; logs in {self.workdir}")
+        raise TimeoutError(f"{want} executors did not register; logs in {self.workdir}")

@@ -43,6 +43,8 @@ def test_the_cli_knows_the_bench():
         (("--workloads", "mnist"), "unknown workload 'mnist'"),
         (("--compare-contenders", "ddp"), "sparktrain strategies only"),
         (("--rate-mbit", "0"), "--rate-mbit must be > 0"),
+        (("--busbw-worlds", "2", "16"), "--busbw-worlds: each between 2 and 8"),
+        (("--busbw-iterations", "0"), "--busbw-iterations must be >= 1"),
     ],
 )
 def test_arguments_the_bench_cannot_measure_with_are_refused(argv, message):
@@ -82,6 +84,23 @@ def test_the_verdict_is_emulated_over_tbf_within_15_percent():
     assert verdicts["ps"]["ratio"] == pytest.approx(1.2) and not verdicts["ps"]["within_15pct"]
 
 
+def _busbw(algo: str, world: int, busbw: float, link: str = "tbf 100 Mbit/s") -> dict:
+    return {"algo": algo, "world": world, "bytes": 1 << 20, "time_s": 0.1, "busbw": busbw,
+            "link": link, "load_1m": 3.0}  # fmt: skip
+
+
+def test_busbw_ratios_pair_ring_with_gloo_on_the_same_link_world_and_size():
+    records = [
+        _busbw("ring", 2, 0.012), _busbw("gloo", 2, 0.010),
+        _busbw("ring", 2, 1.0, "veth, unshaped"), _busbw("gloo", 2, 2.0, "veth, unshaped"),
+        _busbw("ring", 4, 0.011),
+    ]  # fmt: skip
+    out = {(r["link"], r["world"]): r for r in multihost.busbw_ratios(records)}
+    assert out[("tbf 100 Mbit/s", 2)]["ring_over_gloo"] == pytest.approx(1.2)
+    assert out[("veth, unshaped", 2)]["ring_over_gloo"] == pytest.approx(0.5)
+    assert out[("tbf 100 Mbit/s", 4)]["ring_over_gloo"] is None  # no Gloo row to pair with
+
+
 def _report() -> dict:
     records = [_rec("ring", 0.4), _rec("ddp", 0.5, wire_bytes=None)]
     compare = [_rec("ring", 0.5, "tbf"), _rec("ring", 0.55, "emulated")]
@@ -90,6 +109,7 @@ def _report() -> dict:
         "repeats": 1,
         "summary": multihost.summarize(records, ("workload", "contender")),
         "link_compare": multihost.link_verdicts(compare),
+        "busbw": [_busbw("ring", 4, 0.0112), _busbw("gloo", 4, 0.0100)],
     }
 
 
@@ -100,6 +120,7 @@ def test_the_json_round_trips_and_the_page_renders_it(tmp_path: Path):
     assert "| synthetic | ring | 400.0 ms | 2 | 0.5000 | 0.0 MB | 0.0 MB | 2.00 |" in text
     assert "| synthetic | ddp | 500.0 ms | 2 | 0.5000 | - |" in text
     assert "| synthetic | ring | 500.0 ms | 550.0 ms | 1.100 | yes | 2.00 |" in text
+    assert "| tbf 100 Mbit/s | 4 | 1 MiB | 11.2 MB/s | 10.0 MB/s | 1.12 | 3.00 |" in text
 
 
 def test_without_root_the_cluster_says_why(monkeypatch):
