@@ -18,7 +18,9 @@ contender once per repeat, so the machine's load falls on all of them alike):
   ``--compare-workload``) with the veths unshaped and sparktrain's link emulation at
   ``link_bandwidth_mbit = rate`` (rtt 0), against the veths shaped by ``tbf`` at the
   same rate and no emulation. Reported: median time per step of each and their ratio
-  (emulated / tbf; the target is within 15 %).
+  (emulated / tbf; the target is within 15 %). ``ps1`` is ``ps`` with one shard: the
+  emulation gives each connection a link of its own, so a worker talking to two shards
+  has twice the rate that tbf gives its one veth; with one shard the two agree.
 
 Every record carries the 1-minute load average when it started (the machine is shared).
 """
@@ -99,9 +101,12 @@ def sparktrain_fit(
     link emulation at that bandwidth (no delay)."""
     from sparktrain import TrainConfig, Trainer
 
-    keys: dict[str, Any] = {**job["recipe"], "epochs": job["epochs"], "strategy": contender}
-    if contender == "ps":
+    strategy = "ps" if contender == "ps1" else contender
+    keys: dict[str, Any] = {**job["recipe"], "epochs": job["epochs"], "strategy": strategy}
+    if strategy == "ps":
         keys["ps_mode"] = "sync"
+    if contender == "ps1":  # one shard: one connection per worker, as one link
+        keys["ps_shards"] = 1
     if contender == "tree_aggregate":
         keys["local_steps"] = job["local_steps"]
     if link_mbit:
@@ -502,7 +507,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-samples", type=int, default=4096)
     parser.add_argument("--synthetic-epochs", type=int, default=2)
     parser.add_argument("--compare-workload", default="synthetic")
-    parser.add_argument("--compare-contenders", nargs="+", default=["ring", "ps"])
+    parser.add_argument(
+        "--compare-contenders",
+        nargs="+",
+        default=["ring", "ps", "ps1"],
+        help="ps: 2 shards (a connection to each per worker); ps1: ps with one shard",
+    )
     parser.add_argument("--compare-repeats", type=int, default=3)
     parser.add_argument("--busbw-worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--busbw-sizes", nargs="+", default=["1M", "16M"])
@@ -530,10 +540,10 @@ def _check(args: argparse.Namespace) -> None:
         if name not in WORKLOADS:
             raise SparkTrainError(f"unknown workload {name!r}; use {' or '.join(WORKLOADS)}")
     for name in args.compare_contenders:
-        if name not in CONTENDERS or name == "ddp":
+        if name not in (*CONTENDERS, "ps1") or name == "ddp":
             raise SparkTrainError(
                 f"--compare-contenders {name!r}: sparktrain strategies only (emulation is "
-                "sparktrain's own), e.g. ring ps"
+                "sparktrain's own), e.g. ring ps ps1"
             )
     if any(w < 2 or w > MAX_BUSBW_WORLD for w in args.busbw_worlds):
         raise SparkTrainError(f"--busbw-worlds: each between 2 and {MAX_BUSBW_WORLD}")

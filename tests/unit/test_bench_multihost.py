@@ -28,7 +28,7 @@ def test_defaults_cover_every_contender_and_both_workloads():
     multihost._check(args)
     assert args.contenders == ["ring", "tree", "ps", "tree_aggregate", "ddp"]
     assert args.workloads == ["digits", "synthetic"]
-    assert args.rate_mbit == 100.0 and args.compare_contenders == ["ring", "ps"]
+    assert args.rate_mbit == 100.0 and args.compare_contenders == ["ring", "ps", "ps1"]
 
 
 def test_the_cli_knows_the_bench():
