@@ -174,11 +174,11 @@ def _spark_task(
 
 def _torch_allreduce(ctx: Any, timeout: float) -> Any:
     """comm_backend='torch''s plain allreduce, its process group started as there."""
-    import torch
 
     from sparktrain.worker.torch_sync import TorchSumAllreduce, init_process_group
 
-    init_process_group(ctx, torch.device("cpu"), timeout)
+    # no collective device: Gloo on the host buffers (a device asks for NCCL)
+    init_process_group(ctx, None, timeout)
     return TorchSumAllreduce()
 
 

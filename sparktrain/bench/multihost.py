@@ -566,6 +566,17 @@ def main(args: argparse.Namespace) -> int:
     # a SIGTERM (timeout, CI) unwinds like Ctrl-C, so the cluster's cleanup still runs
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after each part: a later part's failure keeps the earlier ones
+        report.update(rate_mbit=args.rate_mbit, workers=WORKERS, machine=bench_train.machine())
+        path.write_text(json.dumps(report, indent=1) + "\n")
+
+    if report.get("rate_mbit", args.rate_mbit) != args.rate_mbit:
+        raise SparkTrainError(
+            f"--merge: {path} was measured at {report['rate_mbit']:g} Mbit/s, this run at "
+            f"{args.rate_mbit:g}; use the same --rate-mbit or another --json"
+        )
     workers = max([WORKERS, *(args.busbw_worlds if "busbw" in args.parts else [])])
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
@@ -585,6 +596,7 @@ def main(args: argparse.Namespace) -> int:
                         report["records"] = records
                         report["summary"] = summarize(records, ("workload", "contender"))
                         report["repeats"] = args.repeats
+                        save()
                     if "compare" in args.parts:
                         compare = compare_link(
                             spark, net, args.compare_workload, args.compare_contenders,
@@ -593,25 +605,18 @@ def main(args: argparse.Namespace) -> int:
                         )  # fmt: skip
                         report["compare_records"] = compare
                         report["link_compare"] = link_verdicts(compare)
+                        save()
                 finally:
                     spark.stop()
             if "busbw" in args.parts:
                 report["busbw"] = run_busbw(net, args)
-    if report.get("rate_mbit", args.rate_mbit) != args.rate_mbit:
-        raise SparkTrainError(
-            f"--merge: {path} was measured at {report['rate_mbit']:g} Mbit/s, this run at "
-            f"{args.rate_mbit:g}; use the same --rate-mbit or another --json"
-        )
     runs = report.get("runs", [])
     runs.append({"parts": args.parts, "args": {k: v for k, v in vars(args).items()
                  if k != "func"}, "bench_s": time.perf_counter() - started,
                  "date": time.strftime("%Y-%m-%d")})  # fmt: skip
-    report.update(
-        rate_mbit=args.rate_mbit, workers=WORKERS, machine=bench_train.machine(), runs=runs
-    )
+    report["runs"] = runs
     report.setdefault("repeats", args.repeats)
+    save()
     print(table(report))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"report written to {path}")
     return 0
