@@ -450,7 +450,9 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "bench_multihost", "Multi-host: workers in network namespaces, links shaped by tc tbf",
         "sparktrain bench multihost --rate-mbit 100 --repeats 3 \\\n"
-        "    --json docs/results/bench_multihost.json   # as root",
+        "    --json docs/results/bench_multihost.json   # as root\n"
+        "sparktrain bench multihost --rate-mbit 100 --parts compare busbw --merge \\\n"
+        "    --json docs/results/bench_multihost.json   # the last two tables",
         "bench_multihost.json", _multihost,
     ),
 )  # fmt: skip
