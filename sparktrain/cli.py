@@ -13,6 +13,7 @@
     sparktrain bench data --out docs/results
     sparktrain bench infer --json docs/results/bench_infer.json
     sparktrain bench sparse --json docs/results/bench_sparse.json
+    sparktrain bench multihost --rate-mbit 100 --json docs/results/bench_multihost.json
 
 A training config is a TrainConfig (top-level keys) plus a ``[job]`` table that says what
 to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`` and
@@ -102,6 +103,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "pipeline": ("pipeline", "GPipe vs 1F1B: step time, activation memory"),
     "scaling": ("scaling", "worlds 1, 2, 4 measured; alpha-beta predictions to 1024 workers"),
     "overlap": ("overlap", "step time with overlap on/off, ring and ps"),
+    "multihost": (
+        "multihost",
+        "2 workers in network namespaces, links shaped by tc tbf: every strategy and DDP; "
+        "own link emulation vs tbf (root)",
+    ),
     "infer": ("infer", "batch inference: transform vs pyspark's predict_batch_udf, same run"),
     "sparse": (
         "sparse",

@@ -101,8 +101,11 @@ def _spark_task(
     algos: Sequence[str],
     timeout: float,
     securities: Sequence[str] = ("none",),
+    iterations: int | None = None,
 ) -> Any:
-    """The function each barrier task runs; returns per-iteration times per (algo, size)."""
+    """The function each barrier task runs; returns per-iteration times per (algo, size).
+    ``iterations``: timed iterations per size (default :func:`iterations_for`; a shaped
+    link needs fewer)."""
     modes = list(securities)
 
     def task(partition: Iterator[Any]) -> Iterator[str]:
@@ -154,7 +157,7 @@ def _spark_task(
                             reducer.allreduce_(bufs[mode])
                     # Modes take turns iteration by iteration, so a load that comes and
                     # goes on the machine weighs on each of them alike.
-                    for _ in range(iterations_for(nbytes)):
+                    for _ in range(iterations or iterations_for(nbytes)):
                         for mode, reducer in reducers.items():
                             t = time.perf_counter()
                             reducer.allreduce_(bufs[mode])
@@ -171,11 +174,11 @@ def _spark_task(
 
 def _torch_allreduce(ctx: Any, timeout: float) -> Any:
     """comm_backend='torch''s plain allreduce, its process group started as there."""
-    import torch
 
     from sparktrain.worker.torch_sync import TorchSumAllreduce, init_process_group
 
-    init_process_group(ctx, torch.device("cpu"), timeout)
+    # no collective device: Gloo on the host buffers (a device asks for NCCL)
+    init_process_group(ctx, None, timeout)
     return TorchSumAllreduce()
 
 
@@ -192,12 +195,13 @@ def bench_ours(
     sizes: Sequence[int],
     algos: Sequence[str],
     securities: Sequence[str] = ("none",),
+    iterations: int | None = None,
 ) -> list[dict[str, Any]]:
+    """Time ``algos`` between ``world`` barrier tasks; one record per (algo, size), the
+    median over iterations of the slowest rank."""
+    task = _spark_task(sizes, algos, timeout=120.0, securities=securities, iterations=iterations)
     rows = (
-        spark.sparkContext.parallelize(range(world), world)
-        .barrier()
-        .mapPartitions(_spark_task(sizes, algos, timeout=120.0, securities=securities))
-        .collect()
+        spark.sparkContext.parallelize(range(world), world).barrier().mapPartitions(task).collect()
     )
     per_rank = [json.loads(r)["times"] for r in rows]
     results = []

@@ -225,6 +225,12 @@ def _sparse(data: Any) -> str:
     return sparse.table(data)
 
 
+def _multihost(data: Any) -> str:
+    from sparktrain.bench import multihost
+
+    return multihost.table(data)
+
+
 def _scaling(data: Any) -> str:
     parts = []
     if data.get("oversubscription"):
@@ -451,6 +457,14 @@ SECTIONS: tuple[Section, ...] = (
         "bench_sparse", "Sparse embeddings: a two-tower recommender's 1M x 64 table",
         "sparktrain bench sparse --json docs/results/bench_sparse.json",
         "bench_sparse.json", _sparse, ("bench_sparse.png",),
+    ),
+    Section(
+        "bench_multihost", "Multi-host: workers in network namespaces, links shaped by tc tbf",
+        "sparktrain bench multihost --rate-mbit 100 --repeats 3 \\\n"
+        "    --json docs/results/bench_multihost.json   # as root\n"
+        "sparktrain bench multihost --rate-mbit 100 --parts compare busbw --merge \\\n"
+        "    --json docs/results/bench_multihost.json   # the last two tables",
+        "bench_multihost.json", _multihost,
     ),
 )  # fmt: skip
 
