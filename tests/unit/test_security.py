@@ -138,10 +138,10 @@ def test_no_listener_binds_a_wildcard_address_during_training(monkeypatch):
     seen: list[list[tuple[str, int]]] = []
     original = sync_module.AllreduceSync.reduce
 
-    def spying_reduce(self, count):  # type: ignore[no-untyped-def]
+    def spying_reduce(self, count, micro=1):  # type: ignore[no-untyped-def]
         if not seen:
             seen.append(_listening_sockets())
-        return original(self, count)
+        return original(self, count, micro)
 
     monkeypatch.setattr(sync_module.AllreduceSync, "reduce", spying_reduce)
     spec = loop_spec(epochs=1, batch_size=2)
