@@ -39,6 +39,21 @@ class MemorySample:
     pss_bytes: int = 0
     rss_bytes: int = 0
     processes: int = 0
+    # (pid, what runs: the command line's first words, pss bytes) per process
+    per_process: list[tuple[int, str, int]] = field(default_factory=list)
+
+
+def describe(pid: int, words: int = 3) -> str:
+    """A process's command line, its first ``words`` words (python -m pyspark.daemon ...),
+    or "" when it is gone."""
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return ""
+    return " ".join(
+        Path(w).name if i == 0 else w
+        for i, w in enumerate(raw.decode(errors="replace").split("\0")[:words])
+    ).strip()
 
 
 def _parent_and_command(pid: int) -> tuple[int, str] | None:
@@ -110,6 +125,7 @@ def sample_tree(root: int, excluded: frozenset[str] = EXCLUDED_COMMANDS) -> Memo
         out.pss_bytes += mem[0]
         out.rss_bytes += mem[1]
         out.processes += 1
+        out.per_process.append((pid, describe(pid), mem[0]))
     return out
 
 
@@ -124,6 +140,8 @@ class TreeMemorySampler:
     peak_rss_bytes: int = 0
     peak_processes: int = 0
     samples: int = 0
+    # the processes of the sample with the largest summed PSS: where the memory is
+    peak_breakdown: list[tuple[int, str, int]] = field(default_factory=list, repr=False)
     # (time.time(), summed pss, summed rss) per sample: peaks of a part of the run
     timeline: list[tuple[float, int, int]] = field(default_factory=list, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -143,7 +161,9 @@ class TreeMemorySampler:
         now = sample_tree(self.root)
         self.timeline.append((time.time(), now.pss_bytes, now.rss_bytes))
         self.samples += 1
-        self.peak_pss_bytes = max(self.peak_pss_bytes, now.pss_bytes)
+        if now.pss_bytes > self.peak_pss_bytes:
+            self.peak_pss_bytes = now.pss_bytes
+            self.peak_breakdown = now.per_process
         self.peak_rss_bytes = max(self.peak_rss_bytes, now.rss_bytes)
         self.peak_processes = max(self.peak_processes, now.processes)
         return now

@@ -167,6 +167,13 @@ def _train(data: Any) -> str:
             f"{_num(steady['ddp_samples_per_s'], '{:,.0f}')} = "
             f"{_num(steady['ratio'], '{:.2f}')} (target {steady['target']}: "
             f"{_met(steady['met'])}){_load(steady)}"
+            + (
+                f"; the compute floor (the same steps with no exchange at all): "
+                f"{_num(steady['compute_only_samples_per_s'], '{:,.0f}')} = "
+                f"{_num(steady['compute_only_ratio'], '{:.2f}')} x DDP"
+                if steady.get("compute_only_samples_per_s") is not None
+                else ""
+            )
         )
     pair = derived.get("tree_aggregate_vs_mllib")
     if pair:

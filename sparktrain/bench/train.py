@@ -379,13 +379,17 @@ def ddp_train(epochs: int, seed: int, target: float) -> dict[str, Any]:
     return out
 
 
-def ddp_synthetic(epochs: int, seed: int, samples: int) -> dict[str, Any]:
+def ddp_synthetic(epochs: int, seed: int, samples: int, exchange: bool = True) -> dict[str, Any]:
     """The synthetic job under DDP, as the steady part trains it with the ring:
     ``SYNTHETIC_KWARGS``' MLP and ``SYNTHETIC_RECIPE`` (batch 256 per rank, SGD lr 0.05),
     every ``world``-th training row per rank, DDP's default buckets, one torch thread per
     process. After each epoch both ranks score their half of the test split and sum the
     counts (as the ring's ranks do). Returns rank 0's per-epoch seconds, each from the
-    epoch's first step until its accuracy is known (the span of the ring's ``seconds``)."""
+    epoch's first step until its accuracy is known (the span of the ring's ``seconds``).
+
+    ``exchange=False`` trains the same loop without DDP: no gradient is exchanged, each
+    rank steps alone. That is the compute floor: no data-parallel trainer with this
+    model, batch and one thread per rank can step faster on the same cores."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -397,7 +401,8 @@ def ddp_synthetic(epochs: int, seed: int, samples: int) -> dict[str, Any]:
     torch.set_num_threads(1)  # as ours: one thread per worker on local[2]
     split = datasets.synthetic(n=samples, features=256, classes=10)
     torch.manual_seed(seed)
-    model = DistributedDataParallel(mlp(**SYNTHETIC_KWARGS))
+    net = mlp(**SYNTHETIC_KWARGS)
+    model: torch.nn.Module = DistributedDataParallel(net) if exchange else net
     x = torch.from_numpy(split.x_train[rank::world])
     y = torch.from_numpy(split.y_train[rank::world])
     x_test = torch.from_numpy(split.x_test[rank::world])
@@ -421,7 +426,7 @@ def ddp_synthetic(epochs: int, seed: int, samples: int) -> dict[str, Any]:
             opt.step()
         model.eval()
         with torch.no_grad():
-            right = (model.module(x_test).argmax(1) == y_test).sum().float()
+            right = (net(x_test).argmax(1) == y_test).sum().float()
         counts = torch.stack([right, torch.tensor(float(len(y_test)))])
         dist.all_reduce(counts)
         accuracy = float(counts[0] / counts[1])
@@ -623,6 +628,8 @@ def run_headline(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "child_peak_pss_bytes": sampler.peak_pss_bytes,
                     "child_peak_rss_bytes": sampler.peak_rss_bytes,
                     "memory_samples": sampler.samples,
+                    # at the whole child's PSS peak: [command line, pss bytes] per process
+                    "peak_breakdown": [[what, pss] for _, what, pss in sampler.peak_breakdown],
                 }
                 if code != 0 or line is None:
                     tail = (stderr or stdout).strip().splitlines()[-5:]
@@ -653,7 +660,8 @@ def run_headline(args: argparse.Namespace) -> list[dict[str, Any]]:
 def run_steady(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Steady-state samples/s on the synthetic MLP: the sparktrain ring (a fit in this
     process's session) and DDP (``TorchDistributor.run`` of :func:`ddp_synthetic`, local
-    mode) take turns, ``--repeats`` times each, the first of the two alternating."""
+    mode) take turns, ``--repeats`` times each, the first of the two alternating; then
+    the compute floor (``ddp_synthetic(exchange=False)``, contender ``compute-only``)."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like ours
@@ -669,10 +677,10 @@ def run_steady(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     records = []
     for repeat in range(args.repeats):
         order = ("ring", "torchdistributor") if repeat % 2 == 0 else ("torchdistributor", "ring")
-        for contender in order:
+        for contender in (*order, "compute-only"):
             record: dict[str, Any] = {
                 "contender": contender,
-                "strategy": "ring" if contender == "ring" else "ddp-gloo",
+                "strategy": {"ring": "ring", "torchdistributor": "ddp-gloo"}.get(contender, "none"),
                 "compression": "none",
                 "link": "none",
                 "workload": "synthetic",
@@ -692,7 +700,13 @@ def run_steady(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                     t = time.perf_counter()
                     ddp = TorchDistributor(
                         num_processes=WORKERS, local_mode=True, use_gpu=False
-                    ).run(ddp_synthetic, args.steady_epochs, 0, args.synthetic_samples)
+                    ).run(
+                        ddp_synthetic,
+                        args.steady_epochs,
+                        0,
+                        args.synthetic_samples,
+                        contender == "torchdistributor",
+                    )
                     if ddp is None:
                         raise SparkTrainError("TorchDistributor returned nothing from rank 0")
                     record.update(ddp)
@@ -872,6 +886,12 @@ def derive(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
             "met": ratio is not None and ratio >= 1.2,
             "load_avg_1m": _spread([r.get("load_avg_1m") for r in steady_ring + steady_td]),
         }
+        floor = pick(contender="compute-only", workload="synthetic", part="steady")
+        if floor:
+            # the most any gradient exchange could reach: the same steps, no exchange
+            c = _median([r.get("samples_per_s") for r in floor])
+            out["steady_vs_ddp"]["compute_only_samples_per_s"] = c
+            out["steady_vs_ddp"]["compute_only_ratio"] = _ratio(c, b)
     ta = pick(contender="sparktrain-fast")
     ml = pick(contender="mllib")
     if ta and ml:

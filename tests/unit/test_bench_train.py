@@ -145,6 +145,8 @@ def test_memory_steady_state_and_warm_targets():
              samples_per_s=10_000.0),
         _run(contender="torchdistributor", workload="synthetic", part="steady",
              samples_per_s=11_000.0, error="boom"),
+        _run(contender="compute-only", strategy="none", workload="synthetic", part="steady",
+             samples_per_s=15_000.0),
     ]  # fmt: skip
     d = bt.derive(runs, 0.95)
     head = d["ring_vs_torchdistributor"]
@@ -158,10 +160,11 @@ def test_memory_steady_state_and_warm_targets():
     assert memory["session_only_peak_pss_bytes"] == 200e6
     steady = d["steady_vs_ddp"]
     assert steady["ratio"] == pytest.approx(1.3) and steady["met"] and steady["runs"] == 1
+    assert steady["compute_only_ratio"] == pytest.approx(1.5)
     section = rep._train({"target": 0.95, "runs": runs, "derived": d})
     assert "1000 MB / 1250 MB = 0.80 (target <= 1.0: met)" in section
-    assert "13,000 / 10,000 = 1.30 (target >= 1.2: met), load average 2.0-3.5" not in section
-    assert "13,000 / 10,000 = 1.30 (target >= 1.2: met)" in section
+    assert "13,000 / 10,000 = 1.30 (target >= 1.2: met); the compute floor" in section
+    assert "15,000 = 1.50 x DDP" in section
     assert "(target <= 0.25: met)" in section and "load average 2.0-3.5" in section
 
 

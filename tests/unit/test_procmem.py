@@ -65,6 +65,9 @@ def test_descendants_and_the_summed_memory_leave_java_out(tree):
     sample = procmem.sample_tree(proc.pid)
     assert sample.processes == 2  # the parent and the Python child, not "java"
     assert sample.pss_bytes >= 96 * MB and sample.rss_bytes >= sample.pss_bytes
+    whats = {pid: what for pid, what, _ in sample.per_process}
+    assert whats[child_pid].startswith("python") and "-c" in whats[child_pid]
+    assert max(sample.per_process, key=lambda p: p[2])[0] == child_pid
     with_java = procmem.sample_tree(proc.pid, excluded=frozenset())
     assert with_java.processes == 3
 
@@ -80,6 +83,7 @@ def test_the_sampler_keeps_the_peak_after_the_memory_is_gone(tree):
     proc.wait(timeout=60)
     peaks = sampler.stop()
     assert peaks["peak_pss_bytes"] >= 96 * MB and peaks["samples"] >= 3
+    assert len(sampler.peak_breakdown) == 2
     assert sampler.peak_until(mid)[0] >= 96 * MB
     assert sampler.peak_until(0.0) == (0, 0)  # no sample that early
     assert procmem.sample_tree(proc.pid).processes == 0  # gone: nothing to read
