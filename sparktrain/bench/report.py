@@ -445,7 +445,7 @@ SECTIONS: tuple[Section, ...] = (
         "    --compressions delta+fp16 delta+int8+ef delta+topk:0.01+ef --repeats 2 --merge\n"
         "sparktrain bench train --parts matrix --strategies ps-sync ps-async tree_aggregate \\\n"
         "    --repeats 2 --merge --out docs/results\n"
-        "sparktrain bench train --parts headline --repeats 3 --merge --out docs/results\n"
+        "sparktrain bench train --parts headline steady --repeats 3 --merge --out docs/results\n"
         "# also: spark-submit jobs/bench_train.py",
         "bench_train.json", _train, ("bench_train.png",),
     ),
