@@ -74,9 +74,8 @@ def get_or_create_session(
     needs in the driver (``PRELOAD``: torch, sparktrain's driver modules, pandas, pyarrow,
     pyspark.ml), so the two overlap; the session is returned once that thread is done
     (at most ``PRELOAD_WAIT_S`` later), so no import runs concurrently with the caller's.
-    With ``warm_workers``, a new session then starts its executors' Python daemon and
-    workers in the background (:mod:`sparktrain.launch.warmup`), while the caller loads
-    its data.
+    With ``warm_workers``, a new session then starts its executors' Python daemon in
+    the background (:mod:`sparktrain.launch.warmup`), while the caller loads its data.
     """
     from pyspark.sql import SparkSession
 

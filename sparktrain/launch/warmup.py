@@ -5,9 +5,8 @@ daemon, which imports torch before it forks (:mod:`sparktrain.launch.daemon`): a
 2 s of CPU, on the path to the first training step of the first ``fit()``. Right after
 a new session starts, the driver usually spends seconds in its own Python (loading
 data, building DataFrames) while the executors' cores sit idle. :func:`start` submits a
-``mapInArrow`` job of one task per slot (up to ``MAX_TASKS``) without waiting for it, so
-the daemon and the Python workers are up, with the training stage's task modules
-imported, by the time the training stage asks for them.
+one-task ``mapInArrow`` job without waiting for it, so the daemon (and one Python worker)
+are up by the time the training stage asks for them.
 
 Once per application; a failed warm-up is logged and ignored, since it only ever saves
 time: the training stage starts the daemon by itself. (Started from ``fit()`` instead,
@@ -16,8 +15,6 @@ the warm-up competed with the data-preparation jobs and delayed the stage: measu
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -33,17 +30,7 @@ _started: set[str] = set()  # applicationIds
 _lock = threading.Lock()
 
 
-# at most this many warm-up tasks: one per task slot of a small application
-MAX_TASKS = 8
-
-
 def _same(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    # the training stage's task entry and built-in loop, imported now, while the driver
-    # loads its data, instead of on the way to the first step (a failure is the
-    # stage's to report)
-    with contextlib.suppress(Exception):
-        importlib.import_module("sparktrain.launch.barrier")
-        importlib.import_module("sparktrain.worker.run_task")
     yield from batches
 
 
@@ -68,10 +55,7 @@ def start(spark: SparkSession) -> bool:
         sc.setJobDescription("sparktrain: start the Python workers")
         # mapInArrow, as the training stage: it also loads the JVM's and the worker's
         # Arrow paths (measured: fit() 5.0 s after it, 8.0 s after an RDD job's warm-up)
-        # one task per slot, up to MAX_TASKS: a barrier stage starts all its workers at
-        # once, and with one warm-up task all but one would fork and import afresh
-        tasks = max(1, min(int(sc.defaultParallelism), MAX_TASKS))
-        frame = spark.range(tasks, numPartitions=tasks).mapInArrow(_same, "id long")
+        frame = spark.range(1, numPartitions=1).mapInArrow(_same, "id long")
         frame._jdf.javaRDD().countAsync()
     except Exception as exc:  # only ever a saving
         log.debug("warming the Python workers failed: %s", exc)

@@ -14,8 +14,6 @@ class _Session:
     def __init__(self, app: str, fail: bool = False) -> None:
         self.sparkContext = self
         self.applicationId = app
-        self.defaultParallelism = 2
-        self.ranges: list[tuple[int, int]] = []
         self.fail = fail
         self.jobs: list[str | None] = []
         self.props: dict[str, str | None] = {"spark.job.description": "the user's"}
@@ -31,7 +29,6 @@ class _Session:
 
     def range(self, n: int, numPartitions: int) -> Any:
         session = self
-        self.ranges.append((n, numPartitions))
 
         class _Jvm:
             def javaRDD(self) -> Any:
@@ -60,30 +57,6 @@ def test_one_warm_up_job_per_application_and_the_description_is_restored() -> No
     assert spark.jobs == ["sparktrain: start the Python workers"]
     assert spark.props["spark.job.description"] == "the user's"
     assert warmup.start(_Session("app-warm-2"))  # type: ignore[arg-type]
-
-
-def test_one_warm_up_task_per_slot_up_to_the_cap() -> None:
-    spark = _Session("app-warm-4")
-    assert warmup.start(spark)  # type: ignore[arg-type]
-    wide = _Session("app-warm-5")
-    wide.defaultParallelism = 64
-    assert warmup.start(wide)  # type: ignore[arg-type]
-    assert spark.ranges == [(2, 2)] and wide.ranges == [(warmup.MAX_TASKS, warmup.MAX_TASKS)]
-
-
-def test_the_warm_up_task_imports_the_training_stage_task_modules() -> None:
-    import subprocess
-    import sys
-
-    # a fresh interpreter, as a forked worker: the task modules are not imported before
-    code = (
-        "import sys; from sparktrain.launch import warmup; "
-        "assert 'sparktrain.worker.run_task' not in sys.modules; "
-        "assert list(warmup._same(iter([1]))) == [1]; "
-        "assert 'sparktrain.worker.run_task' in sys.modules; "
-        "assert 'sparktrain.launch.barrier' in sys.modules"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_a_failed_warm_up_is_swallowed() -> None:
