@@ -119,7 +119,8 @@ def _train(data: Any) -> str:
             f"- ring / TorchDistributor, whole process to {data['target']:.2f} accuracy: "
             f"{_num(head['ring_whole_process_to_target_s'], '{:.1f} s')} / "
             f"{_num(head['torchdistributor_whole_process_to_target_s'], '{:.1f} s')} = "
-            f"{_num(head['ratio'], '{:.2f}')} (target <= 0.5: {_met(head['met'])})"
+            f"{_num(head['ratio'], '{:.2f}')} (target {head.get('target', '<= 0.5')}: "
+            f"{_met(head['met'])}){_load(head)}"
         )
         if head.get("floor_ratio") is not None:
             verdicts.append(
@@ -135,12 +136,44 @@ def _train(data: Any) -> str:
             )
     warm = derived.get("ring_vs_torchdistributor_warm")
     if warm:
+        target = f" (target {warm['target']}: {_met(warm['met'])})" if "target" in warm else ""
         verdicts.append(
-            f"- the same, second call in the already-running process (as in a notebook; not "
-            f"the issue's measure): ring fit() / TorchDistributor run() to "
+            f"- the same, second call in the already-running process (as in a notebook): "
+            f"ring fit() / TorchDistributor run() to "
             f"{data['target']:.2f}: {_num(warm['ring_time_to_target_s'], '{:.1f} s')} / "
             f"{_num(warm['torchdistributor_time_to_target_s'], '{:.1f} s')} = "
-            f"{_num(warm['ratio'], '{:.2f}')}"
+            f"{_num(warm['ratio'], '{:.2f}')}{target}"
+        )
+    memory = derived.get("memory_vs_torchdistributor")
+    if memory:
+        verdicts.append(
+            f"- peak memory of the Python processes (summed PSS, JVMs left out), ring's "
+            f"first fit / TorchDistributor's first run on digits: "
+            f"{_num(memory['ring_peak_pss_bytes'], '{:.0f}', 1e-6)} MB / "
+            f"{_num(memory['torchdistributor_peak_pss_bytes'], '{:.0f}', 1e-6)} MB = "
+            f"{_num(memory['ratio'], '{:.2f}')} (target {memory['target']}: "
+            f"{_met(memory['met'])}); summed RSS: "
+            f"{_num(memory['ring_peak_rss_bytes'], '{:.0f}', 1e-6)} MB / "
+            f"{_num(memory['torchdistributor_peak_rss_bytes'], '{:.0f}', 1e-6)} MB = "
+            f"{_num(memory['rss_ratio'], '{:.2f}')}; the session-only process: "
+            f"{_num(memory['session_only_peak_pss_bytes'], '{:.0f}', 1e-6)} MB PSS"
+        )
+    steady = derived.get("steady_vs_ddp")
+    if steady:
+        verdicts.append(
+            f"- steady-state samples/s on the synthetic MLP, ring / DDP (TorchDistributor), "
+            f"medians of {steady['runs']} interleaved runs each: "
+            f"{_num(steady['ring_samples_per_s'], '{:,.0f}')} / "
+            f"{_num(steady['ddp_samples_per_s'], '{:,.0f}')} = "
+            f"{_num(steady['ratio'], '{:.2f}')} (target {steady['target']}: "
+            f"{_met(steady['met'])}){_load(steady)}"
+            + (
+                f"; the compute floor (the same steps with no exchange at all): "
+                f"{_num(steady['compute_only_samples_per_s'], '{:,.0f}')} = "
+                f"{_num(steady['compute_only_ratio'], '{:.2f}')} x DDP"
+                if steady.get("compute_only_samples_per_s") is not None
+                else ""
+            )
         )
     pair = derived.get("tree_aggregate_vs_mllib")
     if pair:
@@ -283,8 +316,14 @@ def _auto(data: Any) -> str:
     return "\n".join(parts)
 
 
-def _num(value: Any, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
+def _num(value: Any, pattern: str, scale: float = 1.0) -> str:
+    return "-" if value is None else pattern.format(value * scale)
+
+
+def _load(figure: dict[str, Any]) -> str:
+    """ ", load average a-b" from a derived figure's recorded 1-minute load averages."""
+    spread = figure.get("load_avg_1m")
+    return f", load average {spread[0]:.1f}-{spread[1]:.1f}" if spread else ""
 
 
 def _met(flag: Any) -> str:
@@ -418,7 +457,7 @@ SECTIONS: tuple[Section, ...] = (
         "    --compressions delta+fp16 delta+int8+ef delta+topk:0.01+ef --repeats 2 --merge\n"
         "sparktrain bench train --parts matrix --strategies ps-sync ps-async tree_aggregate \\\n"
         "    --repeats 2 --merge --out docs/results\n"
-        "sparktrain bench train --parts headline --repeats 3 --merge --out docs/results\n"
+        "sparktrain bench train --parts headline steady --repeats 3 --merge --out docs/results\n"
         "# also: spark-submit jobs/bench_train.py",
         "bench_train.json", _train, ("bench_train.png",),
     ),

@@ -128,6 +128,52 @@ def test_the_session_floor_and_the_part_after_it():
     )
 
 
+def test_memory_steady_state_and_warm_targets():
+    runs = [
+        _run(contender="ring", whole_process_to_target_s=13.0, peak_pss_bytes=900e6,
+             peak_rss_bytes=1500e6, warm_time_to_target_s=1.0, load_avg_1m=2.0),
+        _run(contender="ring", whole_process_to_target_s=15.0, peak_pss_bytes=1100e6,
+             peak_rss_bytes=1700e6, warm_time_to_target_s=1.2, repeat=1, load_avg_1m=3.5),
+        _run(contender="torchdistributor", whole_process_to_target_s=12.0, peak_pss_bytes=1250e6,
+             peak_rss_bytes=1300e6, warm_time_to_target_s=6.0, load_avg_1m=2.5),
+        _run(contender="session", strategy="none", whole_process_s=6.6, peak_pss_bytes=200e6),
+        # the steady part's synthetic runs are not the headline's digits children
+        _run(contender="ring", workload="synthetic", part="steady", samples_per_s=12_000.0,
+             whole_process_to_target_s=None),
+        _run(contender="ring", workload="synthetic", part="steady", samples_per_s=14_000.0),
+        _run(contender="torchdistributor", workload="synthetic", part="steady",
+             samples_per_s=10_000.0),
+        _run(contender="torchdistributor", workload="synthetic", part="steady",
+             samples_per_s=11_000.0, error="boom"),
+        _run(contender="compute-only", strategy="none", workload="synthetic", part="steady",
+             samples_per_s=15_000.0),
+    ]  # fmt: skip
+    d = bt.derive(runs, 0.95)
+    head = d["ring_vs_torchdistributor"]
+    assert head["ring_whole_process_to_target_s"] == 14.0 and head["target"] == "<= 1.0"
+    assert not head["met"] and head["load_avg_1m"] == [2.0, 3.5]
+    warm = d["ring_vs_torchdistributor_warm"]
+    assert warm["ratio"] == pytest.approx(1.1 / 6.0) and warm["met"]
+    memory = d["memory_vs_torchdistributor"]
+    assert memory["ratio"] == pytest.approx(0.8) and memory["met"]
+    assert memory["rss_ratio"] == pytest.approx(1600 / 1300)
+    assert memory["session_only_peak_pss_bytes"] == 200e6
+    steady = d["steady_vs_ddp"]
+    assert steady["ratio"] == pytest.approx(1.3) and steady["met"] and steady["runs"] == 1
+    assert steady["compute_only_ratio"] == pytest.approx(1.5)
+    section = rep._train({"target": 0.95, "runs": runs, "derived": d})
+    assert "1000 MB / 1250 MB = 0.80 (target <= 1.0: met)" in section
+    assert "13,000 / 10,000 = 1.30 (target >= 1.2: met); the compute floor" in section
+    assert "15,000 = 1.50 x DDP" in section
+    assert "(target <= 0.25: met)" in section and "load average 2.0-3.5" in section
+
+
+def test_steady_rate_leaves_the_first_epoch_out():
+    assert bt.steady_rate([4.0, 1.0, 2.0, 1.0], 1000) == pytest.approx(1000.0)
+    assert bt.steady_rate([4.0], 1000) is None
+    assert bt.steady_rate([4.0, 1.0], None) is None
+
+
 def test_merge_replaces_only_the_cells_measured_again():
     old = {
         "args": {"parts": ["headline", "matrix"]},
@@ -164,7 +210,7 @@ def test_table_and_plot(tmp_path: Path):
     bt.plot(report, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
     section = rep._train({**report, "derived": report["derived"]})
-    assert "ring / TorchDistributor" in section and "(target <= 0.5: met)" in section
+    assert "ring / TorchDistributor" in section and "(target <= 1.0: met)" in section
     assert "| digits | ring | `fp16` |" in section
 
 

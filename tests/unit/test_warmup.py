@@ -63,3 +63,18 @@ def test_a_failed_warm_up_is_swallowed() -> None:
     spark = _Session("app-warm-3", fail=True)
     assert not warmup.start(spark)  # type: ignore[arg-type]
     assert spark.jobs == [] and spark.props["spark.job.description"] == "the user's"
+
+
+def test_the_session_preload_skips_a_failing_module_and_imports_the_rest() -> None:
+    import subprocess
+    import sys
+
+    from sparktrain import session
+
+    assert session.PRELOAD[0] == "torch"  # the most needed first
+    code = (
+        "import sys; from sparktrain import session; "
+        "session._preload(('sparktrain_no_such_module', 'sparktrain.errors', 'colorsys')); "
+        "assert 'colorsys' in sys.modules and 'sparktrain_no_such_module' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
