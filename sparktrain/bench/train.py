@@ -329,6 +329,23 @@ def _progress(r: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- TorchDistributor
+def ddp_epoch(model: Any, opt: Any, x: Any, y: Any, batch: int, steps: int, seed: int) -> None:
+    """One epoch of a DDP contender: ``steps`` shuffled batches (the order drawn from
+    ``seed``) of cross-entropy and SGD; a shard shorter than ``steps`` batches repeats
+    its first batch, so every rank takes the same number of steps (DDP needs it)."""
+    import torch
+
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    model.train()
+    for step in range(steps):
+        idx = order[step * batch : (step + 1) * batch]
+        if len(idx) == 0:
+            idx = order[:batch]
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+
+
 def ddp_train(epochs: int, seed: int, target: float) -> dict[str, Any]:
     """The DDP training function TorchDistributor runs in each of its processes: the
     digits MLP, the shared recipe, every ``world``-th training row; rank 0 evaluates on
@@ -360,16 +377,7 @@ def ddp_train(epochs: int, seed: int, target: float) -> dict[str, Any]:
     eval_s = train_s = 0.0
     for epoch in range(epochs):
         t = time.perf_counter()
-        gen = torch.Generator().manual_seed(seed * 1000 + epoch * world + rank)
-        order = torch.randperm(len(x), generator=gen)
-        model.train()
-        for step in range(steps):
-            idx = order[step * batch : (step + 1) * batch]
-            if len(idx) == 0:  # a shorter shard repeats its first batch to keep step
-                idx = order[:batch]
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
+        ddp_epoch(model, opt, x, y, batch, steps, seed * 1000 + epoch * world + rank)
         train_s += time.perf_counter() - t
         if rank == 0:
             t = time.perf_counter()
@@ -425,16 +433,7 @@ def ddp_synthetic(epochs: int, seed: int, samples: int, exchange: bool = True) -
     accuracy = 0.0
     for epoch in range(epochs):
         t = time.perf_counter()
-        gen = torch.Generator().manual_seed(seed * 1000 + epoch * world + rank)
-        order = torch.randperm(len(x), generator=gen)
-        model.train()
-        for step in range(steps):
-            idx = order[step * batch : (step + 1) * batch]
-            if len(idx) == 0:  # a shorter shard repeats its first batch to keep step
-                idx = order[:batch]
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
+        ddp_epoch(model, opt, x, y, batch, steps, seed * 1000 + epoch * world + rank)
         model.eval()
         with torch.no_grad():
             right = (net(x_test).argmax(1) == y_test).sum().float()

@@ -345,3 +345,19 @@ def test_sizing_round_reports_row_counts_and_trains_round_zero():
     for (p, _), (q, s) in zip(parts, again, strict=True):
         np.testing.assert_array_equal(p, q)
         assert s.shape == (NUM_STATS,)
+
+
+def test_a_ddp_epoch_takes_its_steps_even_on_a_short_shard() -> None:
+    import torch
+
+    from sparktrain.bench.train import ddp_epoch
+
+    model = torch.nn.Linear(3, 2)
+    stepped: list[int] = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.register_step_post_hook(lambda *_: stepped.append(1))
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 0])
+    before = model.weight.detach().clone()
+    ddp_epoch(model, opt, x, y, batch=2, steps=4, seed=0)  # 3 batches of rows, then a repeat
+    assert len(stepped) == 4
+    assert not torch.equal(before, model.weight)
