@@ -51,13 +51,7 @@ def shard_ranges(num_elements: int, shards: int) -> list[tuple[int, int]]:
             f"ps_shards={shards} is more than the model's {num_elements} parameter elements; "
             f"use at most {num_elements} shards"
         )
-    base, extra = divmod(num_elements, shards)
-    ranges, lo = [], 0
-    for i in range(shards):
-        hi = lo + base + (1 if i < extra else 0)
-        ranges.append((lo, hi))
-        lo = hi
-    return ranges
+    return row_ranges(num_elements, shards)
 
 
 def flatten(params: list[nn.Parameter], out: np.ndarray, grads: bool = False) -> None:

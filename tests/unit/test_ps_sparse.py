@@ -13,18 +13,16 @@ import torch
 from torch import nn
 
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.comm.stats import CommStats
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.ps import persist, protocol
-from sparktrain.ps.client import connect_shards
 from sparktrain.ps.layout import dense_ranges
 from sparktrain.ps.server import ParameterServer, start_parameter_server
 from sparktrain.result import TrainResult, assemble
 from sparktrain.worker.context import JobSpec
 from sparktrain.worker.data import PartitionData
 
-from .fixtures import HOST, SECRET, train_in_threads
+from .fixtures import HOST, SECRET, ps_clients, train_in_threads
 
 WIDTH, CLASSES = 5, 3  # features: 3 user ids (a bag), 1 item id, 1 float
 
@@ -209,18 +207,7 @@ def test_async_and_ssp_train_with_sparse_rows(mode, extra):
 
 def _clients(server: ParameterServer, rank: int = 0):
     n = server.ranges[-1][1]
-    return connect_shards(
-        server.addresses,
-        rank=rank,
-        secret=SECRET,
-        job_id="job",
-        attempt=0,
-        timeout=5.0,
-        stats=CommStats(),
-        num_elements=n,
-        dtype=np.dtype(np.float32),
-        ranges=dense_ranges(n, len(server.addresses), True),
-    )
+    return ps_clients(server, rank, ranges=dense_ranges(n, len(server.addresses), True))
 
 
 @pytest.mark.timeout(30)
