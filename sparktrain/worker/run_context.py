@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 import time
 import zlib
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -121,6 +122,7 @@ class RunContext:
         self.should_stop = False
         self._improved = False
         self._distributed: DistributedStep | None = None
+        self._closed = False  # close() ran (a second one pulls no tables)
         self._restored: Checkpoint | None = None
         self._last_ckpt_step = 0
         self._started = time.perf_counter()
@@ -571,7 +573,7 @@ class RunContext:
             )
         task = self.task
         if task.job.ps_bootstrap:  # the parameter server starts from rank 0's model
-            addresses, done = self._start_parameter_server(params, optimizer)
+            addresses, done = self._start_parameter_server(model, optimizer)
             spec = dataclasses.replace(task.job, ps_addresses=tuple(addresses), resume_step=done)
             task = dataclasses.replace(task, spec=spec)
         sync = make_sync(task, model, self._mesh)
@@ -610,29 +612,39 @@ class RunContext:
         return bool(np.array_equal(low, high))
 
     def _start_parameter_server(
-        self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[list[str], int | None]:
         """Rank 0 describes the model and optimizer to the driver, which starts (or
         already runs) the server; every rank learns the shards' addresses and the
-        server's completed step, or rank 0's error."""
+        server's completed step, or rank 0's error. The ``sparse=True`` tables go
+        apart from the flat vector: the server holds them by rows, as the built-in
+        loop's (the clients pick the same tables, :func:`served_tables`)."""
         from sparktrain.ps.bootstrap import optimizer_spec, request_server
+        from sparktrain.ps.layout import dense_params, served_tables
 
         reply: dict[str, Any] = {}
         if self.rank == 0:
             spec = self.task.job
             try:
-                dtypes = {p.dtype for p in params}
+                named = served_tables(model, self.config.sparse_embeddings)
+                params = dense_params(model, named)
+                dtypes = {p.dtype for p in params} | {p.dtype for _, p in named}
                 if dtypes - {torch.float32, torch.float64} or len(dtypes) != 1:
                     raise ConfigError(
                         f"strategy='ps' shards one float32 or float64 vector; the model's "
                         f"trainable parameters are {sorted(map(str, dtypes))}"
                     )
-                flat = torch.cat([p.detach().reshape(-1) for p in params]).numpy()
+                dtype = next(iter(dtypes))
+                flat = torch.cat(
+                    [p.detach().reshape(-1) for p in params] or [torch.empty(0, dtype=dtype)]
+                ).numpy()
+                tables = [(name, p.detach().cpu().numpy()) for name, p in named]
                 assert spec.ps_bootstrap is not None
                 addresses, step = request_server(
                     spec.ps_bootstrap,
                     flat,
                     optimizer_spec(optimizer),
+                    tables=tables,
                     secret=spec.secret,
                     job_id=spec.job_id,
                     attempt=spec.attempt,
@@ -679,9 +691,19 @@ class RunContext:
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
-        """Release the distributed step's threads; idempotent."""
+        """Release the distributed step's threads; idempotent. Under ``strategy="ps"``
+        with row-served tables, rank 0's finishing run first pulls the server's tables
+        into its model: its copy only caches the rows it read, and rank 0's value (the
+        model's state, as the train_fn returns it) goes to the driver after this."""
         if self._distributed is not None:
-            self._distributed.sync.close()
+            sync = self._distributed.sync
+            refresh = getattr(sync, "refresh_tables", None)
+            # only a train_fn's run: the built-in loop's driver takes the server's tables
+            mine = bool(self.task.job.ps_bootstrap) and self.rank == 0 and not self._closed
+            if refresh is not None and mine and sys.exc_info()[0] is None:
+                refresh()
+            sync.close()
+        self._closed = True
 
     def stats(self) -> dict[str, Any]:
         """This rank's figures for the run summary."""
