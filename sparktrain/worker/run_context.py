@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import json
 import math
-import sys
 import time
 import zlib
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -122,7 +121,6 @@ class RunContext:
         self.should_stop = False
         self._improved = False
         self._distributed: DistributedStep | None = None
-        self._closed = False  # close() ran (a second one pulls no tables)
         self._restored: Checkpoint | None = None
         self._last_ckpt_step = 0
         self._started = time.perf_counter()
@@ -691,19 +689,25 @@ class RunContext:
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
-        """Release the distributed step's threads; idempotent. Under ``strategy="ps"``
-        with row-served tables, rank 0's finishing run first pulls the server's tables
-        into its model: its copy only caches the rows it read, and rank 0's value (the
-        model's state, as the train_fn returns it) goes to the driver after this."""
+        """Release the distributed step's threads; idempotent."""
         if self._distributed is not None:
-            sync = self._distributed.sync
-            refresh = getattr(sync, "refresh_tables", None)
-            # only a train_fn's run: the built-in loop's driver takes the server's tables
-            mine = bool(self.task.job.ps_bootstrap) and self.rank == 0 and not self._closed
-            if refresh is not None and mine and sys.exc_info()[0] is None:
-                refresh()
-            sync.close()
-        self._closed = True
+            self._distributed.sync.close()
+
+    def pull_returned_tables(self, value: Any) -> int:
+        """Rank 0, its train_fn done: under ``strategy="ps"`` with row-served tables,
+        pull the server's tables into the model when ``value`` (what rank 0 returns)
+        holds one of their tensors (``model.state_dict()``): the local table only
+        caches the rows this rank read. A value without them (figures, losses) costs
+        nothing. Returns the rows pulled."""
+        step = self._distributed
+        sync = step.sync if step is not None else None
+        refresh = getattr(sync, "refresh_tables", None)
+        if refresh is None or not self.task.job.ps_bootstrap:
+            return 0  # the built-in loop's driver takes the server's tables itself
+        tables = {p.untyped_storage().data_ptr() for p in getattr(sync, "tables", [])}
+        if not tables & _storages(value):
+            return 0
+        return int(refresh())
 
     def stats(self) -> dict[str, Any]:
         """This rank's figures for the run summary."""
@@ -794,3 +798,15 @@ def _gather(
     rows = plan[index]
     assert rows is not None  # only steps with rows are gathered
     return data.batch(rows, collator, rank)
+
+
+def _storages(value: Any, depth: int = 0) -> set[int]:
+    """The storages of the tensors in ``value`` (dicts, lists, tuples of them), as far
+    as :func:`~sparktrain.worker.run_task.encode_value` walks (bounded depth)."""
+    if isinstance(value, torch.Tensor):
+        return {value.untyped_storage().data_ptr()}
+    found: set[int] = set()
+    if depth < 64 and isinstance(value, Mapping | list | tuple):
+        for sub in value.values() if isinstance(value, Mapping) else value:
+            found |= _storages(sub, depth + 1)
+    return found
