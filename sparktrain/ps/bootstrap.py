@@ -3,11 +3,13 @@
 The built-in trainer builds the model on the driver and starts the server with it. A
 ``train_fn`` builds its model in the tasks, so the driver learns it from rank 0: in
 ``ctx.distributed(model, optimizer)`` rank 0 sends the trainable parameters (dtype,
-size, rank 0's initial values) and the optimizer (its ``torch.optim`` class and the
-hyper-parameters of its one parameter group) to the driver's :class:`Bootstrap`, which
-starts the server with them and answers with the shards' addresses; rank 0 hands them
-to its peers. A resubmitted stage finds the server already running (its model survives
-the failure) and continues at the server's completed step.
+size, rank 0's initial values), its ``sparse=True`` embedding tables (name, shape and
+rows: the server holds them by rows, as for the built-in loop, docs/sparse_ps.md) and
+the optimizer (its ``torch.optim`` class and the hyper-parameters of its one parameter
+group) to the driver's :class:`Bootstrap`, which starts the server with them and
+answers with the shards' addresses; rank 0 hands them to its peers. A resubmitted
+stage finds the server already running (its model survives the failure) and continues
+at the server's completed step.
 
 Wire: one authenticated connection; JSON control frames, then the values in chunks
 (no pickle).
@@ -18,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,8 @@ HEAD_MAX_BYTES = 1 << 20
 _DTYPES = {"float32": np.float32, "float64": np.float64}
 # per-group keys that are not hyper-parameters of the update
 _NOT_HYPER = ("params", "lr", "initial_lr", "name")
+# a served table as it travels: (name, [rows, dim] values)
+Table = tuple[str, np.ndarray]
 
 
 def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -102,7 +106,8 @@ class _TorchOptimizer:
 class Bootstrap(DriverService):
     """Starts the job's parameter server when rank 0 describes the model (see the module
     docstring); ``start`` builds it from (values, config), ``current`` gives the running
-    one's (addresses, completed step) or None."""
+    one's (addresses, completed step) or None; ``start`` takes (flat values, config,
+    row-served tables)."""
 
     name = "ps-bootstrap"
 
@@ -114,7 +119,7 @@ class Bootstrap(DriverService):
         job_id: str,
         attempt: Callable[[], int],
         security: WireSecurity | None,
-        start: Callable[[np.ndarray, TrainConfig], None],
+        start: Callable[[np.ndarray, TrainConfig, list[Table]], None],
         current: Callable[[], tuple[list[str], int | None] | None],
         config: TrainConfig,
     ) -> None:
@@ -143,7 +148,12 @@ class Bootstrap(DriverService):
             values = np.empty(int(head["elements"]), dtype=dtype)
             conn.send_bytes(b'{"values": true}', KIND_CONTROL)
             recv_chunked_into(conn, values, int(head["chunk_bytes"]))
-            self._start_server(values, server_config(self._config, head["optimizer"]))
+            tables = []
+            for name, shape in _table_shapes(head.get("tables", [])):
+                rows = np.empty(shape, dtype=dtype)
+                recv_chunked_into(conn, rows.reshape(-1), int(head["chunk_bytes"]))
+                tables.append((name, rows))
+            self._start_server(values, server_config(self._config, head["optimizer"]), tables)
             running = self._current()
             assert running is not None
         else:
@@ -152,19 +162,35 @@ class Bootstrap(DriverService):
         conn.send_bytes(json.dumps({"addresses": addresses, "step": step}).encode(), KIND_CONTROL)
 
 
+def _table_shapes(raw: Any) -> list[tuple[str, tuple[int, int]]]:
+    """The head's ``tables`` (``[[name, rows, dim], ...]``), checked: names are strings,
+    shapes positive."""
+    if not isinstance(raw, list):
+        raise ValueError(f"the head's tables must be a list, not {type(raw).__name__}")
+    out = []
+    for entry in raw:
+        name, rows, dim = entry
+        if not isinstance(name, str) or not all(isinstance(v, int) and v > 0 for v in (rows, dim)):
+            raise ValueError(f"a served table must be [name, rows > 0, dim > 0], not {entry!r}")
+        out.append((name, (rows, dim)))
+    return out
+
+
 def request_server(
     address: str,
     flat: np.ndarray,
     optimizer: dict[str, Any],
     *,
+    tables: Sequence[Table] = (),
     secret: bytes,
     job_id: str,
     attempt: int,
     timeout: float,
     security: WireSecurity | None,
 ) -> tuple[list[str], int | None]:
-    """Rank 0's side: describe the model to the driver; returns the shards' addresses
-    and the server's completed step (None: a fresh server)."""
+    """Rank 0's side: describe the model (``flat``: the dense parameters; ``tables``:
+    the row-served embedding tables, same dtype) to the driver; returns the shards'
+    addresses and the server's completed step (None: a fresh server)."""
     with connect(
         address,
         secret=secret,
@@ -182,11 +208,14 @@ def request_server(
             "elements": int(flat.size),
             "optimizer": optimizer,
             "chunk_bytes": step,
+            "tables": [[name, int(rows.shape[0]), int(rows.shape[1])] for name, rows in tables],
         }
         conn.send_bytes(json.dumps(head).encode(), KIND_CONTROL)
         reply = _reply(conn)
         if reply.get("values"):
             send_chunked(conn, flat, step)
+            for _, rows in tables:
+                send_chunked(conn, np.ascontiguousarray(rows).reshape(-1), step)
             reply = _reply(conn)
         else:
             reply = _reply(conn)

@@ -520,8 +520,8 @@ class ParameterServerSync:
         compression = protocol.make_compression(cfg.compression)
         self.rank = ctx.rank
         # sparse tables travel by rows (docs/sparse_ps.md); a sparktrain.run job's server
-        # starts from rank 0's flat vector (ps/bootstrap.py), so there they stay dense
-        named = [] if spec.ps_bootstrap else served_tables(model, cfg.sparse_embeddings)
+        # holds the same tables, from rank 0's model (ps/bootstrap.py)
+        named = served_tables(model, cfg.sparse_embeddings)
         self.tables = [p for _, p in named]
         self.params = dense_params(model, named)
         dtype = np.dtype(NUMPY_DTYPES[flat_dtype(self.params + self.tables)])
@@ -712,6 +712,40 @@ class ParameterServerSync:
         self._each(fetch)
         with torch.no_grad():
             weight.index_copy_(0, uniq.to(weight.device), torch.from_numpy(out).to(weight.device))
+
+    def refresh_tables(self, block_rows: int = 1 << 16) -> int:
+        """Pull every row of every sparse table into this rank's copy (between steps):
+        the copy is otherwise a cache of the rows this rank read, stale elsewhere. A
+        ``sparktrain.run`` job's rank 0 does it before its train_fn's model leaves (the
+        built-in loop's driver takes the server's tables instead). ``block_rows`` rows
+        per shard per request bound the memory; returns the rows pulled."""
+        pulled = 0
+        for t, weight in enumerate(self.tables):
+            ranges = self.table_rows[t]
+            longest = max(hi - lo for lo, hi in ranges)
+            for start in range(0, longest, block_rows):
+                spans = [(lo + start, min(hi, lo + start + block_rows)) for lo, hi in ranges]
+                outs = [
+                    np.empty((max(0, b - a), int(weight.shape[1])), self.flat.dtype)
+                    for a, b in spans
+                ]
+                local = [(a - lo, b - lo) for (a, b), (lo, _) in zip(spans, ranges, strict=True)]
+                self._each(functools.partial(self._pull_span, t, local, outs))
+                with torch.no_grad():
+                    for (a, b), out in zip(spans, outs, strict=True):
+                        if a < b:
+                            weight[a:b].copy_(torch.from_numpy(out))
+                            pulled += b - a
+        return pulled
+
+    @staticmethod
+    def _pull_span(
+        t: int, local: list[tuple[int, int]], outs: list[np.ndarray], c: ShardClient
+    ) -> None:
+        """Shard ``c``'s rows ``local[c.index]`` (shard-local) of table ``t``."""
+        a, b = local[c.index]
+        if a < b:
+            c.pull_rows(t, np.arange(a, b, dtype=np.int64), outs[c.index])
 
     def _on_ready(self, index: int) -> None:
         """Hook callback: shard ``index``'s gradients are final; start its exchange."""

@@ -122,7 +122,7 @@ class _ServerHalf(DriverHalf):
         self.saver = None
         self.step, self.earlier = None, ()
 
-        def start(values: Any, cfg: TrainConfig) -> None:
+        def start(values: Any, cfg: TrainConfig, tables: Any) -> None:
             self.server = Server(
                 values,
                 cfg,
@@ -132,6 +132,7 @@ class _ServerHalf(DriverHalf):
                 attempt=self.attempt,
                 security=spec.security,
                 max_frame_bytes=spec.max_frame_bytes,
+                tables=tables,  # rank 0's sparse=True tables, served by rows
             )
 
         def current() -> tuple[list[str], int | None] | None:

@@ -571,7 +571,7 @@ class RunContext:
             )
         task = self.task
         if task.job.ps_bootstrap:  # the parameter server starts from rank 0's model
-            addresses, done = self._start_parameter_server(params, optimizer)
+            addresses, done = self._start_parameter_server(model, optimizer)
             spec = dataclasses.replace(task.job, ps_addresses=tuple(addresses), resume_step=done)
             task = dataclasses.replace(task, spec=spec)
         sync = make_sync(task, model, self._mesh)
@@ -610,29 +610,39 @@ class RunContext:
         return bool(np.array_equal(low, high))
 
     def _start_parameter_server(
-        self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[list[str], int | None]:
         """Rank 0 describes the model and optimizer to the driver, which starts (or
         already runs) the server; every rank learns the shards' addresses and the
-        server's completed step, or rank 0's error."""
+        server's completed step, or rank 0's error. The ``sparse=True`` tables go
+        apart from the flat vector: the server holds them by rows, as the built-in
+        loop's (the clients pick the same tables, :func:`served_tables`)."""
         from sparktrain.ps.bootstrap import optimizer_spec, request_server
+        from sparktrain.ps.layout import dense_params, served_tables
 
         reply: dict[str, Any] = {}
         if self.rank == 0:
             spec = self.task.job
             try:
-                dtypes = {p.dtype for p in params}
+                named = served_tables(model, self.config.sparse_embeddings)
+                params = dense_params(model, named)
+                dtypes = {p.dtype for p in params} | {p.dtype for _, p in named}
                 if dtypes - {torch.float32, torch.float64} or len(dtypes) != 1:
                     raise ConfigError(
                         f"strategy='ps' shards one float32 or float64 vector; the model's "
                         f"trainable parameters are {sorted(map(str, dtypes))}"
                     )
-                flat = torch.cat([p.detach().reshape(-1) for p in params]).numpy()
+                dtype = next(iter(dtypes))
+                flat = torch.cat(
+                    [p.detach().reshape(-1) for p in params] or [torch.empty(0, dtype=dtype)]
+                ).numpy()
+                tables = [(name, p.detach().cpu().numpy()) for name, p in named]
                 assert spec.ps_bootstrap is not None
                 addresses, step = request_server(
                     spec.ps_bootstrap,
                     flat,
                     optimizer_spec(optimizer),
+                    tables=tables,
                     secret=spec.secret,
                     job_id=spec.job_id,
                     attempt=spec.attempt,
@@ -682,6 +692,22 @@ class RunContext:
         """Release the distributed step's threads; idempotent."""
         if self._distributed is not None:
             self._distributed.sync.close()
+
+    def pull_returned_tables(self, value: Any) -> int:
+        """Rank 0, its train_fn done: under ``strategy="ps"`` with row-served tables,
+        pull the server's tables into the model when ``value`` (what rank 0 returns)
+        holds one of their tensors (``model.state_dict()``): the local table only
+        caches the rows this rank read. A value without them (figures, losses) costs
+        nothing. Returns the rows pulled."""
+        step = self._distributed
+        sync = step.sync if step is not None else None
+        refresh = getattr(sync, "refresh_tables", None)
+        if refresh is None or not self.task.job.ps_bootstrap:
+            return 0  # the built-in loop's driver takes the server's tables itself
+        tables = {p.untyped_storage().data_ptr() for p in getattr(sync, "tables", [])}
+        if not tables & _storages(value):
+            return 0
+        return int(refresh())
 
     def stats(self) -> dict[str, Any]:
         """This rank's figures for the run summary."""
@@ -772,3 +798,15 @@ def _gather(
     rows = plan[index]
     assert rows is not None  # only steps with rows are gathered
     return data.batch(rows, collator, rank)
+
+
+def _storages(value: Any, depth: int = 0) -> set[int]:
+    """The storages of the tensors in ``value`` (dicts, lists, tuples of them), as far
+    as :func:`~sparktrain.worker.run_task.encode_value` walks (bounded depth)."""
+    if isinstance(value, torch.Tensor):
+        return {value.untyped_storage().data_ptr()}
+    found: set[int] = set()
+    if depth < 64 and isinstance(value, Mapping | list | tuple):
+        for sub in value.values() if isinstance(value, Mapping) else value:
+            found |= _storages(sub, depth + 1)
+    return found

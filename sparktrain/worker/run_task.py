@@ -76,6 +76,8 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
         )
         try:
             value = train_fn(run)
+            if not builtin and ctx.rank == 0:  # the server's tables, if the value has them
+                run.pull_returned_tables(value)
         finally:
             run.close()
             if reporter is not None:

@@ -218,12 +218,19 @@ def test_a_train_fn_under_ps_starts_the_server_from_rank_0_and_matches_the_ring(
     spec = loop_spec(**common, strategy="ps", ps_mode="sync")
     servers: list[ParameterServer] = []
 
-    def start(values: np.ndarray, cfg: Any) -> None:
+    def start(values: np.ndarray, cfg: Any, tables: Any) -> None:
         servers.append(
             ParameterServer(
-                values, cfg, host="127.0.0.1", secret=spec.secret, job_id="t", attempt=0
+                values,
+                cfg,
+                host="127.0.0.1",
+                secret=spec.secret,
+                job_id="t",
+                attempt=0,
+                tables=tables,
             )
         )
+        assert tables == []  # an MLP: no sparse tables, the dense path as before
 
     def current() -> Any:
         return (list(servers[0].addresses), servers[0].completed_step()) if servers else None
