@@ -42,8 +42,8 @@ def log4j_options() -> str:
 # sparktrain's driver half (the Trainer, the stage runner, the strategies), pandas and
 # pyarrow (pyspark's Arrow paths: the warm-up job, the training stage's collect) and
 # pyspark.ml (the data preparation's vector columns; it brings scipy). Imported while a
-# new session's JVM starts instead of after it: measured 3.8 s, 3.3 s and 1.2 s at load
-# average 17 (the trainer, pandas/pyarrow, pyspark.ml), each on the way to the first fit.
+# new session's JVM starts instead of after it: each takes seconds on the way to the
+# first fit, and the JVM's start leaves the driver's CPU idle.
 PRELOAD: tuple[str, ...] = (
     "torch",
     "sparktrain.trainer",
