@@ -76,6 +76,10 @@ def test_digits_trains_across_the_namespaces(net, mh_spark, digits, strategy: st
     assert sum(s + r for s, r in per_worker) >= wire, (per_worker, wire)
     if strategy in ("ring", "tree"):
         assert sum(s for s, _ in per_worker) >= wire, (per_worker, wire)
+    if strategy == "tree_aggregate":
+        # its rounds are plain (not barrier) stages: Spark places each task where the cached
+        # partition lives and may run both partitions on one executor, so only the total holds
+        return
     for sent, received in per_worker:  # both workers took part
         assert sent + received >= 0.25 * wire, (per_worker, wire)
 
