@@ -74,7 +74,7 @@ from sparktrain.compress.base import (
     encode_message,
     message_nbytes,
 )
-from sparktrain.compress.feedback import SCALE, ErrorFeedback
+from sparktrain.compress.feedback import SCALE, WORLD, ErrorFeedback
 from sparktrain.compress.snapshot import dump_states, load_states
 from sparktrain.errors import CommError, ConfigError
 
@@ -208,6 +208,7 @@ class CompressedAllreduce:
         if count is not None:  # bucket 0 opens a step: this rank's n_r for every bucket
             self._count = float(count)
         state.slots[SCALE] = self._count  # error feedback keeps its residual per sample
+        state.slots[WORLD] = float(self.mesh.world_size)
         length = grads.numel() if raw_length is None else raw_length
         self.mesh.stats.add_sent(0, self._raw_bytes(length, grads.element_size()))
         try:

@@ -31,13 +31,33 @@ train with momentum: ``sign:chunk=32+ef:momentum=0.9`` (optimizer momentum 0, an
 ``drop_last=true`` so that no step has only a sample or two) stays within 1 pp of the
 uncompressed run on the digits models, where ``sign+ef`` with the
 optimizer's momentum diverges (see :mod:`sparktrain.compress.sign`).
+
+``+ef:momentum=M,mask=0`` turns momentum factor masking off for a sparse compressor
+(the default is on for sparse compressors, off for dense ones; ``mask=1`` on a dense
+compressor is refused: it would clear all momentum every step).
+
+Local gradient clipping (``+ef:local_clip=C``, DGC section 3.3): each rank clips its own
+per-sample bucket gradient ``g`` (the input divided by ``ef.scale``), before it enters
+the momentum and before the residual is added, to L2 norm ``C / sqrt(N)`` where ``N``
+is the world size from slot ``ef.world`` (default 1): the sum of N independent
+gradients of norm ``C / sqrt(N)`` has norm about ``C``. The residual otherwise grows
+without bound on a rank whose gradient spikes, and what it sends later is stale. This
+is apart from the loop's global ``clip_grad_norm`` (after the exchange). The steps
+seen and the steps clipped are counted in the state (:func:`clip_fraction`).
+
+Spec options print in a fixed order (``reset``, ``momentum``, ``mask``, ``local_clip``)
+and only when they differ from the default, so a spec round-trips through
+:func:`sparktrain.compress.registry.build` and checkpoints of older runs still match.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sparktrain.compress.base import BaseCompressor, BucketState, Compressor, Ctx, Payload, SumFn
+from sparktrain.errors import ConfigError
 
 RESIDUAL = "ef.residual"
 MOMENTUM = "ef.momentum"
@@ -47,17 +67,90 @@ whose error is fed back (the ring and treeAggregate compress ``n_r g_r``; the re
 must be kept per sample, see the module docstring)."""
 
 
+WORLD = "ef.world"
+"""Optional slot set by the caller each step next to ``SCALE``: the number of ranks whose
+inputs are summed (``local_clip`` clips to ``C / sqrt(world)``). Missing means 1."""
+CLIP_STEPS = "ef.clip_steps"
+"""Steps a ``local_clip`` compressor saw with samples (a plain int in the state)."""
+CLIPPED = "ef.clipped"
+"""Of those, the steps whose gradient was clipped."""
+
+
+def clip_fraction(state: BucketState) -> float | None:
+    """The fraction of this bucket's steps that ``+ef:local_clip`` clipped (None when
+    the compressor does not clip or has seen no step)."""
+    seen = int(state.slots.get(CLIP_STEPS, 0))
+    return int(state.slots.get(CLIPPED, 0)) / seen if seen else None
+
+
+def _number(value: float) -> str:
+    """``value`` as short text that parses back to the same float."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
+
+
 class ErrorFeedback(BaseCompressor):
-    def __init__(self, inner: Compressor, reset: int = 0, momentum: float = 0.0) -> None:
+    """Error feedback around ``inner`` (see the module docstring).
+
+    ``reset``: zero the residual every N steps (0 = never). ``momentum``: DGC momentum
+    correction factor (0 = off). ``mask``: momentum factor masking (None = on for sparse
+    compressors, off for dense ones). ``local_clip``: per-rank L2 clip ``C`` of the
+    per-sample gradient, scaled by ``1/sqrt(world)`` (0 = off).
+    """
+
+    def __init__(
+        self,
+        inner: Compressor,
+        reset: int = 0,
+        momentum: float = 0.0,
+        mask: bool | None = None,
+        local_clip: float = 0.0,
+    ) -> None:
         self.inner = inner
         self.reset = int(reset)
         self.momentum = float(momentum)
+        self.local_clip = float(local_clip)
         self.summable = inner.summable
-        self.mask = bool(getattr(inner, "sparse", False))  # momentum factor masking
+        sparse = bool(getattr(inner, "sparse", False))
+        if mask is not None and not self.momentum:
+            raise ConfigError(
+                f"compression {inner.spec}+ef: mask= only applies with momentum=M (it masks "
+                "the momentum at the coordinates sent); add momentum=0.9 or drop mask="
+            )
+        if mask and not sparse:
+            raise ConfigError(
+                f"compression {inner.spec}+ef: mask=1 needs a sparse compressor (topk, "
+                "randomk); a dense one sends every coordinate every step, so masking would "
+                "clear all momentum (plain SGD). Drop mask=1"
+            )
+        if not (math.isfinite(self.local_clip) and self.local_clip >= 0.0):
+            raise ConfigError(
+                f"compression {inner.spec}+ef: local_clip={local_clip!r} must be a finite "
+                "number > 0 (0 = off), e.g. local_clip=1.0"
+            )
+        self.mask = sparse if mask is None else bool(mask)  # momentum factor masking
         opts = [f"reset={self.reset}"] * bool(self.reset) + [f"momentum={self.momentum:g}"] * bool(
             self.momentum
         )
+        if self.momentum and self.mask != sparse:
+            opts.append(f"mask={int(self.mask)}")
+        if self.local_clip:
+            opts.append(f"local_clip={_number(self.local_clip)}")
         self.spec = f"{inner.spec}+ef" + (":" + ",".join(opts) if opts else "")
+
+    def _clip(self, g: torch.Tensor, state: BucketState) -> torch.Tensor:
+        """``g`` clipped to L2 norm ``local_clip / sqrt(world)`` (a new tensor if so)."""
+        world = float(state.slots.get(WORLD, 1.0))
+        if not world >= 1.0:
+            raise ValueError(f"slot {WORLD} = {world!r}: the world size must be >= 1")
+        limit = self.local_clip / math.sqrt(world)
+        norm = float(torch.linalg.vector_norm(g))
+        state.slots[CLIP_STEPS] = int(state.slots.get(CLIP_STEPS, 0)) + 1
+        if norm <= limit:
+            return g
+        state.slots[CLIPPED] = int(state.slots.get(CLIPPED, 0)) + 1
+        # never in place: without a scale g is the caller's tensor
+        return g * (limit / norm)
 
     def _input(self, tensor: torch.Tensor, state: BucketState) -> tuple[torch.Tensor, float]:
         """``(x, s)``: the compressor's input and the scale it is expressed in."""
@@ -66,6 +159,8 @@ class ErrorFeedback(BaseCompressor):
         if s <= 0.0:  # no samples: nothing to weigh the carried error with; keep it
             return t.clone(), s
         g = t if s == 1.0 else t / s
+        if self.local_clip:
+            g = self._clip(g, state)
         if self.momentum:
             u = state.slots.get(MOMENTUM)
             if u is None or u.numel() != g.numel():

@@ -14,6 +14,7 @@ compressors: the driver and the executors). The grammar is in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from sparktrain.compress.cast import Identity
 from sparktrain.compress.delta import Delta
 from sparktrain.compress.feedback import ErrorFeedback
 from sparktrain.compress.spec import (
+    EF_OPTIONS,
     WRAPPERS,
     Stage,
     check_options,
@@ -64,7 +66,7 @@ def build(spec: str) -> Compressor | None:
         return None
     for s in stages:
         if s.name == "ef":
-            check_options(s, 0, ("reset", "momentum"), ())
+            check_options(s, 0, EF_OPTIONS, ())
         elif s.name == "delta":
             check_options(s, 0, (), ())
     core = [s for s in stages if s.name not in WRAPPERS]
@@ -76,7 +78,19 @@ def build(spec: str) -> Compressor | None:
         momentum = float_option(ef, "momentum", 0.0, -1e-12, 1.0) if ef.option("momentum") else 0.0
         if momentum >= 1.0:
             raise fail(ef, f"momentum={momentum:g} must be in [0, 1)")
-        comp = ErrorFeedback(comp, reset=int_option(ef, "reset", 0, low=0), momentum=momentum)
+        mask = int_option(ef, "mask", -1, low=0)
+        if mask > 1:
+            raise fail(ef, f"mask={mask} must be 0 (off) or 1 (on)")
+        local_clip = float_option(ef, "local_clip", 0.0, 0.0, math.inf)
+        if not math.isfinite(local_clip):
+            raise fail(ef, f"local_clip={local_clip} must be a finite number > 0")
+        comp = ErrorFeedback(
+            comp,
+            reset=int_option(ef, "reset", 0, low=0),
+            momentum=momentum,
+            mask=None if mask < 0 else bool(mask),
+            local_clip=local_clip,
+        )
     return comp
 
 

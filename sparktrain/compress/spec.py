@@ -14,18 +14,30 @@ Spec grammar
     fp16                      -                                    summable
     bf16                      -                                    summable
     int8                      chunk=N (1024), stochastic           per-chunk fp32 scales
-    topk        ratio         ratio=R, sampled, sample=S (0.01)    fp32 values + u16/i32 idx
+    topk        ratio         ratio=R, sampled, sample=S (0.01),   fp32 values + u16/i32 idx
+                              warmup=S (0 = off)
     randomk     ratio         ratio=R                              shared seed: summable
     sign                      chunk=N (0: one scale per bucket)    1 bit/value + fp32 scales
     powersgd    rank          rank=R (1), warm (on) / cold         summable factors
     delta                     -                                    prefix: delta+<base>
-    ef                        reset=N (0 = never), momentum=M      suffix: <base>+ef
+    ef                        reset=N (0 = never), momentum=M,     suffix: <base>+ef
+                              mask=0|1, local_clip=C
 
 Examples: ``none``, ``fp16``, ``int8:chunk=256,stochastic+ef``, ``topk:0.01+ef``,
 ``topk:0.01,sampled+ef:reset=500``, ``randomk:0.05+ef``, ``sign+ef``,
 ``powersgd:2+ef``, ``delta+int8``, ``topk:0.01+ef:momentum=0.9`` (DGC momentum
 correction, see :mod:`sparktrain.compress.feedback`). Whitespace is ignored; names
 are case-insensitive.
+
+Deep Gradient Compression's remedies for top-k, each switchable on its own:
+``+ef:momentum=M`` (momentum correction; the optimizer's momentum must be 0), with
+momentum factor masking on by default for sparse compressors (``mask=0`` turns it off;
+``mask=1`` on a dense compressor is refused), ``+ef:local_clip=C`` (each rank clips its
+own gradient to L2 norm ``C / sqrt(world)`` before it enters momentum and residual,
+see :mod:`sparktrain.compress.feedback`) and ``topk:R,warmup=S`` (sparsity warm-up: the
+keep ratio decays from 25 % to ``R`` over the first ``S`` steps, see
+:mod:`sparktrain.compress.topk`). E.g.
+``topk:0.01,warmup=200+ef:momentum=0.9,local_clip=1``.
 
 :func:`parse` checks the grammar against the names it is given; the registry
 (:mod:`sparktrain.compress.registry`) gives it the registered ones and turns the stages
@@ -43,11 +55,14 @@ from sparktrain.errors import ConfigError
 WRAPPERS = ("delta", "ef")
 """Stage names that wrap the core compressor: ``delta+`` in front, ``+ef`` at the end."""
 FORMS = (
-    "none, fp16, bf16, int8[:chunk=N,stochastic], topk:R[,sampled][,sample=S], randomk:R, "
+    "none, fp16, bf16, int8[:chunk=N,stochastic], topk:R[,sampled][,sample=S][,warmup=S], "
+    "randomk:R, "
     "sign[:chunk=N], powersgd:R[,cold], optionally prefixed by delta+ and/or suffixed by "
-    "+ef[:reset=N][,momentum=M] "
+    "+ef[:reset=N][,momentum=M][,mask=0|1][,local_clip=C] "
     "(e.g. topk:0.01+ef, int8+ef, powersgd:2+ef, delta+int8)"
 )
+EF_OPTIONS = ("reset", "momentum", "mask", "local_clip")
+"""The options of the ``+ef`` suffix (:mod:`sparktrain.compress.feedback`)."""
 # bare words that are flags, never the positional argument (a ratio or a rank)
 _FLAGS = ("stochastic", "sampled", "exact", "cold", "warm")
 
@@ -136,7 +151,10 @@ def check_options(
         raise fail(stage, f"unexpected argument(s) {plain[positional:]}")
     for k, _ in stage.options:
         if k not in keys:
-            raise fail(stage, f"unknown option {k!r} (known: {', '.join(keys) or 'none'})")
+            hint = ""
+            if k in EF_OPTIONS and stage.name != "ef":  # a common slip: put it after +ef
+                hint = f"; {k}= is an error-feedback option: write it after +ef, e.g. +ef:{k}=..."
+            raise fail(stage, f"unknown option {k!r} (known: {', '.join(keys) or 'none'}){hint}")
 
 
 def positional(stage: Stage, flags: tuple[str, ...] = ()) -> str | None:

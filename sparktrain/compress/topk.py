@@ -10,6 +10,14 @@ parameter-server shards (6 bytes per kept value). The exact variant uses
 about ``k`` values (trimmed to at most ``1.25 k`` by an exact top-k of the survivors).
 Error: dropped values are returned exactly (``x - x'`` is ``x`` off the kept set, 0 on it).
 
+Sparsity warm-up (``topk:R,warmup=S``, DGC section 3.4): over a bucket's first ``S``
+steps (its :class:`~sparktrain.compress.base.BucketState` ``step``) the keep ratio decays
+exponentially from 25 % to ``R``: ``0.25 ** (1 - t/S) * R ** (t/S)`` at step ``t < S``
+(never below ``R``), then ``R``. Early gradients change fast, and sending more of them
+while the residual is young keeps it from piling up stale mass. ``S = 0`` (the default)
+is off. The payload carries its own ``k`` (the receiver bounds it by the element
+count only); ``payload_nbytes`` is the steady-state size at ``R``, which picks the path.
+
 Path: top-k payloads are not summable (different index sets); they are all-gathered
 (``n - 1`` payloads per rank) and every rank scatter-adds them in rank order. That is
 the cheapest exact path: the union of index sets grows along a ring, so a
@@ -43,7 +51,11 @@ from sparktrain.compress.base import (
     expect_parts,
     summable_allreduce,
 )
-from sparktrain.compress.spec import Stage, check_options, float_option
+from sparktrain.compress.spec import Stage, check_options, float_option, int_option
+from sparktrain.errors import ConfigError
+
+WARMUP_START = 0.25
+"""The keep ratio a ``warmup=S`` top-k starts from (DGC's 25 %)."""
 
 
 def keep_count(ratio: float, numel: int) -> int:
@@ -96,23 +108,38 @@ class TopK(BaseCompressor):
     summable = False
     sparse = True  # sends a few coordinates: ``+ef:momentum`` masks what was sent
 
-    def __init__(self, ratio: float, sampled: bool = False, sample: float = 0.01) -> None:
+    def __init__(
+        self, ratio: float, sampled: bool = False, sample: float = 0.01, warmup: int = 0
+    ) -> None:
         self.ratio = float(ratio)
         self.sampled = bool(sampled)
         self.sample = float(sample)
+        self.warmup = int(warmup)
+        if self.warmup < 0:
+            raise ConfigError(f"topk warmup={warmup} must be >= 0 steps (0 = off)")
         extra = ",sampled" if sampled else ""
         if sampled and sample != 0.01:
             extra += f",sample={sample:g}"
+        if self.warmup:
+            extra += f",warmup={self.warmup}"
         self.spec = f"topk:{self.ratio:g}{extra}"
 
-    def _indices(self, t: torch.Tensor, k: int, state: BucketState) -> torch.Tensor:
+    def ratio_at(self, step: int) -> float:
+        """The keep ratio at bucket step ``step``: the warm-up's exponential decay from
+        ``WARMUP_START`` to ``ratio`` over the first ``warmup`` steps, then ``ratio``."""
+        if step >= self.warmup or step < 0:
+            return self.ratio
+        f = step / self.warmup
+        return max(self.ratio, WARMUP_START ** (1.0 - f) * self.ratio**f)
+
+    def _indices(self, t: torch.Tensor, k: int, ratio: float, state: BucketState) -> torch.Tensor:
         n = t.numel()
         if not self.sampled or k * 4 >= n:
             return torch.topk(t.abs(), k, sorted=False).indices
         gen = torch.Generator().manual_seed(step_seed(state, 17))
         s = min(n, max(4096, math.ceil(self.sample * n)))
         sample = t[torch.randint(0, n, (s,), generator=gen)].abs_()
-        ks = keep_count(self.ratio, s)
+        ks = keep_count(ratio, s)
         threshold = torch.topk(sample, ks, sorted=False).values.min()
         idx = above(t, threshold)
         limit = math.ceil(1.25 * k)
@@ -123,8 +150,9 @@ class TopK(BaseCompressor):
     def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
         t = tensor.detach().reshape(-1).to(torch.float32)
         n = t.numel()
-        k = keep_count(self.ratio, n)
-        idx = self._indices(t, k, state) if k else torch.zeros(0, dtype=torch.int64)
+        ratio = self.ratio_at(state.step)
+        k = keep_count(ratio, n)
+        idx = self._indices(t, k, ratio, state) if k else torch.zeros(0, dtype=torch.int64)
         vals = t[idx].contiguous()
         itype = index_dtype(n)
         if itype == np.uint16:  # torch has few uint16 kernels: narrow in numpy (k values)
@@ -209,11 +237,12 @@ _TOPK_FLAGS = ("sampled", "exact")
 
 def register_all(register: Callable[[str, Callable[[Stage], Any]], None]) -> None:
     def topk(stage: Stage) -> Any:
-        check_options(stage, 1, ("ratio", "sample"), _TOPK_FLAGS)
+        check_options(stage, 1, ("ratio", "sample", "warmup"), _TOPK_FLAGS)
         return TopK(
             float_option(stage, "ratio", None, 0.0, 1.0),
             sampled="sampled" in stage.args,
             sample=float_option(stage, "sample", 0.01, 0.0, 1.0),
+            warmup=int_option(stage, "warmup", 0, low=0),
         )
 
     def randomk(stage: Stage) -> Any:

@@ -183,6 +183,7 @@ def run_rounds(
             threads=cfg.threads_per_worker or env.task_cpus(),
             task_hook=task_hook,
             size_slots=partitions,
+            partitions=partitions,
         )
         comp = download_compressor(cfg.compression)
         if comp is not None or served:

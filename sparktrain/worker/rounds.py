@@ -53,7 +53,7 @@ from sparktrain.builders import (
 from sparktrain.comm.link import emulate_task_transfer
 from sparktrain.comm.security import WireSecurity
 from sparktrain.compress.base import BucketState
-from sparktrain.compress.feedback import SCALE
+from sparktrain.compress.feedback import SCALE, WORLD
 from sparktrain.config import TrainConfig
 from sparktrain.result import state_from_bytes
 from sparktrain.worker.data import PartitionData, epoch_batches
@@ -113,6 +113,9 @@ class RoundSpec:
     # > 0 only in the sizing round (the job's first): the number of partitions whose row
     # counts the stats carry; that round's rounds_per_epoch is 0 (not known yet)
     size_slots: int = 0
+    # the number of partitions whose payloads a round sums (``+ef:local_clip`` scales
+    # its clip by 1/sqrt of it)
+    partitions: int = 1
     model_fn: Any = field(kw_only=True)  # zero-argument callable or "package.module:function"
     model_kwargs: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
@@ -284,6 +287,7 @@ def partition_round(
             with state.lock:
                 bstate = state.bucket_state(spec, block.index, round_index)
                 bstate.slots[SCALE] = float(stats[SAMPLES])  # vec is n_p times the mean
+                bstate.slots[WORLD] = float(spec.partitions)  # the round sums P partitions
                 payload = codec.encode(vec, bstate)
         else:
             payload = codec.encode(vec)
