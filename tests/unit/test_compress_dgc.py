@@ -340,3 +340,31 @@ def test_resume_through_the_reducer_states_at_world_2():
     for same, world, frac in results:
         assert same == [True] * 4
         assert world == 2.0 and frac is not None and 0.0 < frac < 1.0
+
+
+def test_tree_aggregate_round_tells_the_compressor_its_partitions():
+    """A treeAggregate round sets ``ef.world`` to the number of partitions it sums
+    (``RoundSpec.partitions``), next to ``ef.scale``."""
+    import dataclasses
+
+    from sparktrain.worker.flat import flatten
+    from sparktrain.worker.rounds import _STATES, partition_round
+
+    from .fixtures import rounds_blocks, rounds_cfg, rounds_model, rounds_spec
+
+    _STATES.clear()
+    try:
+        cfg = rounds_cfg(compression="topk:0.2+ef:local_clip=1e-3")  # always clips
+        blocks = rounds_blocks((37, 20))
+        model = rounds_model()
+        spec = dataclasses.replace(rounds_spec(cfg, model, blocks, "dgc-world"), partitions=2)
+        weights = flatten(list(model.parameters()))
+        for b in blocks:
+            partition_round(spec, weights, b, 0)
+        states = _STATES["dgc-world"].comp_states
+        for b in blocks:
+            st = states[b.index][0]
+            assert st.slots[WORLD] == 2.0 and st.slots[SCALE] == 8.0
+            assert clip_fraction(st) == 1.0
+    finally:
+        _STATES.clear()
