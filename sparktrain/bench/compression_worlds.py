@@ -338,6 +338,10 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
             ax.set_xticks(sorted({r["world"] for r in rows}))
             ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
             ax.grid(True, alpha=0.3)
+        # plain numbers on the log axis: "30" reads better than "3 x 10^1"
+        red_ax.get_yaxis().set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        red_ax.get_yaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        red_ax.get_yaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         gap_ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
