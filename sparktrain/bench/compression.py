@@ -274,10 +274,8 @@ def quality_plot(records: list[dict[str, Any]], path: Path) -> None:
 
 def quality_main(args: argparse.Namespace) -> int:
     """``--quality``: worlds x seeds x specs with paired gaps (:mod:`.compression_worlds`)."""
-    from sparktrain.bench import compression_worlds
-
     specs = args.specs if args.specs != DEFAULT_SPECS else WORLD_SPECS
-    return compression_worlds.main(args, specs)
+    return compression_worlds.main(args, specs, quality_run)
 
 
 # ---------------------------------------------------------------------- per-layer

@@ -34,7 +34,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -395,10 +395,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", default="5g", help="--time-to: the emulated link profile")
 
 
-def main(args: argparse.Namespace, specs: Sequence[str]) -> int:
-    """The grid (models x worlds x seeds x specs), then the time-to-accuracy runs."""
+def main(
+    args: argparse.Namespace, specs: Sequence[str], quality_run: Callable[..., dict[str, Any]]
+) -> int:
+    """The grid (models x worlds x seeds x specs), then the time-to-accuracy runs;
+    ``quality_run`` is :func:`sparktrain.bench.compression.quality_run` (passed in, as
+    that module imports this one)."""
     from sparktrain import datasets
-    from sparktrain.bench.compression import quality_run
     from sparktrain.session import get_or_create_session
 
     worlds = sorted(set(args.worlds))
