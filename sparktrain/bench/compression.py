@@ -8,27 +8,17 @@ Throughput is ``4 * elements`` bytes (the fp32 input) over the median time of
 fp32 size over the payload bytes actually produced. Runs in this process with
 ``torch.set_num_threads(--threads)``. A benchmark, not a test: nothing is asserted.
 
-Quality (``--quality``): accuracy against bytes, end to end on Spark (one run per
-configuration and seed 0: differences of one or two test images are noise)::
+Quality (``--quality``): accuracy against bytes, end to end on Spark, at worlds 2, 4 and
+8 with the global batch fixed, three seeds and paired gaps to the uncompressed run; see
+:mod:`sparktrain.bench.compression_worlds` (issue 21's targets)::
 
-    sparktrain bench compression --quality --json runs/compression_quality.json \
-        --plot runs/compression_quality.png [--epochs 20] [--worlds 2 4]
+    sparktrain bench compression --quality --json runs/compression_worlds.json \
+        --plot runs/compression_worlds.png [--worlds 2 4 8] [--seeds 0 1 2] [--ablation]
 
-Two models on scikit-learn's digits — the 64-128-10 MLP and a small CNN on the 8x8
-images (:func:`sparktrain.models.digits_cnn`) — trained with conf/digits_mlp.toml's
-recipe (SGD lr 0.1, momentum 0.9, batch 32) by every compressor, with and without error
-feedback, on the ring and on the synchronous parameter server, each on its own
-``local[world]`` session stage. ``topk:0.01+ef:momentum=0.9`` is DGC's momentum
-correction: momentum applied before compression (and masked where sent), the optimizer's
-momentum set to 0; ``sign:chunk=32+ef:momentum=0.9`` likewise moves the momentum into
-the error-feedback loop (unmasked for a dense compressor), which ``sign`` needs to train
-at this recipe's lr (see :mod:`sparktrain.compress.sign`). For each run: final test
-accuracy, its gap to the uncompressed run of the same model, strategy and world, wire
-bytes (everything every sender put on the wire, headers included), the effective ratio
-``raw / wire`` (raw = what the uncompressed exchange sends), and on the PS the push and
-pull ratios apart (pulls are exact unless the spec starts with ``delta+``). Targets
-(issue 5) are checked and printed; a 450-image test set makes one image 0.22 pp, so gaps
-below that are noise-free only for near-lossless compressors.
+:func:`quality_run` (one training run as a record) and :func:`quality_table` (the
+one-seed records of docs/results/compression_quality*.json, issue 5's bench) stay for
+those files and for ``--per-layer``. ``topk:0.01+ef:momentum=0.9`` is DGC's momentum
+correction: momentum applied before compression, the optimizer's momentum set to 0.
 
 Per-layer policies (``--per-layer``, ring, first of ``--worlds``): for each model, the
 uniform runs (``none``, ``--safe``, ``int8+ef``, ``--aggressive``), then one run per layer
@@ -52,7 +42,9 @@ from typing import Any
 
 import torch
 
+from sparktrain.bench import compression_worlds
 from sparktrain.bench.allreduce import parse_size
+from sparktrain.bench.compression_worlds import WORLD_SPECS, target_for
 from sparktrain.compress.base import BucketState
 from sparktrain.compress.registry import build
 from sparktrain.errors import ConfigError
@@ -104,32 +96,9 @@ def bench_spec(spec: str, elements: int, repeats: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- quality
 QUALITY_MODELS = {"mlp": "sparktrain.models:digits_mlp", "cnn": "sparktrain.models:digits_cnn"}
-QUALITY_SPECS = [
-    "none",
-    "fp16",
-    "bf16",
-    "int8",
-    "int8+ef",
-    "powersgd:2",
-    "powersgd:2+ef",
-    "topk:0.01",
-    "topk:0.01+ef",
-    "topk:0.01+ef:momentum=0.9",
-    "sign",
-    "sign+ef",
-    "sign:chunk=32+ef:momentum=0.9",
-]
-PS_ONLY_SPECS = ["delta+int8+ef"]
-TARGETS = {  # spec -> (max gap in pp, min wire-byte reduction or None)
-    "fp16": (0.2, None),
-    "bf16": (0.2, None),
-    "int8+ef": (0.5, None),
-    "powersgd:2+ef": (0.5, None),
-    "topk:0.01+ef": (1.0, 25.0),
-    "topk:0.01+ef:momentum=0.9": (1.0, 25.0),
-    "sign+ef": (1.0, None),
-    "sign:chunk=32+ef:momentum=0.9": (1.0, None),
-}
+# the old default grid (one seed, world 2, ring and PS): its records are in
+# docs/results/compression_quality*.json; --quality now runs compression_worlds' grid
+QUALITY_SPECS = WORLD_SPECS
 RECIPE: dict[str, Any] = {
     "batch_size": 32,
     "lr": 0.1,
@@ -155,10 +124,18 @@ def quality_run(
     world: int,
     epochs: int,
     drop_last: bool = False,
+    *,
+    seed: int = 0,
+    batch_size: int | None = None,
+    link: str = "none",
+    compression_path: str | None = None,
 ) -> dict[str, Any]:
     """One training run; its figures as a JSON-able record. ``spec`` may be a per-layer
     table (:mod:`sparktrain.compress.policy`); ``drop_last`` leaves out each partition's
-    short final batch (for every spec alike, the baseline included)."""
+    short final batch (for every spec alike, the baseline included). ``batch_size`` is
+    per worker (None: the recipe's), ``link`` an emulated link profile and
+    ``compression_path`` forces the collective's path (None: its own choice). The record
+    keeps each epoch's validation accuracy and time (``history``)."""
     from sparktrain import TrainConfig, Trainer
     from sparktrain.compress.registry import build
 
@@ -166,8 +143,12 @@ def quality_run(
     kwargs = dict(RECIPE["optimizer_kwargs"])
     if any(getattr(build(s), "momentum", 0.0) for s in specs):
         kwargs["momentum"] = 0.0  # DGC: the compressor applies the momentum
-    recipe = dict(RECIPE)
+    recipe = {**RECIPE, "seed": seed, "link_profile": link}
+    if batch_size is not None:
+        recipe["batch_size"] = batch_size
     overrides: dict[str, Any] = {"ps_mode": "sync", "ps_shards": 2} if strategy == "ps" else {}
+    if compression_path is not None:  # issue 21's config key; absent: the collective chooses
+        overrides["compression_path"] = compression_path
     cfg = TrainConfig(
         **{**recipe, "optimizer_kwargs": kwargs},
         **overrides,
@@ -194,6 +175,17 @@ def quality_run(
         "wall_s": time.perf_counter() - started,
         "epochs": epochs,
         "drop_last": drop_last,
+        "seed": seed,
+        "batch_size": int(recipe["batch_size"]),
+        "link": link,
+        "steps_per_epoch": int(s["steps_per_epoch"]),
+        # what the collective chose (forced or its own); absent without compression
+        "compression_path": s.get("compression_path"),
+        "compression_path_forced": compression_path,
+        "history": [
+            {"epoch": h["epoch"], "metric": h["metric"], "seconds": h["seconds"]}
+            for h in s["history"]
+        ],
     }
     if strategy == "ps":
         for direction in ("push", "pull"):
@@ -213,7 +205,7 @@ def add_gaps(records: list[dict[str, Any]]) -> None:
         r["gap_pp"] = 100.0 * (ref["accuracy"] - r["accuracy"])
         key = "push_wire_bytes" if r["strategy"] == "ps-sync" else "wire_bytes"
         r["reduction"] = ref[key] / max(r[key], 1)
-        target = TARGETS.get(r["spec"])
+        target = target_for(r["spec"])
         if target is not None:
             gap_ok = r["gap_pp"] <= target[0] + 1e-9
             bytes_ok = target[1] is None or r["reduction"] >= target[1]
@@ -281,45 +273,9 @@ def quality_plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def quality_main(args: argparse.Namespace) -> int:
-    from sparktrain import datasets
-    from sparktrain.session import get_or_create_session
-
-    worlds = sorted(set(args.worlds))
-    if min(worlds) < 1 or args.epochs < 1:
-        raise ConfigError("--worlds and --epochs must be >= 1")
-    split = datasets.digits()
-    records: list[dict[str, Any]] = []
-    specs = args.specs if args.specs != DEFAULT_SPECS else QUALITY_SPECS
-    for world in worlds:
-        spark = get_or_create_session(f"local[{world}]", app_name="sparktrain-bench-quality")
-        frames = (
-            datasets.to_dataframe(spark, split.x_train, split.y_train, world),
-            datasets.to_dataframe(spark, split.x_test, split.y_test, world),
-        )
-        # warm-up: the first stage pays for Python workers and torch imports
-        quality_run(spark, frames, "mlp", "ring", "none", world, 1)
-        strategies = args.strategies if world == 2 else ["ring"]  # world 4: ring only
-        for model in args.models:
-            for strategy in strategies:
-                extra = PS_ONLY_SPECS if strategy == "ps" and args.specs == DEFAULT_SPECS else []
-                for spec in [*specs, *extra]:
-                    rec = quality_run(
-                        spark, frames, model, strategy, spec, world, args.epochs, args.drop_last
-                    )
-                    records.append(rec)
-                    print(json.dumps(rec), flush=True)
-        spark.stop()
-    add_gaps(records)
-    print(quality_table(records))
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(records, indent=1) + "\n")
-        print(f"records written to {path}")
-    if args.plot:
-        quality_plot(records, Path(args.plot))
-        print(f"plot written to {args.plot}")
-    return 0
+    """``--quality``: worlds x seeds x specs with paired gaps (:mod:`.compression_worlds`)."""
+    specs = args.specs if args.specs != DEFAULT_SPECS else WORLD_SPECS
+    return compression_worlds.main(args, specs, quality_run)
 
 
 # ---------------------------------------------------------------------- per-layer
@@ -427,12 +383,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--quality: leave out each partition's short final batch (drop_last=true)",
     )
     parser.add_argument(
-        "--worlds", type=int, nargs="+", default=[2], help="--quality: worker counts (4: ring)"
+        "--worlds",
+        type=int,
+        nargs="+",
+        default=[2, 4, 8],
+        help="--quality: worker counts (--per-layer: the first)",
     )
     parser.add_argument(
         "--models", nargs="+", default=["mlp", "cnn"], choices=sorted(QUALITY_MODELS)
     )
-    parser.add_argument("--strategies", nargs="+", default=["ring", "ps"], choices=["ring", "ps"])
+    parser.add_argument("--strategies", nargs="+", default=["ring"], choices=["ring", "ps"])
+    compression_worlds.add_arguments(parser)
     parser.add_argument(
         "--per-layer",
         action="store_true",

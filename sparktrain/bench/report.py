@@ -88,6 +88,12 @@ def _compression(data: Any) -> str:
     return compression.quality_table(data)
 
 
+def _compression_worlds(data: Any) -> str:
+    from sparktrain.bench import compression_worlds
+
+    return compression_worlds.render(data)
+
+
 def _per_layer(data: Any) -> str:
     from sparktrain.bench import compression
 
@@ -416,6 +422,13 @@ SECTIONS: tuple[Section, ...] = (
         "sparktrain bench pipeline --stages 2 4 --micro-batches 8 "
         "--json docs/results/bench_pipeline.json",
         "bench_pipeline.json", _pipeline,
+    ),
+    Section(
+        "compression_worlds", "Compression as the world grows: worlds 2, 4, 8, paired seeds",
+        "sparktrain bench compression --quality --ablation --time-to 0.95 --link 5g \\\n"
+        "    --json docs/results/compression_worlds.json \\\n"
+        "    --plot docs/results/compression_worlds.png",
+        "compression_worlds.json", _compression_worlds, ("compression_worlds.png",),
     ),
     Section(
         "compression_quality", "Compression: accuracy against bytes",
