@@ -356,8 +356,12 @@ def test_honest_byte_figures():
     assert topk.payload_nbytes(n) == n // 100 * 8  # 50x, not 100x (int32 indices)
     assert topk.payload_nbytes(50_000) == 500 * 6  # uint16 indices up to 65,536 elements
     assert 4 * n / topk.payload_nbytes(n) == 50
-    # a sparse all-gather grows with the world; a summable reduce does not
-    assert bytes_per_rank(topk, n, 4) == 3 * bytes_per_rank(topk, n, 2)
+    # a sparse all-gather grows with the world (plain top-k); the resparsify ring
+    # (top-k+ef) and a summable reduce do not
+    plain = build("topk:0.01")
+    assert plain is not None
+    assert bytes_per_rank(plain, n, 4) == 3 * bytes_per_rank(plain, n, 2)
+    assert bytes_per_rank(topk, n, 4) == pytest.approx(1.5 * bytes_per_rank(topk, n, 2))
     fp16 = build("fp16")
     assert fp16 is not None
     assert bytes_per_rank(fp16, n, 4) == pytest.approx(1.5 * 2 * n)
@@ -384,8 +388,9 @@ def test_path_choice_moves_the_fewest_bytes():
         assert path_for(comp(spec), 2) == "allgather"  # a tie: the exact path
         assert path_for(comp(spec), 3) == path_for(comp(spec), 4) == "recompress"
         assert path_for(comp(spec), 4, "tree") == "allgather"  # the tree has no ring hops
-    for spec in ("topk:0.01", "topk:0.01,sampled+ef"):
-        assert {path_for(comp(spec), w) for w in (2, 3, 4)} == {"allgather"}
+    assert {path_for(comp("topk:0.01"), w) for w in (2, 3, 4)} == {"allgather"}
+    assert path_for(comp("topk:0.01,sampled+ef"), 2) == "allgather"
+    assert path_for(comp("topk:0.01,sampled+ef"), 4) == "resparsify"  # test_compress_gtopk
     n = 1 << 20
     int8 = comp("int8")
     b = path_bytes(int8, n, 4)
