@@ -20,8 +20,10 @@ keeps one :class:`~sparktrain.compress.base.BucketState` per bucket and picks a 
   hop (``"resparsify"``, gTop-k: Shi et al. 2019): a hop decodes the segment's sparse
   partial sum, adds its own (error-fed) segment and keeps the top ``ratio * segment``
   values; the dropped mass goes to that rank's residual. ``2 (n - 1) / n`` payloads per
-  rank, flat in ``n``, where the all-gather's ``n - 1`` grow with it. Momentum factor
-  masking (``+ef:momentum``) forgets the coordinates of the reduced result.
+  rank, flat in ``n``, where the all-gather's ``n - 1`` grow with it. On the tree, from
+  world 3, each round of recursive doubling swaps ``k``-sparse vectors and re-sparsifies
+  their sum: ``log2(n)`` payloads instead of ``n - 1``. Momentum factor masking
+  (``+ef:momentum``) forgets the coordinates of the reduced result.
 
 :func:`path_for` picks the path with the fewest predicted payload bytes per rank
 (:func:`path_bytes`; all-gather ``(n - 1) P``, ring ``2 (n - 1) / n P`` for a payload of
@@ -38,7 +40,7 @@ randomk         reduce       reduce       reduce       reduce
 powersgd        reduce       reduce       reduce       reduce
 int8, sign      allgather    recompress   recompress   allgather
 topk            allgather    allgather    allgather    allgather
-topk +ef        allgather    resparsify   resparsify   allgather
+topk +ef        allgather    resparsify   resparsify   resparsify
 ==============  ===========  ===========  ===========  ============
 
 Bitwise agreement: every rank ends with identical bits, because each rank applies the
@@ -85,6 +87,7 @@ from sparktrain.compress.base import (
 )
 from sparktrain.compress.feedback import SCALE, ErrorFeedback
 from sparktrain.compress.snapshot import dump_states, load_states
+from sparktrain.compress.topk import index_dtype
 from sparktrain.errors import CommError, ConfigError
 
 RECOMPRESSIBLE = ("int8", "sign")
@@ -146,6 +149,11 @@ def path_bytes(comp: Compressor, numel: int, world: int, algo: str = "ring") -> 
         # sized for its segment (top-k: k = ratio * segment, a narrower index type)
         segs = [b - a for a, b in ring_segments(numel, world)]
         out[ring] = float(2 * sum(comp.payload_nbytes(m) for m in segs[1:]))
+    elif algo == "tree" and ring == "resparsify":
+        # one k-sparse payload per round of recursive doubling (folding left out, as
+        # for the summable tree)
+        rounds = (1 << (world.bit_length() - 1)).bit_length() - 1
+        out[ring] = float(rounds * payload)
     return out
 
 
@@ -189,6 +197,7 @@ def bytes_per_rank(comp: Compressor, numel: int, world: int, algo: str = "ring")
 
 
 RING_SLOT = "recompress.segments"
+TREE_SLOT = "resparsify.rounds"
 INLINE_MAX_BYTES = 512 << 10
 
 
@@ -274,6 +283,8 @@ class CompressedAllreduce:
         try:
             if self.path == "reduce":
                 total_count = self._reduce(grads, state, count)
+            elif self.path == "resparsify" and isinstance(self.algo, TreeAllreduce):
+                total_count = self._tree_resparsify(grads, state, count)
             elif self.path in ("recompress", "resparsify"):
                 total_count = self._recompress(grads, state, count)
             else:
@@ -408,3 +419,77 @@ class CompressedAllreduce:
             # not those of this rank's partial encodings (it re-encoded others' sums)
             ef._keep(state, x, x - err, scale, mask=out != 0)
         return total if count is not None else 0.0
+
+    def _tree_resparsify(
+        self, grads: torch.Tensor, state: BucketState, count: float | None
+    ) -> float:
+        """gTop-k on recursive doubling: each round swaps ``k``-sparse vectors with the
+        partner, both add the two decoded vectors (same bits: IEEE addition commutes) and
+        re-sparsify that sum for the next round. ``log2(n)`` payloads per rank instead of
+        the all-gather's ``n - 1``.
+
+        Error feedback: after round ``j`` the ``2 ** j`` ranks of a block hold the same
+        vector, so each keeps ``1 / 2 ** j`` of its encoding loss (a power of two: exact)
+        and the loss is fed back once over the block. A folded rank (worlds that are not
+        powers of two) sends its own top-k to its partner, which adds it to its input,
+        and receives the result exactly (every nonzero) at the end.
+        """
+        comp = self.comp
+        assert isinstance(comp, ErrorFeedback) and isinstance(self.algo, TreeAllreduce)
+        inner = comp.inner
+        x, scale = comp._input(grads, state)
+        err = torch.zeros_like(x)
+        algo, mesh, numel = self.algo, self.mesh, x.numel()
+        n, r, p = mesh.world_size, mesh.rank, algo.pow2
+        rounds = p.bit_length() - 1
+        # one state per round (and one for a folded rank's own encoding), like the ring's
+        # per-segment states: scratch buffers keep their size, seeds stay per round
+        subs = state.slots.get(TREE_SLOT)
+        if not isinstance(subs, list) or len(subs) != rounds + 1:
+            subs = [
+                BucketState(key=state.key * 4096 + j, seed=state.seed, stream=state.stream)
+                for j in range(rounds + 1)
+            ]
+            state.slots[TREE_SLOT] = subs
+        for sub in subs:
+            sub.step = state.step
+        limit = message_nbytes((), Ctx(numel)) + 16 * numel + 4096
+
+        def encode(
+            j: int, values: torch.Tensor, share: float, carried: float
+        ) -> tuple[np.ndarray, torch.Tensor]:
+            payload, ctx = inner.compress(values, subs[j])
+            sent = inner.decompress(payload, ctx)
+            err.add_(values.sub(sent).mul_(share))
+            return encode_message(payload, ctx, carried), sent
+
+        def decode(blob: np.ndarray) -> tuple[torch.Tensor, float]:
+            payload, ctx, carried = decode_message(blob, numel)
+            return inner.decompress(payload, ctx), carried
+
+        carried = 0.0 if count is None else float(count)
+        algo.connect()
+        if r >= p:  # folded: our top-k to the partner, the finished sum back
+            blob, _ = encode(rounds, x, 1.0, carried)
+            total, carried = decode(algo.swap(r - p, blob, limit, rounds + 1))
+        else:
+            cur = x
+            if r + p < n:
+                part, c = decode(algo.swap(r + p, None, limit, 0))
+                cur, carried = x + part, carried + c
+            for j in range(rounds):
+                blob, sent = encode(j, cur, 1.0 / (1 << j), carried)
+                theirs, c = decode(algo.swap(r ^ (1 << j), blob, limit, j + 1))
+                cur, carried = sent.add_(theirs), carried + c
+            total = cur
+            if r + p < n:  # every nonzero of the total, exactly, in top-k's payload form
+                idx = torch.nonzero(total).squeeze(1)
+                itype = index_dtype(numel)
+                payload = (total[idx].numpy(), idx.numpy().astype(itype))
+                out_blob = encode_message(payload, Ctx(numel), carried)
+                mesh.connection(r + p).send_array(out_blob, KIND_PAYLOAD)
+        out = grads.reshape(-1)
+        out.copy_(total)
+        # the residual is err (per sample); masking as on the ring: what the world sent
+        comp._keep(state, x, x - err, scale, mask=out != 0)
+        return carried if count is not None else 0.0

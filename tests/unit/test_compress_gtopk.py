@@ -12,6 +12,7 @@ import torch
 from sparktrain.compress import build
 from sparktrain.compress.collective import (
     RING_SLOT,
+    TREE_SLOT,
     CompressedAllreduce,
     choose_path,
     path_bytes,
@@ -46,6 +47,7 @@ def _run(
     *,
     path: str = "auto",
     resume_at: int | None = None,
+    algo_name: str = "ring",
 ) -> list[dict[str, Any]]:
     """``steps`` reductions of :func:`_grad` per rank on a ring of threads and sockets
     (count ``rank + 1`` each step). With ``resume_at``, the reducer's state is saved after
@@ -53,7 +55,7 @@ def _run(
     from sparktrain.comm import make_allreduce
 
     def body(rank: int, mesh) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-        algo = make_allreduce("ring", mesh)
+        algo = make_allreduce(algo_name, mesh)
         red = CompressedAllreduce(_comp(spec), algo, seed=7, path=path)
         before = mesh.stats.as_dict()
         outs = []
@@ -88,30 +90,34 @@ def test_topk_with_ef_takes_the_resparsify_ring_from_world_3():
         comp = _comp(spec)
         assert path_for(comp, 2) == "allgather"  # a tie at world 2: the exact path
         assert {path_for(comp, w) for w in (3, 4, 8, 16)} == {"resparsify"}
-        assert path_for(comp, 4, "tree") == "allgather"  # the tree stays on the all-gather
+        assert path_for(comp, 2, "tree") == "allgather"
+        assert {path_for(comp, w, "tree") for w in (3, 4, 8)} == {"resparsify"}
     # without +ef the dropped mass of a hop would be lost: the exact all-gather stays
     assert {path_for(_comp("topk:0.01"), w) for w in (2, 3, 4, 8)} == {"allgather"}
 
 
+@pytest.mark.parametrize("algo", ["ring", "tree"])
 @pytest.mark.parametrize("world", [3, 4, 5, 8])
-def test_every_rank_ends_with_identical_bits(world):
-    results = _run(world, SPEC, 6007, 2)
+def test_every_rank_ends_with_identical_bits(world, algo):
+    results = _run(world, SPEC, 6007, 2, algo_name=algo)
     assert {r["path"] for r in results} == {"resparsify"}
     for step in range(2):
         first = results[0]["outs"][step]
         for r in results[1:]:
             assert r["outs"][step].tobytes() == first.tobytes()
-    # the result is sparse: at most k per segment survives each step
+    # the result is sparse: ring, k per segment; tree, the last round's two k-sparse sums
     out = results[0]["outs"][0]
-    assert 0 < np.count_nonzero(out) <= world * (6007 // world // 100 + 2)
+    bound = world * (6007 // world // 100 + 2) if algo == "ring" else 2 * (6007 // 100 + 1)
+    assert 0 < np.count_nonzero(out) <= bound
 
 
-def test_error_feedback_loses_nothing_over_the_ranks():
+@pytest.mark.parametrize(("algo", "world"), [("ring", 4), ("tree", 4), ("tree", 5)])
+def test_error_feedback_loses_nothing_over_the_ranks(algo, world):
     """Over T steps: sum of the delivered sums = sum of all inputs - sum of the final
     residuals (kept per sample, so times each rank's count), every hop's re-sparsification
-    loss included."""
-    world, n, steps = 4, 5003, 8
-    results = _run(world, SPEC, n, steps)
+    loss included (tree at world 5: a folded rank)."""
+    n, steps = 5003, 8
+    results = _run(world, SPEC, n, steps, algo_name=algo)
     delivered = np.sum(results[0]["outs"], axis=0, dtype=np.float64)
     inputs = sum(
         _grad(rank, step, n).astype(np.float64) for rank in range(world) for step in range(steps)
@@ -123,9 +129,10 @@ def test_error_feedback_loses_nothing_over_the_ranks():
     assert np.abs(residuals).max() > 1.0
 
 
-def test_momentum_is_masked_where_the_reduced_result_is_nonzero():
+@pytest.mark.parametrize("algo", ["ring", "tree"])
+def test_momentum_is_masked_where_the_reduced_result_is_nonzero(algo):
     world, n = 3, 3001
-    results = _run(world, "topk:0.02+ef:momentum=0.9", n, 1)
+    results = _run(world, "topk:0.02+ef:momentum=0.9", n, 1, algo_name=algo)
     sent = results[0]["outs"][0] != 0
     for rank, r in enumerate(results):
         u = r["momentum"]
@@ -157,6 +164,21 @@ def test_wire_bytes_per_rank_stay_flat_as_the_world_grows():
     assert gather[8] > 3 * gather[3]
 
 
+def test_tree_sends_log2_payloads_where_the_all_gather_sends_n_minus_1():
+    n, world = 200_000, 8
+    comp = _comp(SPEC)
+    predicted = path_bytes(comp, n, world, "tree")
+    assert predicted == {
+        "allgather": 7 * comp.payload_nbytes(n),
+        "resparsify": 3 * comp.payload_nbytes(n),
+    }
+    tree = max(r["wire"] for r in _run(world, SPEC, n, 1, algo_name="tree"))
+    gather = max(r["wire"] for r in _run(world, SPEC, n, 1, algo_name="tree", path="allgather"))
+    print({"tree": tree, "allgather": gather})
+    assert predicted["resparsify"] <= tree <= predicted["resparsify"] + 3 * 256
+    assert tree < 0.5 * gather
+
+
 def test_forced_allgather_stays_exact_and_bad_paths_are_refused():
     world, n = 4, 3001
     results = _run(world, SPEC, n, 1, path="allgather")
@@ -175,8 +197,8 @@ def test_forced_allgather_stays_exact_and_bad_paths_are_refused():
         choose_path(_comp("topk:0.01"), 4, "ring", "resparsify")
     with pytest.raises(ConfigError, match="'reduce'"):
         choose_path(_comp("fp16"), 4, "ring", "allgather")
-    with pytest.raises(ConfigError, match="'allgather'"):
-        choose_path(_comp(SPEC), 4, "tree", "resparsify")
+    with pytest.raises(ConfigError, match="'allgather', 'resparsify'"):
+        choose_path(_comp(SPEC), 4, "tree", "recompress")
     with pytest.raises(ConfigError, match="allowed values"):
         TrainConfig(compression=SPEC, compression_path="gtopk").validate()
     with pytest.raises(ConfigError, match="does not apply"):
@@ -190,17 +212,19 @@ def test_forced_allgather_stays_exact_and_bad_paths_are_refused():
     TrainConfig(compression=SPEC, compression_path="resparsify", num_workers=4).validate()
 
 
-def test_checkpoint_mid_run_resumes_bitwise():
+@pytest.mark.parametrize("algo", ["ring", "tree"])
+def test_checkpoint_mid_run_resumes_bitwise(algo):
     """state_dict after 3 of 6 steps, loaded into a fresh reducer: the same bits as the
     uninterrupted run. Sampled top-k seeds from each segment state's step, so the
     segment states must advance with the bucket and travel in the checkpoint."""
     spec, world, n, steps = "topk:0.01,sampled+ef:momentum=0.9", 4, 40_000, 6
-    straight = _run(world, spec, n, steps)
-    resumed = _run(world, spec, n, steps, resume_at=3)
+    straight = _run(world, spec, n, steps, algo_name=algo)
+    resumed = _run(world, spec, n, steps, resume_at=3, algo_name=algo)
     for a, b in zip(straight, resumed, strict=True):
         for x, y in zip(a["outs"], b["outs"], strict=True):
             assert x.tobytes() == y.tobytes()
         assert a["residual"].tobytes() == b["residual"].tobytes()
     state = straight[0]["state"]
     assert state.step == steps
-    assert {sub.step for sub in state.slots[RING_SLOT]} == {steps - 1}
+    subs = state.slots[RING_SLOT if algo == "ring" else TREE_SLOT]
+    assert {sub.step for sub in subs} == {steps - 1}
