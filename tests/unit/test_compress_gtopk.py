@@ -228,3 +228,12 @@ def test_checkpoint_mid_run_resumes_bitwise(algo):
     assert state.step == steps
     subs = state.slots[RING_SLOT if algo == "ring" else TREE_SLOT]
     assert {sub.step for sub in subs} == {steps - 1}
+
+
+@pytest.mark.parametrize("algo", ["ring", "tree"])
+def test_resparsify_forced_at_world_2_agrees_on_every_rank(algo):
+    """At world 2 auto takes the all-gather (a tie); forcing resparsify still works."""
+    results = _run(2, SPEC, 3001, 2, path="resparsify", algo_name=algo)
+    assert {r["path"] for r in results} == {"resparsify"}
+    for a, b in zip(results[0]["outs"], results[1]["outs"], strict=True):
+        assert a.tobytes() == b.tobytes()
