@@ -32,6 +32,9 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "sparse_adam")
 ENCRYPTIONS = ("none", "tls")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+COMPRESSION_PATHS = ("auto", "reduce", "allgather", "recompress", "resparsify")
+"""``compression_path`` values: the names ``CompressedAllreduce.path`` and the step
+statistics use (:mod:`sparktrain.compress.collective`), or ``"auto"``."""
 SCHEDULE_INTERVALS = ("step", "epoch")
 METRICS = ("accuracy", "top_k:K", "macro_f1", "auc", "log_loss", "rmse", "mae", "r2")
 """Validation metrics by name (``top_k:5``: top-5 accuracy); see ``worker/scores.py``."""
@@ -61,6 +64,15 @@ class TrainConfig:
         the link probe. A table ``{"pattern" = "spec", ...}`` is a per-layer policy:
         parameter names are matched against the glob patterns in order, first match wins,
         ``"*"`` is the fallback (unmatched parameters are not compressed).
+    compression_path:
+        How the ring/tree moves compressed buckets: ``"auto"`` (the path with the fewest
+        predicted bytes per rank; ties to the exact all-gather), or forced:
+        ``"reduce"`` (summable: fp16, bf16, randomk, powersgd), ``"allgather"`` (every
+        non-summable spec; ``n - 1`` payloads per rank), ``"recompress"`` (int8, sign on
+        the ring) or ``"resparsify"`` (top-k with ``+ef`` on the ring: gTop-k, bytes per
+        rank flat in the world). A path that does not apply to the spec, strategy or
+        world is refused, naming those that do. The summary reports the path taken
+        (``compression_path``); see :mod:`sparktrain.compress.collective`.
     comm_backend:
         Whose collectives average the gradients of ``ring`` and ``tree``:
         ``"sparktrain"`` (its own authenticated transport) or ``"torch"``
@@ -266,6 +278,7 @@ class TrainConfig:
 
     strategy: str = "ring"
     compression: str | dict[str, str] = "none"
+    compression_path: str = "auto"
     comm_backend: str = "sparktrain"
     overlap: bool = True
     shard_optimizer: bool = False
@@ -366,6 +379,7 @@ class TrainConfig:
         _at_least("num_workers", self.num_workers, 1)
         _at_least("threads_per_worker", self.threads_per_worker, 0)
         _one_of("device", self.device, DEVICES)
+        _one_of("compression_path", self.compression_path, COMPRESSION_PATHS)
         _at_least("gpus_per_task", self.gpus_per_task, 0)
         # the GPU path is the ring/tree exchange (worker/device.py GPU_STRATEGIES)
         if self.device == "cuda" and (

@@ -186,6 +186,30 @@ class TreeAllreduce:
             raise failure from exc
         return [have[q] for q in range(n)]
 
+    def connect(self) -> None:
+        """Open the connections to every partner this rank has (before :meth:`swap`)."""
+        self.mesh.connect_all(self._peers())
+
+    def swap(self, peer: int, blob: np.ndarray | None, max_bytes: int, level: int) -> np.ndarray:
+        """Send ``blob`` (1-D uint8; None: send nothing) to ``peer`` and receive one blob
+        from it, waiting ``level`` extra patience steps (see the module docstring). Both
+        partners of a round send first, as in :meth:`allreduce_`. Callers catch
+        :class:`CommError` and abort the mesh."""
+        mesh = self.mesh
+        conn = mesh.connection(peer)
+        sender = None
+        if blob is not None:
+            sender = None if self._inline(conn, blob.nbytes) else mesh.sender(peer)
+            if sender is None:
+                conn.send_array(blob, KIND_PAYLOAD)
+            else:
+                sender.put(blob, KIND_PAYLOAD)
+        with _patient(conn, mesh.timeout, level):
+            got = self._recv_blob(conn, max_bytes)
+        if sender is not None:
+            sender.flush()
+        return got
+
     @staticmethod
     def _recv_blob(conn: Connection, max_bytes: int) -> np.ndarray:
         _, data = conn.recv_bytes(KIND_PAYLOAD, max_bytes=max_bytes)

@@ -8,19 +8,31 @@ keeps one :class:`~sparktrain.compress.base.BucketState` per bucket and picks a 
   compressed form: ``2 (n - 1) / n`` payloads per rank on the ring;
 - the others are *all-gathered* — each rank sends ``n - 1`` payloads (ring: around the
   ring; tree: recursive doubling) — and every rank decodes and adds all of them, its own
-  included, in rank order. Exact, and the only path for sparse payloads (top-k: the
+  included, in rank order. Exact, and the only path for top-k without ``+ef`` (the
   union of index sets would grow hop by hop);
-- dense non-summable ones (int8, sign) on the ring from world 3 take the
+- dense non-summable ones (int8; sign only when forced, see :data:`COARSE`) on the
+  ring from world 3 take the
   *decompress-add-recompress* ring (``"recompress"``): a reduce-scatter whose hops decode
   the partial sum, add their own segment and re-encode it, then an all-gather of the
   finished segments, ``2 (n - 1) / n`` payloads per rank. Each re-encoding loses a little;
   with ``+ef`` the rank that re-encoded puts that loss in its own residual, so the sum of
-  what all ranks delivered still equals the sum of their inputs minus the residuals.
+  what all ranks delivered still equals the sum of their inputs minus the residuals;
+- top-k under ``+ef`` on the ring from world 3 takes the same ring re-sparsifying each
+  hop (``"resparsify"``, gTop-k: Shi et al. 2019): a hop decodes the segment's sparse
+  partial sum, adds its own (error-fed) segment and keeps the top ``ratio * segment``
+  values; the dropped mass goes to that rank's residual. ``2 (n - 1) / n`` payloads per
+  rank, flat in ``n``, where the all-gather's ``n - 1`` grow with it. On the tree, from
+  world 3, each round of recursive doubling swaps ``k``-sparse vectors and re-sparsifies
+  their sum: ``log2(n)`` payloads instead of ``n - 1``. Momentum factor masking
+  (``+ef:momentum``) forgets the coordinates of the reduced result.
 
 :func:`path_for` picks the path with the fewest predicted payload bytes per rank
 (:func:`path_bytes`; all-gather ``(n - 1) P``, ring ``2 (n - 1) / n P`` for a payload of
-``P`` bytes); a tie goes to the all-gather, the exact path. ``CompressedAllreduce.path``
-holds the choice and the step statistics report it (``compression_path``):
+``P`` bytes); a tie goes to the all-gather, the exact path; :data:`COARSE` compressors
+stay on the all-gather. ``config.compression_path``
+may force another path that applies (:func:`choose_path`; the bench compares them).
+``CompressedAllreduce.path`` holds the choice and the step statistics report it
+(``compression_path``):
 
 ==============  ===========  ===========  ===========  ============
 compressor      world 2      world 3      world 4      tree (any)
@@ -28,13 +40,15 @@ compressor      world 2      world 3      world 4      tree (any)
 fp16/bf16       reduce       reduce       reduce       reduce
 randomk         reduce       reduce       reduce       reduce
 powersgd        reduce       reduce       reduce       reduce
-int8, sign      allgather    recompress   recompress   allgather
+int8            allgather    recompress   recompress   allgather
+sign            allgather    allgather    allgather    allgather
 topk            allgather    allgather    allgather    allgather
+topk +ef        allgather    resparsify   resparsify   resparsify
 ==============  ===========  ===========  ===========  ============
 
 Bitwise agreement: every rank ends with identical bits, because each rank applies the
 same decoded bytes with the same ops in the same order (all-gather, and the finished
-segments of the recompress ring), or holds the bytes the ring/tree made identical before
+segments of the recompress/resparsify ring), or holds the bytes the ring/tree made identical before
 decoding them (summable).
 
 The weighting rule: the sample count never goes through a compressor. Buckets carry
@@ -76,11 +90,30 @@ from sparktrain.compress.base import (
 )
 from sparktrain.compress.feedback import SCALE, WORLD, ErrorFeedback
 from sparktrain.compress.snapshot import dump_states, load_states
+from sparktrain.compress.topk import index_dtype
 from sparktrain.errors import CommError, ConfigError
 
 RECOMPRESSIBLE = ("int8", "sign")
-"""Dense compressors whose payloads may be decoded, added to and re-encoded hop by hop
-(a top-k payload may not: the union of index sets grows along the ring)."""
+"""Dense compressors whose payloads may be decoded, added to and re-encoded hop by hop."""
+
+COARSE = ("sign",)
+"""Recompressible, but ``"auto"`` keeps them on the all-gather: a re-encoding's error is
+of the order of the partial sum it encodes, so the residual of the rank that made it
+grows with the hops (a partial sum of ``j`` ranks costs about ``sqrt(j)`` times one
+rank's error) and error feedback stops contracting. Measured on the digits CNN at a
+global batch of 64: ``sign:chunk=32+ef:momentum=0.9`` on the recompress ring collapses
+at world 8 (seeds 0 and 1: 0.10 and 0.69 accuracy), on the all-gather it ends at 0.98.
+``compression_path="recompress"`` still forces it."""
+
+RESPARSIFIABLE = ("topk",)
+"""Sparse compressors whose partial sums may be re-sparsified hop by hop (gTop-k, Shi et
+al. 2019), only under ``+ef``: the union of index sets grows along the ring, so each hop
+keeps the segment's own top ``k`` and the loss must go to a residual. Without ``+ef``
+top-k stays on the exact all-gather."""
+
+PATHS = ("reduce", "allgather", "recompress", "resparsify")
+"""Every path's name, in the order ties are broken (the exact all-gather first among the
+non-summable ones); ``compression_path`` takes one of them or ``"auto"``."""
 
 
 def _inner(comp: Compressor) -> Compressor:
@@ -88,9 +121,22 @@ def _inner(comp: Compressor) -> Compressor:
     return comp.inner if isinstance(comp, ErrorFeedback) else comp
 
 
+def ring_path(comp: Compressor) -> str | None:
+    """The decode-add-encode ring ``comp`` may take: ``"recompress"`` (dense int8, sign),
+    ``"resparsify"`` (top-k under ``+ef``) or None."""
+    if comp.summable:
+        return None
+    name = _inner(comp).spec.partition(":")[0]
+    if name in RECOMPRESSIBLE:
+        return "recompress"
+    if name in RESPARSIFIABLE and isinstance(comp, ErrorFeedback):
+        return "resparsify"
+    return None
+
+
 def recompressible(comp: Compressor) -> bool:
-    """Whether the decompress-add-recompress ring applies to ``comp``."""
-    return not comp.summable and _inner(comp).spec.partition(":")[0] in RECOMPRESSIBLE
+    """Whether a decode-add-encode ring (recompress or resparsify) applies to ``comp``."""
+    return ring_path(comp) is not None
 
 
 def path_bytes(comp: Compressor, numel: int, world: int, algo: str = "ring") -> dict[str, float]:
@@ -105,26 +151,51 @@ def path_bytes(comp: Compressor, numel: int, world: int, algo: str = "ring") -> 
         rounds = (1 << (world.bit_length() - 1)).bit_length() - 1
         return {"reduce": float(rounds * payload)}
     out = {"allgather": float((world - 1) * payload)}
-    if algo == "ring" and recompressible(comp):
-        # reduce-scatter and all-gather each send n - 1 of the n segments' payloads
+    ring = ring_path(comp)
+    if algo == "ring" and ring is not None:
+        # reduce-scatter and all-gather each send n - 1 of the n segments' payloads, each
+        # sized for its segment (top-k: k = ratio * segment, a narrower index type)
         segs = [b - a for a, b in ring_segments(numel, world)]
-        out["recompress"] = float(2 * sum(comp.payload_nbytes(m) for m in segs[1:]))
+        out[ring] = float(2 * sum(comp.payload_nbytes(m) for m in segs[1:]))
+    elif algo == "tree" and ring == "resparsify":
+        # one k-sparse payload per round of recursive doubling (folding left out, as
+        # for the summable tree)
+        rounds = (1 << (world.bit_length() - 1)).bit_length() - 1
+        out[ring] = float(rounds * payload)
     return out
 
 
 def path_for(comp: Compressor, world: int = 2, algo: str = "ring") -> str:
     """The path that moves the fewest bytes: ``"reduce"`` (summable, inside the
-    ring/tree), ``"allgather"`` or ``"recompress"`` (decompress-add-recompress ring).
+    ring/tree), ``"allgather"``, ``"recompress"`` (decompress-add-recompress ring) or
+    ``"resparsify"`` (the same ring for top-k under ``+ef``, re-sparsifying each hop).
 
     Ties go to the all-gather, which is exact: at world 2 both move one payload, and
     the ring would re-quantise the partial sums (and send two frames instead of one).
     """
     options = path_bytes(comp, 1 << 20, world, algo)
+    if _inner(comp).spec.partition(":")[0] in COARSE:
+        options.pop("recompress", None)
     best = min(options.values())
-    for name in ("reduce", "allgather", "recompress"):
+    for name in PATHS:
         if name in options and options[name] <= best:
             return name
     raise AssertionError(options)  # unreachable: options is never empty
+
+
+def choose_path(comp: Compressor, world: int, algo: str = "ring", want: str = "auto") -> str:
+    """``want`` (a ``compression_path`` value) checked against what applies to ``comp``
+    at this world size, or :func:`path_for`'s choice for ``"auto"``."""
+    if want == "auto":
+        return path_for(comp, world, algo)
+    options = path_bytes(comp, 1 << 20, world, algo)
+    if want not in options:
+        raise ConfigError(
+            f"compression_path={want!r} does not apply to compression {comp.spec!r} on the "
+            f"{algo} at world {world}; the paths that do: "
+            f"{', '.join(repr(p) for p in PATHS if p in options)} (or 'auto')"
+        )
+    return want
 
 
 def bytes_per_rank(comp: Compressor, numel: int, world: int, algo: str = "ring") -> float:
@@ -136,13 +207,20 @@ def bytes_per_rank(comp: Compressor, numel: int, world: int, algo: str = "ring")
 
 
 RING_SLOT = "recompress.segments"
+TREE_SLOT = "resparsify.rounds"
 INLINE_MAX_BYTES = 512 << 10
 
 
 class CompressedAllreduce:
     """Sum compressed buckets over the ranks of a ring or tree allreduce's mesh."""
 
-    def __init__(self, comp: Compressor, algo: RingAllreduce | TreeAllreduce, seed: int = 0):
+    def __init__(
+        self,
+        comp: Compressor,
+        algo: RingAllreduce | TreeAllreduce,
+        seed: int = 0,
+        path: str = "auto",
+    ):
         if getattr(comp, "spec", "").startswith("delta"):
             raise ConfigError(
                 "compression 'delta' encodes repeated sends of a value the receiver holds "
@@ -154,7 +232,8 @@ class CompressedAllreduce:
         self.seed = seed
         self.states: dict[int, BucketState] = {}
         algo_name = "ring" if isinstance(algo, RingAllreduce) else "tree"
-        self.path = path_for(comp, algo.mesh.world_size, algo_name)
+        # `path` is config.compression_path: "auto" or a forced path (the bench compares)
+        self.path = choose_path(comp, algo.mesh.world_size, algo_name, path)
         self._count = 1.0
 
     def state_dict(self) -> dict[str, Any]:
@@ -214,7 +293,9 @@ class CompressedAllreduce:
         try:
             if self.path == "reduce":
                 total_count = self._reduce(grads, state, count)
-            elif self.path == "recompress":
+            elif self.path == "resparsify" and isinstance(self.algo, TreeAllreduce):
+                total_count = self._tree_resparsify(grads, state, count)
+            elif self.path in ("recompress", "resparsify"):
                 total_count = self._recompress(grads, state, count)
             else:
                 total_count = self._allgather(grads, state, count)
@@ -267,6 +348,11 @@ class CompressedAllreduce:
         rank that encoded it adds that loss to its own residual, so the error-feedback
         identity holds for the sum over ranks: nothing is lost, only delayed. The sample
         count rides in the message headers and is summed along the reduce-scatter.
+
+        The same ring serves top-k under ``+ef`` (``"resparsify"``, gTop-k): each hop
+        keeps the top ``ratio * segment`` values of the partial sum, so every payload is
+        one segment's ``k``-sparse vector and a rank sends ``2 (n - 1) / n`` payloads
+        whatever the world; what a hop drops goes to its residual like any re-encoding.
         """
         comp = self.comp
         ef = comp if isinstance(comp, ErrorFeedback) else None
@@ -287,6 +373,8 @@ class CompressedAllreduce:
                 for k in range(n)
             ]
             state.slots[RING_SLOT] = subs
+        for sub in subs:  # sampled top-k seeds and warm-up schedules read the step
+            sub.step = state.step
 
         def encode(k: int, values: torch.Tensor, carried: float) -> np.ndarray:
             payload, ctx = inner.compress(values, subs[k])
@@ -337,5 +425,81 @@ class CompressedAllreduce:
         if ef is not None and err is not None:
             # residual = err (kept per sample); a rank with no samples this step has no
             # unit to keep it in, so its re-encoding errors (of others' sums) are dropped
-            ef._keep(state, x, x - err, scale)
+            # momentum factor masking (sparse): forget the coordinates the world sent,
+            # not those of this rank's partial encodings (it re-encoded others' sums)
+            ef._keep(state, x, x - err, scale, mask=out != 0)
         return total if count is not None else 0.0
+
+    def _tree_resparsify(
+        self, grads: torch.Tensor, state: BucketState, count: float | None
+    ) -> float:
+        """gTop-k on recursive doubling: each round swaps ``k``-sparse vectors with the
+        partner, both add the two decoded vectors (same bits: IEEE addition commutes) and
+        re-sparsify that sum for the next round. ``log2(n)`` payloads per rank instead of
+        the all-gather's ``n - 1``.
+
+        Error feedback: after round ``j`` the ``2 ** j`` ranks of a block hold the same
+        vector, so each keeps ``1 / 2 ** j`` of its encoding loss (a power of two: exact)
+        and the loss is fed back once over the block. A folded rank (worlds that are not
+        powers of two) sends its own top-k to its partner, which adds it to its input,
+        and receives the result exactly (every nonzero) at the end.
+        """
+        comp = self.comp
+        assert isinstance(comp, ErrorFeedback) and isinstance(self.algo, TreeAllreduce)
+        inner = comp.inner
+        x, scale = comp._input(grads, state)
+        err = torch.zeros_like(x)
+        algo, mesh, numel = self.algo, self.mesh, x.numel()
+        n, r, p = mesh.world_size, mesh.rank, algo.pow2
+        rounds = p.bit_length() - 1
+        # one state per round (and one for a folded rank's own encoding), like the ring's
+        # per-segment states: scratch buffers keep their size, seeds stay per round
+        subs = state.slots.get(TREE_SLOT)
+        if not isinstance(subs, list) or len(subs) != rounds + 1:
+            subs = [
+                BucketState(key=state.key * 4096 + j, seed=state.seed, stream=state.stream)
+                for j in range(rounds + 1)
+            ]
+            state.slots[TREE_SLOT] = subs
+        for sub in subs:
+            sub.step = state.step
+        limit = message_nbytes((), Ctx(numel)) + 16 * numel + 4096
+
+        def encode(
+            j: int, values: torch.Tensor, share: float, carried: float
+        ) -> tuple[np.ndarray, torch.Tensor]:
+            payload, ctx = inner.compress(values, subs[j])
+            sent = inner.decompress(payload, ctx)
+            err.add_(values.sub(sent).mul_(share))
+            return encode_message(payload, ctx, carried), sent
+
+        def decode(blob: np.ndarray) -> tuple[torch.Tensor, float]:
+            payload, ctx, carried = decode_message(blob, numel)
+            return inner.decompress(payload, ctx), carried
+
+        carried = 0.0 if count is None else float(count)
+        algo.connect()
+        if r >= p:  # folded: our top-k to the partner, the finished sum back
+            blob, _ = encode(rounds, x, 1.0, carried)
+            total, carried = decode(algo.swap(r - p, blob, limit, rounds + 1))
+        else:
+            cur = x
+            if r + p < n:
+                part, c = decode(algo.swap(r + p, None, limit, 0))
+                cur, carried = x + part, carried + c
+            for j in range(rounds):
+                blob, sent = encode(j, cur, 1.0 / (1 << j), carried)
+                theirs, c = decode(algo.swap(r ^ (1 << j), blob, limit, j + 1))
+                cur, carried = sent.add_(theirs), carried + c
+            total = cur
+            if r + p < n:  # every nonzero of the total, exactly, in top-k's payload form
+                idx = torch.nonzero(total).squeeze(1)
+                itype = index_dtype(numel)
+                payload = (total[idx].numpy(), idx.numpy().astype(itype))
+                out_blob = encode_message(payload, Ctx(numel), carried)
+                mesh.connection(r + p).send_array(out_blob, KIND_PAYLOAD)
+        out = grads.reshape(-1)
+        out.copy_(total)
+        # the residual is err (per sample); masking as on the ring: what the world sent
+        comp._keep(state, x, x - err, scale, mask=out != 0)
+        return carried if count is not None else 0.0

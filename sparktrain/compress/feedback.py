@@ -180,12 +180,22 @@ class ErrorFeedback(BaseCompressor):
             x.mul_(s)
         return x, s
 
-    def _keep(self, state: BucketState, x: torch.Tensor, sent: torch.Tensor, s: float) -> None:
-        """Store what was left out (in per-sample units) and mask the momentum."""
+    def _keep(
+        self,
+        state: BucketState,
+        x: torch.Tensor,
+        sent: torch.Tensor,
+        s: float,
+        *,
+        mask: torch.Tensor | None = None,
+    ) -> None:
+        """Store what was left out (in per-sample units) and mask the momentum where
+        ``mask`` is true (default: where ``sent`` is nonzero; the resparsify ring passes
+        the coordinates the reduced result holds)."""
         if s <= 0.0:
             return
         if self.momentum and self.mask:  # momentum factor masking: forget what was sent
-            state.slots[MOMENTUM].masked_fill_(sent != 0, 0.0)
+            state.slots[MOMENTUM].masked_fill_(sent != 0 if mask is None else mask, 0.0)
         residual = x.sub_(sent)
         state.slots[RESIDUAL] = residual if s == 1.0 else residual.div_(s)
 

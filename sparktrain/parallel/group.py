@@ -87,12 +87,15 @@ class GroupGradientSync:
         bucket_bytes: int,
         compression: str = "none",
         seed: int = 0,
+        compression_path: str = "auto",
     ) -> None:
         self.buckets = GradientBuckets(params, bucket_bytes)
         self.allreduce = group_allreduce(mesh, members)
         comp = build_compressor(compression)
         self.compressed = (
-            CompressedAllreduce(comp, self.allreduce, seed=seed) if comp is not None else None
+            CompressedAllreduce(comp, self.allreduce, seed=seed, path=compression_path)
+            if comp is not None
+            else None
         )
 
     def average_(self, count: int) -> float:

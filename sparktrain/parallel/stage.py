@@ -546,6 +546,7 @@ class _StageRunner:
                 int(cfg.bucket_mb * (1 << 20)),
                 single_spec(cfg.compression, "pipeline"),
                 seed=cfg.seed,
+                compression_path=cfg.compression_path,
             )
         trained = StagePart(module, owned, optimizer, sync)
         sums_reduce = None

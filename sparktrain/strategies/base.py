@@ -155,6 +155,8 @@ class Strategy:
                     f"downloads); {self.name} exchanges fresh gradients, so drop 'delta+' "
                     "(e.g. use 'int8+ef')"
                 )
+        if cfg.compression_path != "auto":
+            _check_compression_path(cfg, self.name, specs)
         if cfg.parallelism_pipeline > 1 and not self.pipeline_replicas:
             raise ConfigError(
                 f"strategy={cfg.strategy!r} does not combine with parallelism.pipeline > 1: the "
@@ -207,3 +209,31 @@ class Strategy:
         return costmodel.comm_s(
             self.cost_model, nbytes, world, alpha, beta, compressor=compressor, buckets=buckets
         )
+
+
+def _check_compression_path(cfg: TrainConfig, strategy: str, specs: list[str]) -> None:
+    """A forced ``compression_path`` must apply to every compressed spec on this
+    strategy's allreduce at ``num_workers`` (checked again where the reducer is built, for
+    what only the stage knows: strategy or compression ``auto``, pipeline replicas)."""
+    want = cfg.compression_path
+    if strategy not in ("ring", "tree", "auto"):
+        raise ConfigError(
+            f"compression_path={want!r} chooses how the ring or tree allreduce moves "
+            f"compressed buckets; strategy={strategy!r} has no such choice: leave "
+            "compression_path='auto'"
+        )
+    specs = [s for s in specs if s != "none"]
+    if not specs:
+        raise ConfigError(
+            f"compression_path={want!r} needs a compression spec (compression is 'none'): "
+            "give one, e.g. compression='topk:0.01+ef', or leave compression_path='auto'"
+        )
+    if strategy == "auto" or "auto" in specs or cfg.parallelism_pipeline > 1:
+        return  # the algorithm, compressor or group size is chosen in the stage
+    from sparktrain.compress.collective import choose_path
+    from sparktrain.compress.registry import build
+
+    for spec in specs:
+        comp = build(spec)
+        if comp is not None:
+            choose_path(comp, cfg.num_workers, strategy, want)

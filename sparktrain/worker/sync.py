@@ -209,7 +209,9 @@ class AllreduceSync:
             if comp is not None:
                 algo = self.allreduce
                 assert isinstance(algo, RingAllreduce | TreeAllreduce)
-                self.reducers[spec] = CompressedAllreduce(comp, algo, seed=cfg.seed)
+                self.reducers[spec] = CompressedAllreduce(
+                    comp, algo, seed=cfg.seed, path=cfg.compression_path
+                )
         self._per_bucket = [self.reducers.get(s) for s in self.buckets.specs]
         # the rows go uncompressed whatever `compression` says: compressing rows
         # belongs to the compression issue (docs/sparse.md)

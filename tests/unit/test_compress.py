@@ -356,8 +356,12 @@ def test_honest_byte_figures():
     assert topk.payload_nbytes(n) == n // 100 * 8  # 50x, not 100x (int32 indices)
     assert topk.payload_nbytes(50_000) == 500 * 6  # uint16 indices up to 65,536 elements
     assert 4 * n / topk.payload_nbytes(n) == 50
-    # a sparse all-gather grows with the world; a summable reduce does not
-    assert bytes_per_rank(topk, n, 4) == 3 * bytes_per_rank(topk, n, 2)
+    # a sparse all-gather grows with the world (plain top-k); the resparsify ring
+    # (top-k+ef) and a summable reduce do not
+    plain = build("topk:0.01")
+    assert plain is not None
+    assert bytes_per_rank(plain, n, 4) == 3 * bytes_per_rank(plain, n, 2)
+    assert bytes_per_rank(topk, n, 4) == pytest.approx(1.5 * bytes_per_rank(topk, n, 2))
     fp16 = build("fp16")
     assert fp16 is not None
     assert bytes_per_rank(fp16, n, 4) == pytest.approx(1.5 * 2 * n)
@@ -369,7 +373,7 @@ def test_honest_byte_figures():
 
 # ---------------------------------------------------------------- path choice
 def test_path_choice_moves_the_fewest_bytes():
-    from sparktrain.compress.collective import path_bytes, path_for
+    from sparktrain.compress.collective import choose_path, path_bytes, path_for
 
     def comp(spec: str):
         c = build(spec)
@@ -382,10 +386,13 @@ def test_path_choice_moves_the_fewest_bytes():
         }
     for spec in ("int8", "int8+ef", "sign", "sign+ef"):
         assert path_for(comp(spec), 2) == "allgather"  # a tie: the exact path
-        assert path_for(comp(spec), 3) == path_for(comp(spec), 4) == "recompress"
+        want = "allgather" if spec.startswith("sign") else "recompress"  # collective.COARSE
+        assert path_for(comp(spec), 3) == path_for(comp(spec), 4) == want
         assert path_for(comp(spec), 4, "tree") == "allgather"  # the tree has no ring hops
-    for spec in ("topk:0.01", "topk:0.01,sampled+ef"):
-        assert {path_for(comp(spec), w) for w in (2, 3, 4)} == {"allgather"}
+    assert choose_path(comp("sign+ef"), 4, "ring", "recompress") == "recompress"
+    assert {path_for(comp("topk:0.01"), w) for w in (2, 3, 4)} == {"allgather"}
+    assert path_for(comp("topk:0.01,sampled+ef"), 2) == "allgather"
+    assert path_for(comp("topk:0.01,sampled+ef"), 4) == "resparsify"  # test_compress_gtopk
     n = 1 << 20
     int8 = comp("int8")
     b = path_bytes(int8, n, 4)
@@ -406,7 +413,9 @@ def _ring_reduce(world: int, spec: str, inputs: list[np.ndarray], steps: int = 1
     def body(rank: int, mesh):
         comp = build(spec)
         assert comp is not None
-        red = CompressedAllreduce(comp, make_allreduce("ring", mesh))
+        # sign takes the all-gather unless told (collective.COARSE): force the ring here
+        path = "recompress" if spec.startswith("sign") else "auto"
+        red = CompressedAllreduce(comp, make_allreduce("ring", mesh), path=path)
         before = mesh.stats.as_dict()
         outs, counts = [], []
         for _ in range(steps):
