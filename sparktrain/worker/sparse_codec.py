@@ -124,9 +124,14 @@ def plain_ids_nbytes(k: int) -> int:
 
 # ---------------------------------------------------------------------- row values
 RESIDUAL_IDS = "rows.residual_ids"
+RESIDUAL_SLOT = "rows.residual_slot"
 RESIDUAL_ROWS = "rows.residual"
-"""Slots of a table's BucketState under ``+ef``: the ids (int64, ascending) whose
-error is carried and their rows, per sample (float32 ``[k, dim]``)."""
+"""Slots of a table's BucketState under ``+ef``: the ids whose error is carried
+(int64, ascending), where each one's row is in the row buffer (int64), and the buffer
+(float32 ``[capacity, dim]``, per-sample rows; its first ``len(ids)`` rows are used).
+The buffer grows by doubling and rows stay where they were put, so a step writes only
+the rows it touched: re-sorting a growing residual's rows every step cost more than
+compressing the message."""
 
 ROWS_KEY_BASE = 1 << 20
 """Tables' BucketState keys start here: apart from the dense buckets' indices, so a
@@ -173,21 +178,26 @@ class RowCompression:
 
     # ------------------------------------------------------------------ residual
     def residual(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The carried ``(ids, per-sample rows)``, or None."""
-        ids = self.state.slots.get(RESIDUAL_IDS)
-        rows = self.state.slots.get(RESIDUAL_ROWS)
-        if ids is None or rows is None or ids.numel() == 0:
+        """The carried ``(ids, per-sample rows)`` (the rows gathered), or None."""
+        found = self._residual()
+        if found is None:
             return None
-        return ids, rows
+        ids, slot, buf = found
+        return ids, buf[slot]
 
-    def _set_residual(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self.state.slots[RESIDUAL_IDS] = ids
-        self.state.slots[RESIDUAL_ROWS] = rows
+    def _residual(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        ids = self.state.slots.get(RESIDUAL_IDS)
+        if ids is None or ids.numel() == 0:
+            return None
+        return ids, self.state.slots[RESIDUAL_SLOT], self.state.slots[RESIDUAL_ROWS]
+
+    def _clear(self) -> None:
+        for name in (RESIDUAL_IDS, RESIDUAL_SLOT, RESIDUAL_ROWS):
+            self.state.slots.pop(name, None)
 
     def _begin(self) -> None:
         if self.reset and self.state.step > 0 and self.state.step % self.reset == 0:
-            self.state.slots.pop(RESIDUAL_IDS, None)
-            self.state.slots.pop(RESIDUAL_ROWS, None)
+            self._clear()
 
     def take_all(
         self, ids: torch.Tensor, rows: torch.Tensor, weight: float
@@ -204,7 +214,7 @@ class RowCompression:
         out = torch.zeros((union.numel(), rows.shape[1]), dtype=rows.dtype)
         out.index_add_(0, where[: ids.numel()], rows)
         out.index_add_(0, where[ids.numel() :], r_rows.to(rows.dtype) * weight)
-        self._set_residual(torch.zeros(0, dtype=torch.int64), r_rows[:0])
+        self._clear()
         return union, out
 
     # ------------------------------------------------------------------ the message
@@ -217,35 +227,57 @@ class RowCompression:
             values = rows.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             return _frame(ids_blob, values)
         x = rows.detach().to(torch.float32).reshape(-1)
-        res = self.residual() if self.feedback else None
-        if res is not None and ids.numel() and weight > 0:
-            r_ids, r_rows = res
+        found = self._residual() if self.feedback else None
+        hit = pos = None
+        if found is not None and ids.numel() and weight > 0:
+            r_ids, slot, buf = found
             # which carried rows this rank touched again (both lists ascending)
             pos = torch.searchsorted(r_ids, ids).clamp_(max=r_ids.numel() - 1)
             hit = r_ids[pos] == ids
+            pos = slot[pos[hit]]  # their rows in the buffer
             x = x.view(ids.numel(), -1).clone()
-            x[hit] += r_rows[pos[hit]] * weight
+            x[hit] += buf[pos] * weight
             x = x.reshape(-1)
         payload, ctx = self.comp.compress(x, self.state)
-        if self.feedback and weight > 0:
+        if self.feedback and weight > 0 and ids.numel():
             left = (x - self.comp.decompress(payload, ctx)).div_(weight)
-            self._keep(ids, left.view(ids.numel(), -1) if ids.numel() else None)
+            self._keep(ids, left.view(ids.numel(), -1), hit, pos)
         return _frame(ids_blob, encode_message(payload, ctx, 0.0))
 
-    def _keep(self, ids: torch.Tensor, left: torch.Tensor | None) -> None:
-        """The residual after a step: the untouched carried rows plus ``left`` (what
-        compression left out of the touched rows ``ids``)."""
-        if left is None:
+    def _keep(
+        self,
+        ids: torch.Tensor,
+        left: torch.Tensor,
+        hit: torch.Tensor | None,
+        pos: torch.Tensor | None,
+    ) -> None:
+        """The residual after a step: ``left`` (what compression left out of the
+        touched rows ``ids``) replaces the rows of ids already carried (``hit``, at
+        buffer rows ``pos``) and is appended for new ids; untouched rows stay."""
+        found = self._residual()
+        if found is None or hit is None or pos is None:
+            r_ids = torch.zeros(0, dtype=torch.int64)
+            slot = torch.zeros(0, dtype=torch.int64)
+            buf = torch.zeros((0, left.shape[1]), dtype=torch.float32)
+            hit = torch.zeros(ids.numel(), dtype=torch.bool)
+        else:
+            r_ids, slot, buf = found
+            buf[pos] = left[hit]
+        new = ~hit
+        m, used = int(new.sum()), int(r_ids.numel())
+        if not m:
             return
-        res = self.residual()
-        if res is None:
-            self._set_residual(ids.clone(), left)
-            return
-        r_ids, r_rows = res
-        keep = ~torch.isin(r_ids, ids)
-        all_ids = torch.cat([r_ids[keep], ids])
+        if used + m > buf.shape[0]:  # grow by doubling: amortised, rows keep their place
+            grown = torch.zeros((max(2 * buf.shape[0], used + m), left.shape[1]))
+            grown[:used] = buf[:used]
+            buf = grown
+        buf[used : used + m] = left[new]
+        all_ids = torch.cat([r_ids, ids[new]])
         order = torch.argsort(all_ids)
-        self._set_residual(all_ids[order], torch.cat([r_rows[keep], left])[order])
+        all_slot = torch.cat([slot, torch.arange(used, used + m, dtype=torch.int64)])
+        self.state.slots[RESIDUAL_IDS] = all_ids[order]
+        self.state.slots[RESIDUAL_SLOT] = all_slot[order]
+        self.state.slots[RESIDUAL_ROWS] = buf
 
     def step_done(self) -> None:
         """Every rank calls it once per exchange (whichever way the table went), so the

@@ -20,6 +20,7 @@ from sparktrain.worker.faults import FaultPlan, InjectedFaultError
 from sparktrain.worker.sparse_codec import (
     RESIDUAL_IDS,
     RESIDUAL_ROWS,
+    RESIDUAL_SLOT,
     RowCompression,
     decode_ids,
     encode_ids,
@@ -231,7 +232,7 @@ def test_checkpointed_row_state_resumes_bitwise() -> None:
     states = [first[r][3] for r in range(2)]
     assert set(states[0]) == {"emb.weight"}
     slots = states[0]["emb.weight"]["state"]["slots"]
-    assert {RESIDUAL_IDS, RESIDUAL_ROWS} <= set(slots)
+    assert {RESIDUAL_IDS, RESIDUAL_SLOT, RESIDUAL_ROWS} <= set(slots)
     resumed = _exchange_steps(2, spec, range(3, 6), saved=states)
     for r in range(2):
         for s in range(3):
