@@ -275,6 +275,14 @@ def sparse_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
         "sparse_dense_way": first["sparse_dense_way"],
         "sparse_bytes_sent": sum(int(s.get("sparse_raw_bytes_sent", 0)) for s in stats),
         "sparse_wire_bytes": sum(int(s.get("sparse_wire_bytes_sent", 0)) for s in stats),
+        # the row messages' bytes in the uncompressed format (int64 ids, raw rows) over
+        # their bytes as sent (delta-coded ids, compressed values): the same on every rank
+        "sparse_rows_ratio": (
+            first.get("sparse_plain_message_bytes", 0) / first["sparse_message_bytes"]
+            if first.get("sparse_message_bytes")
+            else None
+        ),
+        "sparse_compression": first.get("sparse_compression", {}),
     }
 
 

@@ -13,6 +13,13 @@ SGD at ``--lr``, ``--batch`` rows per worker per step, ``--workers`` workers):
 * ``dense-ring``: the model built with ``sparse=False``, ``strategy="ring"``: the whole
   table's gradient crosses the ring every step;
 * ``sparse-ring``: ``sparse=True``, ``strategy="ring"``, ``sparse_embeddings="auto"``;
+* ``sparse-ring+fp16``, ``sparse-ring+int8-ef``, ``sparse-ring+int8row-ef`` (issue
+  21): the sparse ring with the tables' rows compressed (``compression`` a policy
+  ``{"*.weight" = spec, "*" = "none"}``: ``fp16``, ``int8+ef`` with a scale per 1024
+  values, ``int8:chunk=<dim>+ef`` with a scale per row; docs/sparse.md); ``derived``
+  compares each with the uncompressed sparse ring of the same run (wire bytes, step
+  time, final loss, time to the target loss). Row ids are delta-coded in every
+  sparse-ring contender;
 * ``sparse-ps``: ``sparse=True``, ``strategy="ps"``, ``sparse_embeddings="auto"``;
 * ``ddp``, ``ddp-sparse``: ``DistributedDataParallel`` over Gloo in
   ``TorchDistributor(local_mode=True, num_processes=--workers, use_gpu=False)``, with
@@ -62,8 +69,17 @@ from sparktrain.bench.plots import save_figure
 from sparktrain.bench.torchdist import rank0_everywhere, run_local
 from sparktrain.errors import ConfigError
 
-CONTENDERS = ("dense-ring", "sparse-ring", "sparse-ps", "ddp", "ddp-sparse")
-SPARKTRAIN = ("dense-ring", "sparse-ring", "sparse-ps")
+# the sparse ring with its rows compressed (issue 21): the tables' values through the
+# named compressor (a policy over the tables only: the dense bias stays exact), the row
+# ids delta-coded in every sparse-ring contender
+COMPRESSED = {
+    "sparse-ring+fp16": "fp16",
+    "sparse-ring+int8-ef": "int8+ef",  # one scale per 1024 values (16 rows of 64)
+    "sparse-ring+int8row-ef": "int8:chunk={dim}+ef",  # one scale per row
+}
+CONTENDERS = ("dense-ring", "sparse-ring", *COMPRESSED, "sparse-ps", "ddp", "ddp-sparse")
+SPARKTRAIN = ("dense-ring", "sparse-ring", *COMPRESSED, "sparse-ps")
+UNCOMPRESSED = "sparse-ring"
 DDP = ("ddp", "ddp-sparse")
 BASELINE = "dense-ring"
 STEP_TARGET = 20.0  # dense-ring step time / sparse step time, at least
@@ -71,9 +87,13 @@ BYTES_TARGET = 100.0  # dense-ring wire bytes / sparse wire bytes, at least
 INDEX_BYTES = 8  # an int64 row index on Gloo's sparse allreduce
 
 
-def contender_keys(name: str) -> tuple[bool, dict[str, Any]]:
+def contender_keys(name: str, dim: int = 64) -> tuple[bool, dict[str, Any]]:
     """(whether the model's tables are ``sparse=True``, TrainConfig keys) of a
-    contender; DDP's keys are empty."""
+    contender (``dim``: the tables' width, for a row-wise scale); DDP's keys are empty."""
+    if name in COMPRESSED:
+        spec = COMPRESSED[name].format(dim=dim)
+        policy = {"*.weight": spec, "*": "none"}
+        return True, {"strategy": "ring", "sparse_embeddings": "auto", "compression": policy}
     table: dict[str, tuple[bool, dict[str, Any]]] = {
         "dense-ring": (False, {"strategy": "ring", "sparse_embeddings": "off"}),
         "sparse-ring": (True, {"strategy": "ring", "sparse_embeddings": "auto"}),
@@ -212,7 +232,7 @@ def run_sparktrain(
     import sparktrain
     from sparktrain import TrainConfig
 
-    sparse, keys = contender_keys(name)
+    sparse, keys = contender_keys(name, spec["dim"])
     cfg = TrainConfig(
         num_workers=spec["workers"],
         batch_size=spec["batch"],
@@ -242,6 +262,7 @@ def run_sparktrain(
         "raw_bytes_per_step": result.summary["bytes_sent"] / steps,
         "wire_bytes_source": "measured: summary wire_bytes (all ranks, whole stage) / steps",
         "call_s": call_s,
+        "sparse_rows_ratio": result.summary.get("sparse_rows_ratio"),
     }
 
 
@@ -415,6 +436,7 @@ def derive(runs: list[dict[str, Any]], window: int, given_target: float | None) 
             "reached": sum(r["time_to_loss_s"] is not None for r in ok),
             "final_loss": smooth(curve, window)[-1] if curve else None,
             "call_s": _median([r["call_s"] for r in ok]),
+            "sparse_rows_ratio": _median([r.get("sparse_rows_ratio") for r in ok]),
         }
     base = per.get(BASELINE, {})
     base_curve = median_curve(_ok(runs, BASELINE))
@@ -445,6 +467,8 @@ def derive(runs: list[dict[str, Any]], window: int, given_target: float | None) 
             "time_to_loss_vs_ddp_best": vs_ddp,
             "ddp_met": (vs_ddp is not None and vs_ddp < 1.0) if name in SPARKTRAIN else None,
         }
+        if name in COMPRESSED:
+            ratios[name].update(vs_uncompressed(per, name))
     return {
         "target_loss": target,
         "seed_noise": noise,
@@ -452,6 +476,27 @@ def derive(runs: list[dict[str, Any]], window: int, given_target: float | None) 
         "ddp_best_time_to_loss_s": ddp_best,
         "contenders": per,
         "ratios": ratios,
+    }
+
+
+def vs_uncompressed(per: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """A compressed sparse-ring contender against the uncompressed sparse ring of the
+    same run: wire bytes (uncompressed / compressed), step time (compressed /
+    uncompressed), final smoothed loss (compressed - uncompressed) and time to the
+    common target loss (compressed / uncompressed)."""
+    base, c = per.get(UNCOMPRESSED, {}), per[name]
+    gap = (
+        c["final_loss"] - base["final_loss"]
+        if c.get("final_loss") is not None and base.get("final_loss") is not None
+        else None
+    )
+    return {
+        "wire_bytes_reduction_vs_sparse_ring": _ratio(
+            base.get("wire_bytes_per_step"), c["wire_bytes_per_step"]
+        ),
+        "step_time_vs_sparse_ring": _ratio(c["step_s"], base.get("step_s")),
+        "final_loss_gap_vs_sparse_ring": gap,
+        "time_to_loss_vs_sparse_ring": _ratio(c["time_to_loss_s"], base.get("time_to_loss_s")),
     }
 
 
@@ -505,6 +550,14 @@ def table(report: dict[str, Any]) -> str:
             f"loss curve gap {_fmt(r['curve_gap_vs_dense_ring'], '{:.4f}')}",
             f"time to loss / DDP best {_fmt(r['time_to_loss_vs_ddp_best'], '{:.2f}')}",
         ]
+        if name in COMPRESSED:
+            parts += [
+                f"vs sparse-ring: wire bytes "
+                f"{_fmt(r.get('wire_bytes_reduction_vs_sparse_ring'), '{:.2f}')}x fewer",
+                f"step time {_fmt(r.get('step_time_vs_sparse_ring'), '{:.2f}')}x",
+                f"final loss {_fmt(r.get('final_loss_gap_vs_sparse_ring'), '{:+.4f}')}",
+                f"time to loss {_fmt(r.get('time_to_loss_vs_sparse_ring'), '{:.2f}')}x",
+            ]
         lines.append(f"- {name}: " + ", ".join(parts))
     lines.append(
         f"- seed noise (dense ring's curves between seeds): {_fmt(d['seed_noise'], '{:.4f}')}; "

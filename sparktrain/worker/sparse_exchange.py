@@ -35,7 +35,14 @@ from torch import nn
 
 from sparktrain.comm.frames import HEADER_BYTES
 from sparktrain.comm.mesh import Mesh
-from sparktrain.worker.sparse_rows import decode_rows, encode_rows, rows_of, sum_rows
+from sparktrain.errors import ConfigError
+from sparktrain.worker.sparse_codec import (
+    RowCompression,
+    pack_tables,
+    plain_ids_nbytes,
+    unpack_tables,
+)
+from sparktrain.worker.sparse_rows import rows_of, sum_rows
 
 _BUFFER_DTYPES = (torch.float32, torch.float64)
 
@@ -53,7 +60,10 @@ class SparseRowExchange:
     over the ranks; see the module docstring for the two ways and the switch.
 
     ``plain`` sums float buffers (the sync's allreduce), ``gather`` is the strategy's
-    allgather of byte blobs; ``density`` is ``TrainConfig.sparse_density``.
+    allgather of byte blobs; ``density`` is ``TrainConfig.sparse_density``; ``specs``
+    the compression spec of each table (the per-layer policy's, ``"none"`` by default:
+    see :mod:`sparktrain.worker.sparse_codec`), ``seed`` the job's seed (compressors'
+    shared random choices).
     """
 
     def __init__(
@@ -63,6 +73,8 @@ class SparseRowExchange:
         gather: Gather,
         mesh: Mesh,
         density: float,
+        specs: list[str] | None = None,
+        seed: int = 0,
     ) -> None:
         for name, p in params:
             if p.dim() != 2:
@@ -73,6 +85,10 @@ class SparseRowExchange:
         self.gather = gather
         self.mesh = mesh
         self.density = float(density)
+        specs = specs if specs is not None else ["none"] * len(params)
+        if len(specs) != len(params):
+            raise ValueError(f"{len(specs)} compression specs for {len(params)} sparse tables")
+        self.codecs = [RowCompression(spec, t, seed, mesh.rank) for t, spec in enumerate(specs)]
         self._dense_buffers: dict[int, np.ndarray] = {}
         # figures for the summary (this rank's)
         self.exchanges = 0
@@ -82,6 +98,9 @@ class SparseRowExchange:
         self.dense_way = 0  # ... and the dense way
         self.raw_bytes = 0
         self.wire_bytes = 0
+        # every rank's row messages as sent, and as the uncompressed format would be
+        self.message_bytes = 0
+        self.plain_message_bytes = 0
 
     # ------------------------------------------------------------------ the exchange
     def exchange(self, count: float, micro: int = 1) -> float:
@@ -111,6 +130,8 @@ class SparseRowExchange:
             summed.update(self._by_rows(row_way, local, weight, touched))
         for t in dense_way:
             summed[t] = self._by_dense(t, local[t], weight)
+        for codec in self.codecs:
+            codec.step_done()
         if total <= 0 and summed:
             raise RuntimeError("rows were touched but no rank contributed samples to this step")
         with torch.no_grad():
@@ -162,11 +183,15 @@ class SparseRowExchange:
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The row way for ``tables``: one allgather of every rank's rows times its
         ``weight``."""
-        mine = [(local[t][0], local[t][1] * weight) for t in tables]
-        blob = encode_rows(mine, weight)
-        # no rank's message can be longer than every touched row of these tables
+        parts = [self.codecs[t].encode(local[t][0], local[t][1] * weight, weight) for t in tables]
+        blob = pack_tables(weight, parts)
+        # no rank's message can be longer than every touched row of these tables in
+        # the widest encoding (raw, or a compressor's payload: at most the float32
+        # block twice over, as topk's ids plus values) plus the headers
         limit = 8 + sum(
-            8 + int(touched[t]) * (8 + self.params[t].shape[1] * self.params[t].element_size())
+            1024
+            + int(touched[t])
+            * (8 + 2 * self.params[t].shape[1] * max(4, self.params[t].element_size()))
             for t in tables
         )
         before = self.mesh.stats.as_dict()
@@ -180,9 +205,21 @@ class SparseRowExchange:
         self.mesh.stats.add_sent(0, raw=max(0, payload))
         self.raw_bytes += max(0, payload)
         self.sent_rows += sum(int(local[t][0].numel()) for t in tables)
-        shapes = [(int(self.params[t].shape[0]), int(self.params[t].shape[1])) for t in tables]
-        dtypes = [self.params[t].dtype for t in tables]
-        decoded = [decode_rows(b, shapes, dtypes)[1] for b in blobs]
+        decoded = []
+        for b in blobs:
+            _, blob_parts = unpack_tables(b, len(tables))
+            rows_parts = []
+            for j, t in enumerate(tables):
+                p = self.params[t]
+                num_rows, dim = int(p.shape[0]), int(p.shape[1])
+                ids, rows = self.codecs[t].decode(blob_parts[j], num_rows, dim, p.dtype)
+                rows_parts.append((ids, rows))
+                self.plain_message_bytes += plain_ids_nbytes(ids.numel()) + (
+                    ids.numel() * dim * p.element_size()
+                )
+            self.message_bytes += int(b.size)
+            self.plain_message_bytes += 8
+            decoded.append(rows_parts)
         return {t: sum_rows([parts[j] for parts in decoded]) for j, t in enumerate(tables)}
 
     def _by_dense(
@@ -201,9 +238,10 @@ class SparseRowExchange:
         buf.zero_()
         values = buf[: num_rows * dim].view(num_rows, dim)
         marks = buf[num_rows * dim :]
-        idx, rows = local
+        # exact: every carried residual row of the table goes too (and is cleared)
+        idx, rows = self.codecs[t].take_all(local[0], local[1] * weight, weight)
         if idx.numel():
-            values.index_copy_(0, idx, rows.to(dtype) * weight)
+            values.index_copy_(0, idx, rows.to(dtype))
             marks[idx] = 1
         before = self.mesh.stats.as_dict()
         self.plain.allreduce_(flat)
@@ -224,4 +262,27 @@ class SparseRowExchange:
             "sparse_dense_way": self.dense_way,
             "sparse_raw_bytes_sent": self.raw_bytes,
             "sparse_wire_bytes_sent": self.wire_bytes,
+            # every rank's row messages as this rank received them (the same on all):
+            # their bytes and what the uncompressed format would have taken
+            "sparse_message_bytes": self.message_bytes,
+            "sparse_plain_message_bytes": self.plain_message_bytes,
+            "sparse_compression": {
+                self.names[t]: c.spec for t, c in enumerate(self.codecs) if c.compressed
+            },
         }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's row compressors' state (residual rows, generators, steps) per
+        table name, for the rank's checkpoint shard; empty without compressed tables."""
+        return {self.names[t]: c.state_dict() for t, c in enumerate(self.codecs) if c.compressed}
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output of the same rank."""
+        mine = {self.names[t]: c for t, c in enumerate(self.codecs) if c.compressed}
+        if set(data) != set(mine):
+            raise ConfigError(
+                f"the checkpoint holds row compressor state for tables {sorted(data)}, this "
+                f"run compresses the rows of {sorted(mine)}: resume with the same compression"
+            )
+        for name, codec in mine.items():
+            codec.load_state_dict(data[name])

@@ -213,13 +213,21 @@ class AllreduceSync:
                     comp, algo, seed=cfg.seed, path=cfg.compression_path
                 )
         self._per_bucket = [self.reducers.get(s) for s in self.buckets.specs]
-        # the rows go uncompressed whatever `compression` says: compressing rows
-        # belongs to the compression issue (docs/sparse.md)
+        # the rows' values go through the compressor the policy gives each table's name
+        # (sparse_codec.py); the row ids are delta-coded whatever it says
         self.rows: SparseRowExchange | None = None
         if sparse:
             gather = self.allreduce
             assert isinstance(gather, RingAllreduce | TreeAllreduce)
-            self.rows = SparseRowExchange(sparse, self._plain, gather, mesh, cfg.sparse_density)
+            self.rows = SparseRowExchange(
+                sparse,
+                self._plain,
+                gather,
+                mesh,
+                cfg.sparse_density,
+                specs=resolve_policy(cfg.compression, [n for n, _ in sparse]),
+                seed=cfg.seed,
+            )
         self._stepper: SparseStepper | None = None
         self._bucket_raw = [0] * len(self.buckets.buckets)
         self._bucket_wire = [0] * len(self.buckets.buckets)
@@ -376,9 +384,15 @@ class AllreduceSync:
     def rank_state(self) -> dict[str, Any] | None:
         """This rank's own state for a checkpoint shard: the compressors' per-bucket
         state (residuals, PowerSGD's Q, ...), or None without compression."""
-        if not self.reducers:
+        rows = self.rows.state_dict() if self.rows is not None else {}
+        if not self.reducers and not rows:
             return None
-        return {"compress": {spec: r.state_dict() for spec, r in self.reducers.items()}}
+        out: dict[str, Any] = {
+            "compress": {spec: r.state_dict() for spec, r in self.reducers.items()}
+        }
+        if rows:
+            out["sparse_rows"] = rows
+        return out
 
     def load_rank_state(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`rank_state`'s output of the same rank."""
@@ -390,6 +404,8 @@ class AllreduceSync:
             )
         for spec, reducer in self.reducers.items():
             reducer.load_state_dict(saved[spec])
+        if self.rows is not None:
+            self.rows.load_state_dict(state.get("sparse_rows", {}))
 
     def close(self) -> None:
         """Unhook the parameters and stop the communication thread."""

@@ -65,3 +65,13 @@ def test_a_sparse_table_trains_on_its_rows_like_the_dense_path(spark, sparse_mod
     for mine, theirs in zip(sparse.history, dense.history, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
     assert sparse.history[-1]["loss"] < sparse.history[0]["loss"]
+    # the table's rows int8-compressed with error feedback (docs/sparse.md): fewer
+    # bytes, every epoch's loss close to the exact rows'
+    policy = {"embedding.*": "int8+ef", "*": "none"}
+    packed = Trainer("sparse_ids_model:build", cfg.replace(compression=policy), spark=spark).fit(df)
+    p = packed.summary
+    assert p["replicas_in_sync"] and p["sparse_compression"] == {"embedding.weight": "int8+ef"}
+    assert p["sparse_rows_ratio"] > 2 * s["sparse_rows_ratio"]
+    assert 0 < p["sparse_bytes_sent"] < s["sparse_bytes_sent"]
+    for mine, theirs in zip(packed.history, sparse.history, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=0.05)

@@ -366,3 +366,25 @@ def test_written_bytes_count_what_the_process_writes(tmp_path: Path):
     after = sb.written_bytes()
     assert before is not None and after is not None
     assert after - before >= 100_023
+
+
+def test_compressed_rows_are_compared_with_the_uncompressed_sparse_ring():
+    fall = [0.7, 0.6, 0.5, 0.4, 0.3]
+    runs = [
+        *synthetic_runs(),
+        _run("sparse-ring+int8-ef", 0, 0.06, 0.25e6, [x + 0.01 for x in fall]),
+        _run("sparse-ring+int8-ef", 1, 0.08, 0.3e6, [x + 0.03 for x in fall]),
+    ]
+    d = sb.derive(runs, 1, None)
+    r = d["ratios"]["sparse-ring+int8-ef"]
+    assert r["wire_bytes_reduction_vs_sparse_ring"] == pytest.approx(1e6 / 0.275e6)
+    assert r["step_time_vs_sparse_ring"] == pytest.approx(0.07 / 0.045)
+    # the median curves of both are fall + 0.02: no gap
+    assert r["final_loss_gap_vs_sparse_ring"] == pytest.approx(0.0, abs=1e-12)
+    c = d["contenders"]
+    want = c["sparse-ring+int8-ef"]["time_to_loss_s"] / c["sparse-ring"]["time_to_loss_s"]
+    assert r["time_to_loss_vs_sparse_ring"] == pytest.approx(want)
+    assert "wire_bytes_reduction_vs_sparse_ring" not in d["ratios"]["sparse-ring"]
+    assert "vs sparse-ring: wire bytes 3.64x fewer" in sb.table(_report(runs))
+    keys = sb.contender_keys("sparse-ring+int8row-ef", dim=32)[1]
+    assert keys["compression"] == {"*.weight": "int8:chunk=32+ef", "*": "none"}

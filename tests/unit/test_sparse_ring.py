@@ -314,14 +314,16 @@ def _rows_equal_dense(parts, extra):
     return rows
 
 
-def test_compression_leaves_the_rows_alone():
-    """The dense head is compressed as asked; the table's rows travel uncompressed."""
+def test_compression_reaches_the_rows():
+    """One spec compresses the dense head's buckets and the table's rows alike
+    (sparktrain/worker/sparse_codec.py; tests/unit/test_sparse_rows_compress.py)."""
     parts = id_parts([9, 4])
     cfg = {"compression": "int8", "lr": 0.1}
     got = train_and_assemble(spec_for(**cfg), parts)
     assert got.summary["sparse_tables"] == 1 and got.summary["sparse_bytes_sent"] > 0
     by_spec = got.summary["compression_by_spec"]
     assert set(by_spec) == {"int8"} and by_spec["int8"]["elements"] == IDS * DIM * 3 + 3
+    assert got.summary["sparse_compression"] == {"emb.weight": "int8"}
     plain = train_and_assemble(spec_for(lr=0.1), parts)
     assert max_diff(got.model, plain.model) > 0  # compression did act on the head
 
