@@ -1,4 +1,7 @@
-"""The resparsify ring (gTop-k) end to end: top-k 1 % with error feedback at local[4]."""
+"""The resparsify ring (gTop-k) end to end: top-k 1 % with error feedback at local[4].
+
+Marked ``scale`` (a world past the default run's local[2], so a session of its own);
+tests/unit/test_compress_gtopk.py covers the path itself at worlds 3 to 8 in-process."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from sparktrain import Trainer
 
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 
-pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.spark, pytest.mark.scale, pytest.mark.timeout(300)]
 
 
 def test_digits_topk_ef_at_world_4_takes_the_resparsify_ring(_sessions):  # type: ignore[no-untyped-def]
