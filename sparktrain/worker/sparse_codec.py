@@ -138,6 +138,27 @@ ROWS_KEY_BASE = 1 << 20
 compressor's private generator (seeded from the key) differs from any bucket's."""
 
 
+def row_specs(compression: str | Any, names: list[str]) -> list[str]:
+    """The spec each table's rows take: the per-layer policy's, except that a single
+    job-wide spec string drops what no table keeps (DGC's ``momentum``, ``mask`` and
+    ``local_clip`` of ``+ef``), so the rows get plain error feedback with the same
+    ``reset``. That is what the tables trained with before their rows were compressed
+    (momentum correction sets the optimizer's momentum to 0, and the compressor did not
+    reach the rows), so such a job keeps working. A compression *table* naming a table
+    with those options is refused by :class:`RowCompression`: the user asked for it."""
+    from sparktrain.compress.policy import resolve_policy
+
+    specs = resolve_policy(compression, names)
+    if not isinstance(compression, str) or compression.strip().lower() == "none":
+        return specs
+    parts = split_spec(compression)
+    comp = build(parts.gradient)
+    if not isinstance(comp, ErrorFeedback) or not (comp.momentum or comp.local_clip):
+        return specs
+    plain = f"{comp.inner.spec}+ef" + (f":reset={comp.reset}" if comp.reset else "")
+    return [("delta+" if parts.delta else "") + plain] * len(names)
+
+
 class RowCompression:
     """One table's value compressor and state, for :class:`SparseRowExchange`.
 
@@ -161,11 +182,11 @@ class RowCompression:
         self.reset = 0
         self.feedback = isinstance(comp, ErrorFeedback)
         if isinstance(comp, ErrorFeedback):
-            if comp.momentum or getattr(comp, "local_clip", 0.0):
+            if comp.momentum or comp.local_clip:
                 raise ConfigError(
                     f"compression {spec!r} on a sparse=True table: the row path keeps a "
                     "sparse residual but no per-row momentum or clipping; give the table "
-                    "a spec with plain '+ef' (or '+ef:reset=N') in a compression table"
+                    "a spec with plain '+ef' (or '+ef:reset=N') in the compression table"
                 )
             self.reset = comp.reset
             comp = comp.inner

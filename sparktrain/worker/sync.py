@@ -42,6 +42,7 @@ from sparktrain.errors import CommError, ConfigError
 from sparktrain.result import by_spec
 from sparktrain.worker.buckets import NONE, GradientBuckets, GradientReadiness
 from sparktrain.worker.context import WorkerContext
+from sparktrain.worker.sparse_codec import row_specs
 from sparktrain.worker.sparse_exchange import SparseRowExchange
 from sparktrain.worker.sparse_rows import sparse_parameters
 from sparktrain.worker.sparse_step import SparseStepper
@@ -225,7 +226,7 @@ class AllreduceSync:
                 gather,
                 mesh,
                 cfg.sparse_density,
-                specs=resolve_policy(cfg.compression, [n for n, _ in sparse]),
+                specs=row_specs(cfg.compression, [n for n, _ in sparse]),
                 seed=cfg.seed,
             )
         self._stepper: SparseStepper | None = None

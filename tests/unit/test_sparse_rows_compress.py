@@ -25,6 +25,7 @@ from sparktrain.worker.sparse_codec import (
     decode_ids,
     encode_ids,
     pack_tables,
+    row_specs,
     unpack_tables,
 )
 from sparktrain.worker.sparse_exchange import SparseRowExchange
@@ -124,6 +125,30 @@ def test_malformed_messages_are_rejected() -> None:
 def test_momentum_is_refused_on_rows() -> None:
     with pytest.raises(ConfigError, match="sparse=True table"):
         RowCompression("topk:0.1+ef:momentum=0.9", 0, seed=0, stream=0)
+
+
+def test_a_job_wide_spec_gives_the_rows_plain_error_feedback() -> None:
+    """DGC's options are for dense buckets: a single job-wide spec keeps training sparse
+    tables (their rows take plain ``+ef``, same reset); a table naming them is refused."""
+    names = ["emb.weight", "user.weight"]
+    assert row_specs("topk:0.01+ef:momentum=0.9", names) == ["topk:0.01+ef"] * 2
+    assert (
+        row_specs("topk:0.01+ef:reset=50,momentum=0.9,local_clip=2", names)
+        == ["topk:0.01+ef:reset=50"] * 2
+    )
+    assert row_specs("int8+ef", names) == ["int8+ef"] * 2
+    assert row_specs("none", names) == ["none"] * 2
+    table = {"emb.*": "topk:0.01+ef:momentum=0.9", "*": "fp16"}
+    assert row_specs(table, names) == ["topk:0.01+ef:momentum=0.9", "fp16"]
+    for spec in row_specs("sign:chunk=32+ef:momentum=0.9", names):
+        RowCompression(spec, 0, seed=0, stream=0)  # accepted
+
+
+def test_a_checkpoint_from_before_row_compression_resumes_fresh() -> None:
+    """Shards written when the rows went raw hold no row state: nothing was carried, so
+    the row compressors start from zero instead of refusing the resume."""
+    (first,) = _exchange_steps(1, "int8+ef", range(2), saved=[{}])
+    assert first[0]  # the steps ran
 
 
 # ---------------------------------------------------------------------- the exchange
