@@ -368,3 +368,18 @@ def test_tree_aggregate_round_tells_the_compressor_its_partitions():
             assert clip_fraction(st) == 1.0
     finally:
         _STATES.clear()
+
+
+def test_sign_without_drop_last_warns_what_to_set(caplog: pytest.LogCaptureFixture) -> None:
+    from sparktrain.config import TrainConfig
+
+    spec = "sign:chunk=32+ef:momentum=0.9"
+    kw = {"compression": spec, "optimizer_kwargs": {"momentum": 0.0}}
+    with caplog.at_level("WARNING", logger="sparktrain.strategies.base"):
+        TrainConfig(**kw).validate()
+    assert any("drop_last=true" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sparktrain.strategies.base"):
+        TrainConfig(**kw, drop_last=True).validate()
+        TrainConfig(compression="topk:0.01+ef").validate()
+    assert not caplog.records
