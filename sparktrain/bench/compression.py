@@ -392,7 +392,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models", nargs="+", default=["mlp", "cnn"], choices=sorted(QUALITY_MODELS)
     )
-    parser.add_argument("--strategies", nargs="+", default=["ring"], choices=["ring", "ps"])
+    parser.add_argument("--strategies", nargs="+", default=["ring"], choices=["ring", "tree", "ps"])
     compression_worlds.add_arguments(parser)
     parser.add_argument(
         "--per-layer",

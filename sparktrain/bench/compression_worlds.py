@@ -366,6 +366,31 @@ def check_variants(variants: Sequence[Variant]) -> None:
         )
 
 
+def record_key(r: dict[str, Any]) -> tuple[str, str, int, int, str]:
+    """What makes a grid run: (model, strategy, world, seed, spec label)."""
+    return (r["model"], str(r["strategy"]), int(r["world"]), int(r["seed"]), r["spec"])
+
+
+def load_earlier(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """An earlier run's JSON for ``--add-to``: its records are kept (and its time-to
+    block, unless ``--time-to`` runs again), only the grid's missing runs are trained.
+    Refused when it was measured another way (global batch, epochs, drop_last)."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != FORMAT:
+        raise ConfigError(f"--add-to {path}: not a {FORMAT} file")
+    cfg = data["config"]
+    mine = {"global_batch": args.global_batch, "epochs": args.epochs, "drop_last": args.drop_last}
+    other = {k: v for k, v in mine.items() if cfg.get(k) != v}
+    if other:
+        raise ConfigError(
+            f"--add-to {path} was measured with "
+            + ", ".join(f"{k}={cfg.get(k)!r}" for k in other)
+            + f"; this run has {', '.join(f'{k}={v!r}' for k, v in other.items())}: "
+            "give the same settings or write a new file"
+        )
+    return data
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--quality")
     parser.add_argument(
@@ -393,6 +418,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-to-spec", default="topk:0.01+ef:momentum=0.9")
     parser.add_argument("--time-to-world", type=int, default=4)
     parser.add_argument("--link", default="5g", help="--time-to: the emulated link profile")
+    parser.add_argument(
+        "--add-to",
+        metavar="JSON",
+        help="--quality: keep this earlier run's records and train only the missing runs "
+        "(e.g. another strategy's rows)",
+    )
 
 
 def main(
@@ -445,14 +476,24 @@ def main(
         quality_run(spark, frames, "mlp", "ring", "none", world, 1, batch_size=batches.get(world))
         return spark, frames
 
-    records: list[dict[str, Any]] = []
+    earlier = load_earlier(args.add_to, args) if args.add_to else None
+    records: list[dict[str, Any]] = list(earlier["records"]) if earlier else []
+    done = {record_key(r) for r in records}
     for world in worlds:
+        todo = [
+            (model, strategy, seed, v)
+            for model in args.models
+            for strategy in args.strategies
+            for seed in args.seeds
+            for v in variants
+            if (model, "ps-sync" if strategy == "ps" else strategy, world, seed, v.label)
+            not in done
+        ]
+        if not todo:
+            continue
         spark, frames = session(world)
-        for model in args.models:
-            for strategy in args.strategies:
-                for seed in args.seeds:
-                    for v in variants:
-                        records.append(run(spark, frames, model, strategy, v, world, seed))
+        for model, strategy, seed, v in todo:
+            records.append(run(spark, frames, model, strategy, v, world, seed))
         spark.stop()
     rows = aggregate(records)
     data: dict[str, Any] = {
@@ -461,12 +502,15 @@ def main(
             "global_batch": args.global_batch,
             "epochs": args.epochs,
             "drop_last": args.drop_last,
-            "seeds": list(args.seeds),
-            "per_worker_batch": {str(w): b for w, b in batches.items()},
+            "seeds": sorted({int(r["seed"]) for r in records}),
+            "per_worker_batch": {
+                str(w): per_worker_batch(args.global_batch, w)
+                for w in sorted({int(r["world"]) for r in records})
+            },
         },
         "records": records,
         "rows": rows,
-        "time_to": None,
+        "time_to": earlier.get("time_to") if earlier else None,
     }
     if timed:
         spark, frames = session(args.time_to_world)

@@ -231,3 +231,57 @@ def test_cli_defaults_and_up_front_spec_checks() -> None:
     else:
         with pytest.raises(ConfigError, match="compression_path"):
             compression_worlds.check_variants(forced)
+
+
+def test_add_to_keeps_an_earlier_run_and_trains_only_what_is_missing(tmp_path: Path) -> None:
+    """``--add-to``: an earlier file that already holds the whole grid trains nothing
+    (the fake quality_run would fail) and is written back re-aggregated, its time-to block
+    kept; a file measured another way is refused."""
+    parser = argparse.ArgumentParser()
+    compression.add_arguments(parser)
+    earlier = tmp_path / "earlier.json"
+    records = _grid()
+    cfg = {"global_batch": 64, "epochs": 20, "drop_last": True, "seeds": [0, 1, 2]}
+    timed = {"target": 0.95, "records": [], "rows": []}
+    earlier.write_text(
+        json.dumps(
+            {
+                "format": compression_worlds.FORMAT,
+                "config": cfg,
+                "records": records,
+                "rows": [],
+                "time_to": timed,
+            }
+        )
+    )
+    out = tmp_path / "out.json"
+    argv = [
+        "--quality",
+        "--worlds",
+        "2",
+        "4",
+        "--models",
+        "mlp",
+        "--drop-last",
+        "--specs",
+        "int8+ef",
+        "topk:0.01+ef",
+        "--add-to",
+        str(earlier),
+        "--json",
+        str(out),
+    ]
+    args = parser.parse_args(argv)
+
+    def must_not_train(*a: Any, **k: Any) -> dict[str, Any]:
+        raise AssertionError("a run the earlier file holds was trained again")
+
+    assert compression_worlds.main(args, args.specs, must_not_train) == 0
+    data = json.loads(out.read_text())
+    assert data["records"] == records and data["time_to"] == timed
+    assert {(r["world"], r["spec"]) for r in data["rows"]} == {
+        (w, s) for w in (2, 4) for s in ("none", "int8+ef", "topk:0.01+ef")
+    }
+    args = parser.parse_args([a for a in argv if a != "--drop-last"])
+    with pytest.raises(ConfigError, match="drop_last"):
+        compression_worlds.main(args, args.specs, must_not_train)
