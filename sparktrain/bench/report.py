@@ -425,8 +425,8 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section(
         "compression_worlds", "Compression as the world grows: worlds 2, 4, 8, paired seeds",
-        "sparktrain bench compression --quality --ablation --time-to 0.95 --link 5g \\\n"
-        "    --json docs/results/compression_worlds.json \\\n"
+        "sparktrain bench compression --quality --ablation --local-clip 1.8 --drop-last \\\n"
+        "    --time-to 0.95 --link 5g --json docs/results/compression_worlds.json \\\n"
         "    --plot docs/results/compression_worlds.png",
         "compression_worlds.json", _compression_worlds, ("compression_worlds.png",),
     ),
