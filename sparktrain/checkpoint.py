@@ -25,6 +25,14 @@ missing) and falls back to the newest intact one, saying so in the log.
 Temporary files left by a killed writer are removed when older than
 ``ORPHAN_AGE_S`` (at every save), or all at once when a new run starts
 (:meth:`CheckpointStore.remove_orphans`).
+
+Permissions (local disk). Checkpoints hold the model and, on resume, are loaded as the
+run's state, so only the user who runs the job may read or write them: files are
+created ``0600`` and the directories sparktrain creates ``0700`` (an existing directory
+keeps its mode). A directory that other users could write to is refused
+(:func:`check_private_dir`): one that is world-writable, or that belongs to another user
+(root excepted). Every process that writes checkpoints must therefore run as the same
+user. Remote filesystems (HDFS, object stores) keep their own permission model.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -64,6 +73,10 @@ written with (``stages``, ``replicas``, layer ``bounds``); its model lives in th
 stages' shards, not in the main file."""
 
 SHARED_SCHEMES = ("hdfs://", "s3://", "gs://", "abfs://", "file://")
+FILE_MODE = 0o600
+"""Mode of the checkpoint files written on a local disk: the owner's alone."""
+DIR_MODE = 0o700
+"""Mode of the checkpoint directories sparktrain creates on a local disk."""
 _SINGLE_HOST_MASTER = re.compile(r"^local(\[[^\]]*\])?$")
 
 
@@ -136,6 +149,8 @@ class CheckpointStore:
         self.keep = keep
         # a local disk is written with os calls: fsync before the rename, and of the dir
         self._local = isinstance(self._fs, pafs.LocalFileSystem)
+        if self._local and os.path.isdir(self._dir):
+            check_private_dir(self._dir, uri)
 
     def _path(self, name: str) -> str:
         return f"{self._dir}/{name}"
@@ -198,6 +213,9 @@ class CheckpointStore:
         tmp = self._path(f"{_TMP_PREFIX}{uuid.uuid4().hex}")
         try:
             if self._local:
+                # checked again now that it exists: another user may have made it first
+                make_private_dirs(self._dir)
+                check_private_dir(self._dir, self.uri)
                 _write_local(tmp, final, buffer.getbuffer())
             else:
                 self._fs.create_dir(self._dir, recursive=True)
@@ -361,12 +379,59 @@ class CheckpointStore:
             self.load_shard(ckpt.step, rank, world)
 
 
+def make_private_dirs(path: str) -> None:
+    """Create ``path`` and its missing parents with mode :data:`DIR_MODE` (whatever the
+    umask); directories that already exist are left as they are."""
+    missing: list[str] = []
+    current = os.path.abspath(path)
+    while not os.path.isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, DIR_MODE)
+        except FileExistsError:
+            continue  # another rank made it meanwhile: checked by check_private_dir
+        os.chmod(directory, DIR_MODE)  # the umask may have taken bits off mkdir's mode
+
+
+def check_private_dir(path: str, uri: str | None = None) -> None:
+    """Refuse a local checkpoint directory that users other than this process's could
+    write to: a world-writable one (sticky bit or not: others could still add a
+    checkpoint that a resumed run would load), or one another user owns (root
+    excepted, which can write anywhere anyway). Raises
+    :class:`~sparktrain.errors.CheckpointError` saying what to do."""
+    if os.name != "posix":
+        return  # no POSIX owner and mode bits to go by
+    shown = uri or path
+    st = os.stat(path)  # follows a symlink: the directory written to is what counts
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise CheckpointError(
+            f"checkpoint_dir {shown!r} belongs to another user (uid {st.st_uid}; this "
+            f"process runs as uid {me}), who could replace or add the checkpoints a "
+            "resumed run loads: point checkpoint_dir at a directory you own, or at a new "
+            f"path (sparktrain creates it with mode {DIR_MODE:o})"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise CheckpointError(
+            f"checkpoint_dir {shown!r} is world-writable (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): any local user could replace or add the "
+            f"checkpoints a resumed run loads; run chmod o-w {path!r} or point "
+            f"checkpoint_dir at a new path (sparktrain creates it with mode {DIR_MODE:o})"
+        )
+
+
 def _write_local(tmp: str, final: str, data: memoryview) -> None:
     """Write, fsync, rename, fsync the directory: the rename is durable only once the
-    directory entry is on disk, and the data only once the file is."""
-    directory = os.path.dirname(final) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    directory entry is on disk, and the data only once the file is. The file is
+    created :data:`FILE_MODE`, so it is never readable by others, not even before the
+    rename."""
+    directory = os.path.dirname(final) or "."  # made by the caller (make_private_dirs)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         view = memoryview(data).cast("B")
         while view:

@@ -29,6 +29,13 @@ Failures
     :class:`~sparktrain.errors.ConfigError` from :func:`make_listeners`, before the stage
     starts.
 
+Credentials
+    Listeners see the config and the summary with the user name and password of every
+    URI removed and secret-looking query values (``?token=``) masked
+    (:mod:`sparktrain.redact`): ``mlflow_tracking_uri = "https://me:token@host/"`` is
+    recorded as ``https://host/``. So are this module's log lines, tracebacks included.
+    The MLflow client itself is given the URI as configured.
+
 Lifecycle (:class:`ListenerGroup` guarantees it)
     ``on_start`` once, first (also when rank 0's ``start`` message never arrived);
     ``on_record`` per record; then exactly one of ``on_finish`` (success) or ``on_error``
@@ -44,11 +51,13 @@ import numbers
 import re
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from sparktrain.errors import ConfigError
+from sparktrain.redact import redact_text, redact_values
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,6 +65,22 @@ if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
 
 log = logging.getLogger(__name__)
+
+
+class _RedactFilter(logging.Filter):
+    """Removes credentials from this module's log records, the traceback included: an
+    MLflow error names the request's URL, which holds the tracking URI's userinfo."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact_text(record.getMessage()), None
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            # formatters print exc_text when set, in place of formatting exc_info again
+            text = "".join(traceback.format_exception(*record.exc_info))
+            record.exc_text = redact_text(text.rstrip("\n"))
+        return True
+
+
+log.addFilter(_RedactFilter())
 
 
 @runtime_checkable
@@ -170,7 +195,8 @@ class ListenerGroup:
         self, listeners: Sequence[RunListener], config: Mapping[str, Any] | None = None
     ) -> None:
         self.listeners = list(listeners)
-        self.config = dict(config or {})
+        # what every listener records: no credentials (module docstring)
+        self.config: dict[str, Any] = redact_values(dict(config or {}))
         self.failures = [0] * len(self.listeners)
         self.started = False
         self.ended = False
@@ -193,7 +219,7 @@ class ListenerGroup:
             return
         self.start()
         self.ended = True
-        self._each("on_finish", summary, model)
+        self._each("on_finish", redact_values(summary), model)
         self._report_failures()
 
     def error(self, error: BaseException) -> None:
@@ -383,9 +409,11 @@ class MLflowLogger:
             # builds the store now: an unknown scheme or a refused file store fails here
             self._client = MlflowClient(tracking_uri)
         except Exception as exc:
+            # the message reaches logs and tracebacks: no credentials in it
             raise ConfigError(
-                f"mlflow_tracking_uri={tracking_uri!r} cannot be used: {exc}"
-            ) from exc
+                f"mlflow_tracking_uri={redact_text(tracking_uri)!r} cannot be used: "
+                f"{redact_text(str(exc))}"
+            ) from None
         active = mlflow.active_run()  # the thread calling fit builds the listeners
         self._parent = active.info.run_id if active is not None else None
         self.run_id: str | None = None
@@ -439,7 +467,7 @@ class MLflowLogger:
         if self.run_id is None:
             return
         try:
-            text = f"{type(error).__name__}: {error}"
+            text = redact_text(f"{type(error).__name__}: {error}")
             self._client.set_tag(self.run_id, "sparktrain.error", truncate(text, 5000))
         finally:
             status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"

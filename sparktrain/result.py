@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparktrain.errors import DataError, WorkerError
+from sparktrain.redact import redact_values
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,11 +41,20 @@ class Record:
 @dataclass
 class TrainResult:
     """What :meth:`Trainer.fit` returns: the trained module (rank 0's weights, on the
-    driver), the per-epoch history and the run's summary (see docs/summary.md for the keys)."""
+    driver), the per-epoch history and the run's summary (see docs/summary.md for the keys).
+
+    The summary holds no credentials: the userinfo of every URI in it (the config's
+    ``mlflow_tracking_uri``, say) is removed, secret query values are masked
+    (:func:`sparktrain.redact.redact_values`), in place."""
 
     model: nn.Module
     history: list[dict[str, Any]]
     summary: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # in place: a builder that still holds the dict (to hand it to the listeners,
+        # to print it) holds the redacted one
+        self.summary.update(redact_values(self.summary))
 
     def save_summary(self, path: str | Path) -> None:
         """Write the summary as pretty JSON."""
