@@ -257,6 +257,14 @@ class TrainConfig:
     clip_grad_norm:
         Clip the averaged gradients to this global L2 norm before the step (0 = off);
         every replica clips the same averaged gradients alike.
+    divergence_factor:
+        Stop with a ``DivergedError`` when an epoch's mean training loss exceeds this many
+        times the lowest epoch mean so far, or half the first epoch's mean if that is
+        higher (so the default 20 also means at least 10x the first epoch's: a loss
+        trained near zero may bump and recover): a run that diverged short of NaN. Every
+        rank decides alike on the epoch's exact loss. The built-in loop (``ring``,
+        ``tree``, ``ps``) checks; 0 turns the check off. Non-finite losses and weights
+        stop a run regardless.
     early_stopping:
         ``{metric = "accuracy", mode = "max", patience = 3, min_delta = 0.0,
         restore_best = false}``: stop when the reported ``metric`` has not improved by more
@@ -347,6 +355,7 @@ class TrainConfig:
     fp16_skip_limit: int = 10
     accumulate_steps: int = 1
     clip_grad_norm: float = 0.0
+    divergence_factor: float = 20.0
     early_stopping: dict[str, Any] = field(default_factory=dict)
     metrics: list[str | Callable[..., Any]] = field(default_factory=list)
     tensorboard_dir: str = ""
@@ -696,6 +705,16 @@ def _check_loop_options(cfg: TrainConfig) -> None:
     value = cfg.clip_grad_norm
     if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
         raise ConfigError(f"clip_grad_norm={value!r} must be a number >= 0 (0 = no clipping)")
+    value = cfg.divergence_factor
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not (value == 0 or value > 1)
+    ):
+        raise ConfigError(
+            f"divergence_factor={value!r} must be 0 (off) or a number > 1, e.g. 20: the "
+            "growth of the epoch's mean loss over the lowest so far that stops a run"
+        )
     _check_early_stopping(cfg.early_stopping)
     if not isinstance(cfg.metrics, list):
         raise ConfigError(

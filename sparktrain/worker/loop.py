@@ -39,7 +39,7 @@ from sparktrain.checkpoint import PIPELINE_LAYOUT, RANK_SHARDS, Checkpoint, Chec
 from sparktrain.data.batch import forward
 from sparktrain.errors import CheckpointError
 from sparktrain.worker.data import PartitionData
-from sparktrain.worker.divergence import check_finite_weights
+from sparktrain.worker.divergence import check_finite_weights, check_loss_growth
 from sparktrain.worker.early_stop import EarlyStopping
 from sparktrain.worker.evaluate import (
     evaluate,
@@ -174,8 +174,10 @@ def builtin_loop(ctx: RunContext) -> TrainedModel:
         if cfg.metrics:
             record.update(_extra_metrics(model, evaluation, ctx, _prefix(metric)))
         record["lr"] = stepper.lr
-        # replicas hold the same weights, so every rank decides alike
+        # replicas hold the same weights, and every rank the same reduced loss and
+        # history, so every rank decides alike
         check_finite_weights(params, epoch, cfg.lr)
+        check_loss_growth(ctx.history, record["loss"], epoch, cfg)
         stop = ctx.conclude(record)
         if ctx.rank == 0 and early.active and ctx.improved and early.restore_best:
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
