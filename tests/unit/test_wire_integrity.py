@@ -25,7 +25,7 @@ from sparktrain.comm.security import (
     is_loopback_host,
     resolve_frame_mac,
 )
-from sparktrain.config import TrainConfig
+from sparktrain.config import TrainConfig, apply_overrides
 from sparktrain.errors import ConfigError, FrameError, HandshakeError, PeerLostError
 from sparktrain.launch.payload_server import PayloadServer
 from sparktrain.worker.payload import ServedTask, fetch_payload
@@ -109,6 +109,9 @@ def test_frame_integrity_defaults_to_auto_and_keeps_true_and_false() -> None:
     assert TrainConfig.from_dict({"frame_integrity": True}).frame_integrity is True
     assert TrainConfig.from_dict({"frame_integrity": "false"}).frame_integrity is False
     assert TrainConfig.from_dict({"frame_integrity": "auto"}).frame_integrity == "auto"
+    for cli, want in (("auto", "auto"), ("true", True), ("false", False), ('"true"', True)):
+        values = apply_overrides({}, [f"frame_integrity={cli}"])  # sparktrain train --set
+        assert TrainConfig.from_dict(values).frame_integrity == want, cli
     with pytest.raises(ConfigError, match="frame_integrity"):
         TrainConfig(frame_integrity="sometimes")
     assert WireSecurity.for_job("none", TrainConfig().frame_integrity).frame_mac == AUTO
