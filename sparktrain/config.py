@@ -193,10 +193,12 @@ class TrainConfig:
         ``encryption = "tls"`` runs sparktrain's sockets over TLS with an ephemeral
         per-job certificate whose fingerprint clients pin (``"none"``: plaintext).
         ``frame_integrity`` puts a MAC keyed from the handshake (AES-GMAC) on every
-        frame, so frames cannot be injected or altered on the path; TLS implies it. Off
-        by default: on loopback it cost the ring 27 % of its bus bandwidth (median of 5
-        runs, 16 MiB, world 2; more than the 10 % that would make it a default; see
-        docs/security.md). The Spark-encryption gate turns it on whenever Spark's own
+        frame, so frames cannot be injected, altered, replayed or reordered on the path;
+        TLS implies it. ``"auto"`` (the default) decides per connection: MACs on unless
+        the connection runs over a loopback address (local mode on 127.0.0.1 stays
+        plain, every connection between hosts is authenticated); ``true``/``false`` force
+        it on every connection (every side of a job must use the same). The cost is in
+        docs/security.md. The Spark-encryption gate turns it on whenever Spark's own
         encryption is on and ``encryption`` is not ``"tls"``.
     driver_services_host, driver_services_ports:
         Where the driver's services (progress channel, rendezvous, state receiver,
@@ -325,7 +327,7 @@ class TrainConfig:
     progress: bool = True
     metrics_jsonl: str = ""
     encryption: str = "none"
-    frame_integrity: bool = False
+    frame_integrity: bool | str = "auto"
     allow_unencrypted: bool = False
     driver_services_host: str = ""
     driver_services_ports: str = ""
@@ -363,6 +365,12 @@ class TrainConfig:
     mlflow_experiment: str = "sparktrain"
 
     def __post_init__(self) -> None:
+        # "true"/"false" as strings (a bool-or-str key keeps strings as given) are bools
+        if isinstance(self.frame_integrity, str) and self.frame_integrity.lower() in (
+            "true",
+            "false",
+        ):
+            self.frame_integrity = self.frame_integrity.lower() == "true"
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -403,6 +411,11 @@ class TrainConfig:
         _at_least("keep_checkpoints", self.keep_checkpoints, 1)
         _at_least("max_restarts", self.max_restarts, 0)
         _one_of("encryption", self.encryption, ENCRYPTIONS)
+        if not isinstance(self.frame_integrity, bool) and self.frame_integrity != "auto":
+            raise ConfigError(
+                f'frame_integrity={self.frame_integrity!r} must be true, false or "auto" '
+                "(MACs on every connection not over loopback)"
+            )
         _one_of("ps_mode", self.ps_mode, PS_MODES)
         _at_least("staleness", self.staleness, 0)
         _at_least("ps_shards", self.ps_shards, 1)

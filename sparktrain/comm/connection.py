@@ -400,7 +400,8 @@ class Connection:
         if len(data) < size:
             return None
         fields = FRAME_HEADER.unpack(data[:HEADER_BYTES])
-        if fields[0] != FRAME_MAGIC or fields[1] != KIND_ABORT or fields[5] != self._recv_seq:
+        magic, kind, seq, length = fields[0], fields[1], fields[5], fields[6]
+        if magic != FRAME_MAGIC or kind != KIND_ABORT or seq != self._recv_seq or length:
             return None
         if self._mac is not None and not self._mac.verify(
             fields[5], data[:HEADER_BYTES], b"", data[HEADER_BYTES:]
@@ -455,8 +456,13 @@ class Connection:
             raise self._bad_frame(f"ndim {ndim} > {MAX_NDIM}")
         shape = tuple(fields[7 : 7 + ndim])
         if got_kind == KIND_ABORT:
-            if length == 0:
-                self._verify_mac(b"")  # a forged notice must not name a rank
+            # A notice carries no payload: one that claims some is no genuine notice, and
+            # its tag (over the header only) must verify before it may name any rank.
+            if length != 0:
+                raise self._bad_frame(
+                    f"an abort notice claiming a {length}-byte payload (notices carry none)"
+                )
+            self._verify_mac(b"")
             self.close()
             raise self._abort_error(ndim, fields[7])
         if kind is not None and got_kind != kind:

@@ -4,7 +4,10 @@ Every connection starts with it: both sides send a fixed-size hello with a fresh
 nonce, then prove knowledge of the per-job secret with HMAC-SHA256 over the job id, the
 attempt, both ranks and both nonces. Nothing but fixed-size, bounded reads happens before
 that succeeds, and the whole handshake has a deadline. With frame MACs, both sides then
-derive fresh per-connection frame keys from the same inputs (never sent). :func:`connect`
+derive fresh per-connection frame keys from the same inputs (never sent); under
+``frame_integrity='auto'`` each side first decides from the connection's address whether
+frames carry MACs (:meth:`~sparktrain.comm.security.WireSecurity.for_connection`), and
+the hellos' mode bits catch any disagreement. :func:`connect`
 is the client side, :func:`accept` and :func:`serve_accepted` the server side; both
 return a :class:`~sparktrain.comm.connection.Connection`.
 
@@ -56,7 +59,8 @@ _VERDICT_REASONS = {
     2: "the server did not expect a connection from this rank",
     3: "the protocol versions differ (mixed sparktrain versions on the cluster?)",
     4: "the wire security differs (encryption/frame_integrity must be the same on every "
-    "side of a job)",
+    "side of a job; with frame_integrity='auto' both ends must see the connection's "
+    "address alike: behind a NAT or port forward, set frame_integrity to true or false)",
 }
 
 
@@ -200,6 +204,18 @@ def _frame_mac(
 _PLAIN = WireSecurity()
 
 
+def _resolved(security: WireSecurity | None, sock: socket.socket, side: str) -> WireSecurity:
+    """The connection's security, ``frame_integrity='auto'`` resolved from its address:
+    the client's peer address (``getpeername``) is the server's own (``getsockname``),
+    so both ends decide alike. A socket that cannot say counts as not loopback."""
+    security = security or _PLAIN
+    try:
+        host = str(getattr(sock, side)()[0])
+    except OSError:
+        host = ""
+    return security.for_connection(host)
+
+
 class _Peer:
     """What the server side of a handshake proved: the rank, the (maybe TLS) socket and
     the frame keys."""
@@ -283,9 +299,9 @@ def connect(
     check_secret(secret)
     if timeout <= 0:
         raise ConfigError(f"the comm timeout must be > 0 seconds, got {timeout}")
-    security = security or _PLAIN
     deadline = time.monotonic() + timeout
     sock = _dial(address, peer_rank, deadline)
+    security = _resolved(security, sock, "getpeername")
     nonce = os.urandom(32)
     mode = security.mode
     try:
@@ -369,7 +385,7 @@ def _serve_handshake(
 ) -> _Peer:
     """Server side of the handshake on an accepted socket; returns the proven peer
     (its rank, the socket to use, wrapped in TLS if asked, and the frame keys)."""
-    security = security or _PLAIN
+    security = _resolved(security, sock, "getsockname")
     nonce = os.urandom(32)
     mode = security.mode
     try:

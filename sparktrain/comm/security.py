@@ -19,6 +19,13 @@ per job by ``TrainConfig.encryption`` and ``TrainConfig.frame_integrity``:
   handshake still runs, inside TLS. TLS already authenticates every record, so frames
   carry no extra MAC then.
 
+``frame_integrity = "auto"`` (the default) decides per connection: frame MACs on unless
+the connection runs over a loopback address, where no frame leaves the host. Both ends
+decide from the same address (the client from the address it reached, the server from
+the address it was reached on: :meth:`WireSecurity.for_connection`), so they agree
+without a word; where a NAT or port forward makes them see different addresses, the
+handshake refuses the mismatch with an error that says to set ``true`` or ``false``.
+
 A :class:`WireSecurity` is a small frozen, picklable value; ``connect``/``accept``/
 ``Mesh``/``DriverService`` take it as ``security=`` (``None``: plaintext, no MAC).
 
@@ -28,9 +35,11 @@ Executor-side code: this module never imports pyspark.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import selectors
@@ -39,7 +48,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -55,23 +64,67 @@ MODE_MAC = 1
 MODE_TLS = 2
 """Bits of the security mode a hello announces (so a mismatch gets a clear error)."""
 
+AUTO = "auto"
+"""``frame_mac``/``frame_integrity`` value: MACs on every connection not over loopback."""
+
+FrameMacSetting = bool | str
+"""``True``, ``False`` or :data:`AUTO`."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an address as sockets report it, or ``localhost``) is loopback:
+    127.0.0.0/8, ``::1``, or an IPv4-mapped loopback (``::ffff:127.0.0.1``). A name
+    other than ``localhost`` is not resolved here: it counts as not loopback."""
+    text = host.strip().strip("[]").split("%", 1)[0]  # brackets, IPv6 scope id
+    if text.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def resolve_frame_mac(setting: FrameMacSetting, hosts: Iterable[str]) -> bool:
+    """Whether frames carry MACs under ``setting`` on a connection (or job) whose
+    addresses are ``hosts``: ``True``/``False`` as given; :data:`AUTO` on unless every
+    address is loopback (an empty list counts as not loopback: nothing proves it)."""
+    if setting is True or setting is False:
+        return setting
+    if setting != AUTO:
+        raise ConfigError(f"frame_integrity must be true, false or 'auto', got {setting!r}")
+    seen = list(hosts)
+    return not seen or not all(is_loopback_host(h) for h in seen)
+
 
 @dataclass(frozen=True)
 class WireSecurity:
     """How a job's connections are protected; travels next to the job secret.
 
-    ``frame_mac``: MAC every frame (ignored under TLS, which authenticates every record).
+    ``frame_mac``: MAC every frame (``True``), none (``False``), or :data:`AUTO`: MACs
+    on every connection not over loopback, decided per connection by
+    :meth:`for_connection` (ignored under TLS, which authenticates every record).
     ``tls_cert_pem``/``tls_key_pem``/``tls_fingerprint``: the job's ephemeral certificate
     (PEM bytes) and the SHA-256 of its DER form (hex); empty when TLS is off.
     """
 
-    frame_mac: bool = False
+    frame_mac: FrameMacSetting = False
     tls_cert_pem: bytes = field(default=b"", repr=False)
     tls_key_pem: bytes = field(default=b"", repr=False)
     tls_fingerprint: str = ""
 
+    def __post_init__(self) -> None:
+        if self.frame_mac is not True and self.frame_mac is not False and self.frame_mac != AUTO:
+            raise ConfigError(
+                f"frame_integrity must be true, false or 'auto', got {self.frame_mac!r}"
+            )
+
     @classmethod
-    def for_job(cls, encryption: str = "none", frame_integrity: bool = False) -> WireSecurity:
+    def for_job(
+        cls, encryption: str = "none", frame_integrity: FrameMacSetting = False
+    ) -> WireSecurity:
         """The security of a new job (on the driver): makes the TLS certificate if asked."""
         if encryption == "none":
             return cls(frame_mac=frame_integrity)
@@ -101,7 +154,7 @@ class WireSecurity:
         """The inverse of :meth:`to_text`."""
         d = json.loads(text)
         return cls(
-            frame_mac=bool(d["frame_mac"]),
+            frame_mac=AUTO if d["frame_mac"] == AUTO else bool(d["frame_mac"]),
             tls_cert_pem=str(d["cert"]).encode("ascii"),
             tls_key_pem=str(d["key"]).encode("ascii"),
             tls_fingerprint=str(d["fingerprint"]),
@@ -114,8 +167,24 @@ class WireSecurity:
 
     @property
     def macs_frames(self) -> bool:
-        """Whether frames carry a MAC (TLS authenticates its records itself)."""
-        return self.frame_mac and not self.tls
+        """Whether frames carry a MAC (TLS authenticates its records itself). An
+        unresolved :data:`AUTO` counts as on: see :meth:`for_connection`."""
+        return self.frame_mac is not False and not self.tls
+
+    def for_connection(self, host: str) -> WireSecurity:
+        """This security as one connection runs it, :data:`AUTO` resolved for the
+        connection's address ``host``: the address the client reached, which is the
+        address the server was reached on (so both ends agree)."""
+        if self.frame_mac != AUTO:
+            return self
+        return dataclasses.replace(self, frame_mac=resolve_frame_mac(AUTO, [host]))
+
+    def authenticated(self) -> WireSecurity:
+        """This security with every frame authenticated: MACs on unless TLS already
+        authenticates every record (for services whose bytes a peer unpickles)."""
+        if self.tls or self.frame_mac is True:
+            return self
+        return dataclasses.replace(self, frame_mac=True)
 
     @property
     def mode(self) -> int:
@@ -158,8 +227,11 @@ def describe_mode(mode: int) -> str:
     if mode & MODE_TLS:
         return "TLS (encryption='tls')"
     if mode & MODE_MAC:
-        return "frame MACs (frame_integrity=true)"
-    return "plaintext without frame MACs (encryption='none', frame_integrity=false)"
+        return "frame MACs (frame_integrity=true, or 'auto' off loopback)"
+    return (
+        "plaintext without frame MACs (encryption='none', frame_integrity=false, or "
+        "'auto' over loopback)"
+    )
 
 
 def _same(a: str, b: str) -> bool:

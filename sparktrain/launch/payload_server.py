@@ -15,6 +15,10 @@ and chunked frames as the other driver services), and the closure carries a
 fetches it once. Executors that cannot reach this process fail with an error that says
 what to set (:attr:`ServedBytes.remedy`).
 
+A task unpickles what it fetches: this service MACs its frames (or runs TLS) whatever
+``frame_integrity`` says, and each reference carries the payload's HMAC under the
+secret (:func:`~sparktrain.worker.payload.payload_digest`), checked before use.
+
 Two users: a barrier stage serves its pickled task for one attempt
 (:func:`sparktrain.launch.barrier.launch`), and ``transform`` serves a model's weights
 from a process-wide server (:func:`serve_shared`) for as long as the model lives, since
@@ -40,7 +44,7 @@ from sparktrain.comm.listen import ServiceHost
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 from sparktrain.errors import CommError
-from sparktrain.worker.payload import ServedBytes, ServedTask
+from sparktrain.worker.payload import ServedBytes, ServedTask, payload_digest
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,8 @@ def fits_in_closure(nbytes: int, cap: int | None) -> bool:
 
 
 class PayloadServer(DriverService):
-    """Serves registered byte payloads by key to this job's authenticated tasks."""
+    """Serves registered byte payloads by key to this job's authenticated tasks, over
+    frames that always carry MACs (or TLS), whatever the job's ``frame_integrity``."""
 
     name = "payload"
 
@@ -70,7 +75,10 @@ class PayloadServer(DriverService):
         security: WireSecurity | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
+        # what the tasks fetch here they unpickle: always authenticated frames
+        security = (security or WireSecurity()).authenticated()
         super().__init__(host, secret=secret, job_id=job_id, attempt=attempt, security=security)
+        self._secret = secret
         self._auth: dict[str, Any] = {
             "secret": secret,
             "job_id": job_id,
@@ -96,6 +104,7 @@ class PayloadServer(DriverService):
             what=what,
             timeout=timeout,
             remedy=remedy,
+            digest=payload_digest(self._secret, key, blob),
             **self._auth,
         )
 

@@ -94,8 +94,9 @@ def check_transport_security(
     sockets (:func:`starts_own_sockets`), the job needs ``encryption = "tls"``, else it is
     refused unless ``allow_unencrypted = true`` (then a warning is logged). Whenever Spark's
     wire encryption is on and the job's sockets would not run TLS (whose records are
-    already authenticated), ``frame_integrity`` is forced on: the returned config is a
-    copy with ``frame_integrity=True`` (``cfg`` itself when nothing changes).
+    already authenticated), ``frame_integrity`` is forced on, loopback connections too
+    (``"auto"`` leaves those plain): the returned config is a copy with
+    ``frame_integrity=True`` (``cfg`` itself when nothing changes).
     ``served_weights``: tree_aggregate under Spark Connect found its weights too large for
     a round's closure (known only once the model is built, after the fit's own gate), so
     the driver's weights server sends them: a socket of its own whatever the spec.
@@ -127,7 +128,7 @@ def check_transport_security(
         '(allow_unencrypted=true); set encryption = "tls" to encrypt them',
         keys,
     )
-    if not cfg.frame_integrity:
+    if cfg.frame_integrity is not True:
         log.info("Spark encrypts its wire (%s): frame_integrity is forced on", keys)
         return dataclasses.replace(cfg, frame_integrity=True)
     return cfg

@@ -10,11 +10,18 @@ model's weights for ``transform``, a barrier stage's pickled task when ``model_f
 connection, in chunks (:mod:`sparktrain.comm.chunked`). :class:`ServedTask` is a barrier
 task whose body is such a payload.
 
+A task unpickles what it fetches, so the bytes are authenticated twice: the service's
+frames always carry MACs (or run over TLS) whatever ``frame_integrity`` says, and the
+closure's :class:`ServedBytes` carries an HMAC of the payload under the job secret
+(:func:`payload_digest`) that the fetched bytes must match before anyone reads them.
+
 Executor-side code: never imports pyspark.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import pickle
 from collections.abc import Iterator
@@ -28,7 +35,21 @@ from sparktrain.comm.frames import KIND_CONTROL
 from sparktrain.comm.handshake import DRIVER_RANK, connect
 from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.stats import CommStats
-from sparktrain.errors import CommError, ConfigError, HandshakeError
+from sparktrain.errors import CommError, ConfigError, FrameError, HandshakeError
+
+_DIGEST_DOMAIN = b"sparktrain-payload-v1"
+
+
+def payload_digest(secret: bytes, key: str, blob: bytes | memoryview) -> bytes:
+    """HMAC-SHA256 under the job ``secret`` of the payload served as ``key``: what the
+    closure carries and the fetched bytes must match (binds the bytes to their key, so
+    one served payload cannot stand in for another)."""
+    mac = hmac.new(bytes(secret), _DIGEST_DOMAIN, hashlib.sha256)
+    name = key.encode("utf-8")
+    mac.update(len(name).to_bytes(4, "little") + name)
+    mac.update(blob)
+    return mac.digest()
+
 
 REACH_TIMEOUT_S = 5.0
 """How long a task tries to reach the payload service (dial and handshake) before it
@@ -49,6 +70,8 @@ class ServedBytes:
     what: str
     secret: bytes = field(repr=False)
     job_id: str
+    # payload_digest() of the bytes: checked before the bytes are used (or unpickled)
+    digest: bytes = field(default=b"", repr=False)
     attempt: int = 0
     security: WireSecurity | None = field(default=None, repr=False)
     timeout: float = 60.0
@@ -99,7 +122,23 @@ def fetch_payload(ref: ServedBytes, *, rank: int) -> bytes:
             raise CommError(f"the driver's payload service sent a bad header: {reply}")
         out = np.empty(ref.nbytes, dtype=np.uint8)
         recv_chunked_into(conn, out, step)
+    check_digest(ref, out.data)
     return out.tobytes()
+
+
+def check_digest(ref: ServedBytes, blob: bytes | memoryview) -> None:
+    """Refuse bytes that do not carry ``ref``'s HMAC under the job secret (a
+    :class:`~sparktrain.errors.FrameError`): they were altered on the way, or the
+    address now belongs to another service; nothing may read, let alone unpickle, them."""
+    want = payload_digest(ref.secret, ref.key, blob)
+    if not ref.digest or not hmac.compare_digest(want, ref.digest):
+        raise FrameError(
+            f"{ref.what}: the {ref.nbytes} bytes fetched from the driver's payload service "
+            f"at {ref.address} do not match the HMAC the task's closure carries (altered in "
+            "transit, or another service answered on that address); refusing to use them. "
+            "If it repeats, check the network between the executors and the driver, or set "
+            'encryption = "tls"'
+        )
 
 
 @dataclass(frozen=True)
@@ -110,7 +149,7 @@ class ServedTask:
     body: ServedBytes
 
     def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
-        # cloudpickle's output loads with pickle; the bytes come only from the driver this
-        # job's secret authenticated, the origin of the closure Spark itself unpickles
+        # cloudpickle's output loads with pickle: .value checked the bytes' HMAC under
+        # the job secret first (fetch_payload), so they are the driver's, byte for byte
         task = pickle.loads(self.body.value)
         return task(batches)
