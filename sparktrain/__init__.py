@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from sparktrain import torchcheck as _torchcheck
+
 if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
     from sparktrain.distributor import torch_run
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
 
 __all__ = ["RunResult", "TrainConfig", "TrainResult", "Trainer", "run", "torch_run"]
 __version__ = "0.1.0"
+
+# A torch whose torch.load(weights_only=True) has known bypasses is refused at once, here
+# on the driver and in every Python worker (which imports sparktrain to run a task).
+_torchcheck.check_torch()
 
 _HOMES = {"TrainConfig": "sparktrain.config", "Trainer": "sparktrain.trainer"}
 _HOMES["TrainResult"] = "sparktrain.result"

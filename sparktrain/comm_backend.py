@@ -6,11 +6,16 @@ bootstrapped from sparktrain's authenticated rendezvous
 (:mod:`sparktrain.worker.torch_sync`); torch's store and collectives are neither
 authenticated nor encrypted, so it is opt-in and refused when encryption is required.
 
-This module imports no torch: :class:`~sparktrain.config.TrainConfig` validates with it.
+Both torch paths (``comm_backend = "torch"`` and ``torch_run``) start rank 0's
+``TCPStore`` with :func:`bound_store`: on the task's own address, never on every interface.
+
+This module imports no torch at module level: :class:`~sparktrain.config.TrainConfig`
+validates with it.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -20,6 +25,8 @@ from typing import TYPE_CHECKING
 from sparktrain.errors import ConfigError, ResourceError
 
 if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
     from sparktrain.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -122,4 +129,36 @@ def check_torch_transport(enabled: Sequence[str], cfg: TrainConfig, what: str) -
         "and without authentication (allow_unencrypted=true)",
         keys,
         what,
+    )
+
+
+def bound_store(host: str, world_size: int, timeout: datetime.timedelta) -> TCPStore:
+    """Rank 0's ``torch.distributed.TCPStore`` server, listening on ``host`` only.
+
+    Given a host and port alone, torch's store server binds every interface (``*:port``,
+    both its libuv and its classic backend); handed a listening socket
+    (``master_listen_fd``) it serves on that one instead. So the socket is opened here,
+    on the task's own address (:func:`~sparktrain.comm.listen.open_listener`, which
+    refuses wildcards), on a port the OS picks: ``store.port``. The store owns the
+    descriptor from then on and closes it when it is destroyed.
+    ``wait_for_workers=False``: the others connect once the port reaches them.
+    """
+    import torch.distributed as dist
+
+    from sparktrain.comm.listen import open_listener
+
+    listener = open_listener(host, 0)
+    listener.settimeout(None)  # blocking: torch polls and accepts on it itself
+    port = int(listener.getsockname()[1])
+    # Handed over, not closed here even if the store fails to start: torch may have
+    # closed it already, and closing a descriptor number twice can hit another file.
+    fd = listener.detach()
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=fd,
     )

@@ -10,11 +10,14 @@
 
 Every task of one barrier stage (the stage runner of :func:`sparktrain.run`, with its
 restarts and progress) calls ``fn(*args)`` with the environment torch's ``env://``
-initialisation reads. Rank 0 picks a free port on its own task address; the address
-and port reach the other ranks through sparktrain's authenticated all-gather, not
-through anything a stranger could answer. What ``fn`` then does with them is torch's
-business: its ``TCPStore`` and Gloo/NCCL are neither authenticated nor encrypted, so
-``torch_run`` is refused whenever encryption is required (docs/security.md).
+initialisation reads. Rank 0 starts torch's ``TCPStore`` server itself, listening on
+its own task address only (torch's ``init_process_group`` would bind every interface);
+the address and port reach the other ranks through sparktrain's authenticated
+all-gather, not through anything a stranger could answer, and every rank's
+``init_process_group`` connects to that store as a client
+(``TORCHELASTIC_USE_AGENT_STORE=True``, as under torchrun). The store and Gloo/NCCL are
+still neither authenticated nor encrypted, so ``torch_run`` is refused whenever
+encryption is required (docs/security.md).
 """
 
 from __future__ import annotations
@@ -54,11 +57,14 @@ def torch_run(
     rank 0's return value.
 
     Each call sees ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's task address and a port free there),
-    so ``torch.distributed.init_process_group(backend)`` with the default ``env://``
-    works; the environment is restored afterwards, and a process group ``fn`` left
-    initialised is destroyed. The return value travels without pickle: tensors, state
-    dicts, numbers, strings, lists and dicts (tuples come back as lists), as with
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's task address and the port of the
+    store rank 0 serves there, on that address only) and
+    ``TORCHELASTIC_USE_AGENT_STORE=True``, so
+    ``torch.distributed.init_process_group(backend)`` with the default ``env://``
+    works and every rank joins that store; the environment is restored afterwards,
+    and a process group ``fn`` left initialised is destroyed. The return value travels
+    without pickle: tensors, state dicts, numbers, strings, lists and dicts (tuples come
+    back as lists), as with
     :func:`sparktrain.run`. ``config`` supplies ``num_workers``, ``max_restarts`` (a
     failed task resubmits the stage: ``fn`` starts again on every rank), ``progress``,
     ``comm_timeout`` and the security settings; ``strategy`` must stay ``"ring"`` or
@@ -90,8 +96,9 @@ def torch_run(
 
 
 class TorchEntry:
-    """The ``train_fn`` :func:`torch_run` hands to the stage runner: meet through the
-    authenticated all-gather, set the environment, call ``fn(*args)``."""
+    """The ``train_fn`` :func:`torch_run` hands to the stage runner: rank 0 starts the
+    store on its own address, the ranks meet through the authenticated all-gather, set
+    the environment, call ``fn(*args)``."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self.fn = fn
@@ -99,22 +106,50 @@ class TorchEntry:
 
     def __call__(self, ctx: RunContext) -> Any:
         task = ctx.task
-        port = free_port(task.host) if ctx.rank == 0 else 0
+        # Rank 0 serves the store itself, on its own address: left to fn's
+        # init_process_group, torch would bind every interface.
+        store = _open_store(task.host, ctx.world_size) if ctx.rank == 0 else None
+        port = 0 if store is None else int(store.port)
         mine = json.dumps({"host": task.host, "port": port})
         peers = [json.loads(s) for s in task.all_gather(mine)]
-        env = torch_env(ctx.rank, [p["host"] for p in peers], peers[0]["port"])
-        with patched_env(env):
-            try:
-                return self.fn(*self.args)
-            finally:
-                _destroy_leftover_group()
+        env = {
+            **torch_env(ctx.rank, [p["host"] for p in peers], peers[0]["port"]),
+            AGENT_STORE: "True",
+        }
+        try:
+            with patched_env(env):
+                try:
+                    return self.fn(*self.args)
+                finally:
+                    _destroy_leftover_group()
+        finally:
+            del store  # the server stops with rank 0's fn (as it would inside fn)
+
+
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+"""With it ``"True"`` (as torchrun's agent sets it), torch's ``env://`` and ``tcp://``
+initialisation connects every rank, rank 0 included, as a client of the store at
+``MASTER_ADDR:MASTER_PORT`` instead of starting one in rank 0: here, the one
+:func:`_open_store` started on rank 0's own address."""
+
+
+def _open_store(host: str, world_size: int) -> Any:
+    """Rank 0's store server on ``host`` only (:func:`~sparktrain.comm_backend.bound_store`).
+    Its timeout is torch's default for a process group's store: it bounds only the
+    server's own client, which ``fn`` does not use (each rank's ``init_process_group``
+    connects a client of its own, with ``fn``'s timeout)."""
+    from torch.distributed.constants import default_pg_timeout
+
+    from sparktrain.comm_backend import bound_store
+
+    return bound_store(host, world_size, default_pg_timeout)
 
 
 def free_port(host: str) -> int:
     """A TCP port free on ``host`` right now (bound to that address, never a wildcard).
 
-    The socket closes before torch binds the port, a small race that ``TorchDistributor``
-    and ``torchrun`` take as well; a lost race fails the attempt, which restarts."""
+    The socket closes before anyone binds the port again: a small race. :class:`TorchEntry`
+    no longer needs it (rank 0's store keeps its listening socket open)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

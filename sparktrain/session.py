@@ -7,10 +7,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import socket
 import sys
 import threading
 from importlib import resources
 from typing import TYPE_CHECKING
+
+from sparktrain.launch.spark_env import UNIX_SOCKETS
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -30,6 +33,12 @@ DEFAULTS: dict[str, str] = {
     # Python workers fork from a daemon that has torch loaded (launch/daemon.py)
     "spark.python.daemon.module": "sparktrain.launch.daemon",
 }
+if hasattr(socket, "AF_UNIX"):
+    # PySpark's accumulator server on a Unix socket, not a loopback TCP port: the TCP one
+    # serves one connection at a time, and a stranger's silent connection made before
+    # Spark's own stalls every Python job of the driver (docs/security.md). The JVM's
+    # sockets to the Python workers move to Unix sockets too.
+    DEFAULTS[UNIX_SOCKETS] = "true"
 
 
 def log4j_options() -> str:

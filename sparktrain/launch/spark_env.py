@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import socket
+import threading
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -299,11 +300,67 @@ class ConnectEnv(SparkEnv):
         )
 
 
+UNIX_SOCKETS = "spark.python.unix.domain.socket.enabled"
+"""Spark's setting (4.1+) that puts PySpark's driver-side accumulator server, and the
+JVM's sockets to Python processes, on Unix domain sockets instead of loopback TCP ports."""
+
+_tcp_warned = False
+_tcp_warned_lock = threading.Lock()
+
+
+def tcp_accumulator_address(sc: Any) -> tuple[str, int] | None:
+    """Where PySpark's accumulator server of ``sc`` listens, when it is a TCP listener
+    (None: a Unix domain socket, or no server). Its address tells: a Unix socket's is
+    a path."""
+    address = getattr(getattr(sc, "_accumulatorServer", None), "server_address", None)
+    if isinstance(address, tuple) and len(address) >= 2:
+        return str(address[0]), int(address[1])
+    return None
+
+
+def warn_tcp_accumulator(sc: Any) -> bool:
+    """Warn, once per process, when ``sc``'s accumulator server is a TCP listener;
+    returns whether it warned now.
+
+    PySpark's ``AccumulatorTCPServer`` serves one connection at a time, and Spark's
+    DAGScheduler opens its connection lazily, at the first Python task's end: a local
+    process that connects first and sends nothing holds the server, and the scheduler
+    waits on it forever, so every job of the driver hangs. :data:`UNIX_SOCKETS` moves it
+    to a Unix socket that only the user can open. Sessions that
+    :func:`sparktrain.session.get_or_create_session` builds set it; a user's own might not.
+    """
+    global _tcp_warned
+    address = tcp_accumulator_address(sc)
+    if address is None:
+        return False
+    with _tcp_warned_lock:
+        if _tcp_warned:
+            return False
+        _tcp_warned = True
+    log.warning(
+        "PySpark's accumulator server of this session listens on TCP %s:%d and serves one "
+        "connection at a time: any local process that connects to it before Spark does and "
+        "stays silent stalls every Python job of this driver. Start the session with "
+        '%s=true (Spark >= 4.1): SparkSession.builder.config("%s", "true"), '
+        "--conf %s=true for spark-submit, or sparktrain.session.get_or_create_session(), "
+        "which sets it (docs/security.md)",
+        address[0],
+        address[1],
+        UNIX_SOCKETS,
+        UNIX_SOCKETS,
+        UNIX_SOCKETS,
+    )
+    return True
+
+
 def spark_env(session: Any) -> SparkEnv:
-    """The :class:`SparkEnv` of a classic or Spark Connect session."""
+    """The :class:`SparkEnv` of a classic or Spark Connect session (for a classic one,
+    after :func:`warn_tcp_accumulator`: every fit asks for its env)."""
     if is_connect(session):
         return ConnectEnv(session)
-    return ClassicEnv(session.sparkContext)
+    sc = session.sparkContext
+    warn_tcp_accumulator(sc)
+    return ClassicEnv(sc)
 
 
 def session_of(data: Any) -> Any:

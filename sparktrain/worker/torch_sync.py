@@ -16,7 +16,8 @@ goes through torch's own DDP communication hook for its spec (``fp16``/``bf16``:
 ``GradBucket`` (which Python cannot build).
 
 The process group starts from sparktrain's authenticated rendezvous: rank 0 opens a
-``TCPStore`` on its own task address and the port reaches the other ranks through the
+``TCPStore`` on its own task address (only there: torch alone would bind every
+interface) and the port reaches the other ranks through the
 authenticated all-gather. torch's store and collectives themselves are neither
 authenticated nor encrypted (docs/security.md), hence opt-in.
 """
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparktrain.comm import Mesh
-from sparktrain.comm_backend import HookSpec, hook_spec
+from sparktrain.comm_backend import HookSpec, bound_store, hook_spec
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.worker.buckets import NONE
 from sparktrain.worker.context import WorkerContext
@@ -55,8 +56,9 @@ def init_process_group(ctx: WorkerContext, device: torch.device | None, timeout_
     """Start torch's default process group for this task from the authenticated
     rendezvous; returns the backend (``nccl`` for a collective device, else ``gloo``).
 
-    The store binds rank 0's own task address (never a wildcard) on a port the OS
-    picks; the port goes out through ``ctx.all_gather``."""
+    The store listens on rank 0's own task address only (never a wildcard:
+    :func:`~sparktrain.comm_backend.bound_store`) on a port the OS picks; the port goes
+    out through ``ctx.all_gather``."""
     if dist.is_initialized():
         raise CommError(
             "comm_backend='torch': a torch.distributed process group is already running in "
@@ -66,9 +68,7 @@ def init_process_group(ctx: WorkerContext, device: torch.device | None, timeout_
     store: dist.TCPStore | None = None
     port = 0
     if ctx.rank == 0:
-        store = dist.TCPStore(
-            ctx.host, 0, ctx.world_size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
+        store = bound_store(ctx.host, ctx.world_size, timeout)
         port = store.port
     peers = [json.loads(s) for s in ctx.all_gather(json.dumps({"port": port, "host": ctx.host}))]
     if store is None:
