@@ -1,11 +1,15 @@
-"""Which model factories a *saved* model may name.
+"""Which functions a *saved* model or estimator may name.
 
-A saved sparktrain model (or estimator) stores its factory as the ``modelFn`` param,
-``"package.module:function"``, and loading calls ``modelFn(**modelKwargs)`` to rebuild the
-architecture. Without a check, a metadata file could name any callable in any importable
+A saved sparktrain model (or estimator) names functions as ``"package.module:function"``
+strings: its factory, the ``modelFn`` param, called as ``modelFn(**modelKwargs)`` to
+rebuild the architecture; and per input column a ``decode`` (one binary value to an
+array) and a ``collate`` (a column's rows to a batch), held both as params and, in a
+model's metadata, in the trained layout (``inputs``) that ``transform`` runs on the
+executors. Without a check, a metadata file could name any callable in any importable
 module (``builtins:print``, ``os:system``, ``subprocess:run`` with ``modelKwargs`` as its
-arguments), and importing a module alone already runs its code. So loading only accepts a
-``modelFn`` whose module is allowed, and checks that **before** importing anything:
+arguments, or ``os:system`` as a ``decode`` fed a shell command by the row values), and
+importing a module alone already runs its code. So loading only accepts names whose
+module is allowed, and checks every one of them **before** importing anything:
 
 - the process-wide allowlist: ``sparktrain.models`` (the ready-made factories) plus every
   prefix registered with :func:`allow_model_modules`;
@@ -13,7 +17,8 @@ arguments), and importing a module alone already runs its code. So loading only 
   on the driver at load time: for jobs that load a ``PipelineModel`` or
   ``CrossValidatorModel`` without code changes;
 - an explicit ``model_fn`` passed to ``TorchClassificationModel.load(path, model_fn=...)``
-  (the caller's own choice: not checked, as any factory given to ``fit`` is not).
+  (the caller's own choice: not checked, as any factory given to ``fit`` is not). There is
+  no such override for ``decode`` / ``collate``: allow their module.
 
 A prefix matches whole dotted components: ``"mypkg"`` allows ``mypkg`` and
 ``mypkg.models.nets``, not ``mypkgevil``. After the allowed module is imported, the named
@@ -23,8 +28,8 @@ the allowed module merely imported) is refused too. ``modelKwargs`` is JSON and 
 reaches the factory that passed this check.
 
 Only loading is gated. Fitting an estimator built in this process calls the user's own
-``modelFn`` as before, and the executors rebuild a loaded model from the ``modelFn`` the
-driver checked (or the caller set). Executors keep no allowlist of their own.
+``modelFn`` and hooks as before, and the executors run the names the driver checked at
+load (or the caller set). Executors keep no allowlist of their own.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from __future__ import annotations
 import importlib
 import threading
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sparktrain.errors import ConfigError
@@ -84,67 +90,107 @@ def module_allowed(module: str, prefixes: Iterable[str]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
+@dataclass(frozen=True)
+class SavedName:
+    """One ``"package.module:function"`` a saved model or estimator names.
+
+    ``field`` says where the metadata holds it (``"modelFn"``, ``"decode['image']"``,
+    ``"inputs.collate['tokens']"``), for the error; ``override_hint`` is the call that
+    passes the callable explicitly instead, when there is one (``modelFn`` only)."""
+
+    field: str
+    name: object
+    override_hint: str | None = None
+
+
+def check_saved_names(
+    names: Sequence[SavedName], allowed: Iterable[str], *, source: str
+) -> list[Callable[..., Any]]:
+    """The callables a saved model names, in order, each imported only if its module is
+    allowed.
+
+    Every name is checked against ``allowed`` first, and only when all of them pass is
+    any module imported: a hostile ``decode`` is refused before the (allowed) ``modelFn``
+    module is imported. Raises :class:`ConfigError` naming ``source`` (what is being
+    loaded), the field, the module and how to allow it.
+    """
+    prefixes = tuple(allowed)
+    for saved in names:
+        _refuse_unless_allowed(saved, prefixes, source)
+    return [_resolve(saved, prefixes, source) for saved in names]
+
+
 def check_saved_model_fn(
     model_fn: str, allowed: Iterable[str], *, source: str, override_hint: str
 ) -> Callable[..., Any]:
-    """The factory a saved model names, imported only if its module is allowed.
+    """The factory a saved model names, imported only if its module is allowed
+    (:func:`check_saved_names` of one ``modelFn``)."""
+    saved = SavedName("modelFn", model_fn, override_hint)
+    return check_saved_names([saved], allowed, source=source)[0]
 
-    ``source`` names what is being loaded (its path) and ``override_hint`` the call that
-    passes a factory explicitly; both go into the error. Raises :class:`ConfigError`
-    before any import when the module is not allowed or the name is malformed.
-    """
-    prefixes = tuple(allowed)
-    module_name, sep, attr = model_fn.partition(":")
+
+def _refuse_unless_allowed(saved: SavedName, prefixes: tuple[str, ...], source: str) -> None:
+    """Refuse a malformed name or one outside ``prefixes``; imports nothing."""
+    name = saved.name
+    module_name, sep, attr = name.partition(":") if isinstance(name, str) else ("", "", "")
     if not sep or not _dotted(module_name) or not _public_attr(attr):
         raise ConfigError(
-            f"refusing to load {source}: its modelFn {model_fn!r} is not a "
-            "'package.module:function' name with a public function; pass the factory "
-            f"yourself: {override_hint}"
+            f"refusing to load {source}: its {saved.field} {name!r} is not a "
+            "'package.module:function' name with a public function"
+            + (f"; pass the factory yourself: {saved.override_hint}" if saved.override_hint else "")
         )
     if not module_allowed(module_name, prefixes):
-        raise ConfigError(_not_allowed(source, model_fn, module_name, prefixes, override_hint))
+        raise ConfigError(_not_allowed(source, saved, module_name, prefixes))
+
+
+def _resolve(saved: SavedName, prefixes: tuple[str, ...], source: str) -> Callable[..., Any]:
+    """Import an allowed name and check that it is a callable its allowed module
+    defines, reached without passing through another module."""
+    field, name = saved.field, str(saved.name)
+    module_name, _, attr = name.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(
-            f"modelFn {model_fn!r} of {source}: cannot import module {module_name!r} ({exc}); "
+            f"{field} {name!r} of {source}: cannot import module {module_name!r} ({exc}); "
             "is it installed on the driver and the executors (or shipped with --py-files)?"
         ) from exc
     for part in attr.split("."):
         if not hasattr(target, part):
             raise ConfigError(
-                f"modelFn {model_fn!r} of {source}: module {module_name!r} has no "
-                f"attribute {attr!r}"
+                f"{field} {name!r} of {source}: module {module_name!r} has no attribute {attr!r}"
             )
         target = getattr(target, part)
         if isinstance(target, types.ModuleType):
             raise ConfigError(
-                f"refusing to load {source}: modelFn {model_fn!r} reaches into module "
-                f"{target.__name__!r} through {module_name!r}; name the factory by the "
-                f"module that defines it, and allow that module "
-                f"(sparktrain.ml.allow_model_modules), or pass it yourself: {override_hint}"
+                f"refusing to load {source}: {field} {name!r} reaches into module "
+                f"{target.__name__!r} through {module_name!r}; name the function by the "
+                "module that defines it, and allow that module "
+                "(sparktrain.ml.allow_model_modules)"
+                + (f", or pass it yourself: {saved.override_hint}" if saved.override_hint else "")
             )
     defined_in = getattr(target, "__module__", None)
     if not isinstance(defined_in, str) or not module_allowed(defined_in, prefixes):
         raise ConfigError(
-            _not_allowed(source, model_fn, str(defined_in), prefixes, override_hint)
+            _not_allowed(source, saved, str(defined_in), prefixes)
             + f" ({attr!r} is defined in {defined_in!r}, not in {module_name!r})"
         )
     if not callable(target):
-        raise ConfigError(f"modelFn {model_fn!r} of {source} is not callable")
+        raise ConfigError(f"{field} {name!r} of {source} is not callable")
     return target
 
 
-def _not_allowed(
-    source: str, model_fn: str, module: str, prefixes: tuple[str, ...], override_hint: str
-) -> str:
+def _not_allowed(source: str, saved: SavedName, module: str, prefixes: tuple[str, ...]) -> str:
+    override = (
+        f", or pass the factory yourself: {saved.override_hint}" if saved.override_hint else ""
+    )
     return (
-        f"refusing to load {source}: its modelFn {model_fn!r} is in module {module!r}, "
-        f"which is not allowed to build saved models (allowed: {', '.join(prefixes)}). "
+        f"refusing to load {source}: its {saved.field} {saved.name!r} is in module {module!r}, "
+        f"which is not allowed in saved models (allowed: {', '.join(prefixes)}). "
         "Loading imports the module a saved model names and calls that function, so it "
         "must be code you trust. If you do, call "
         f"sparktrain.ml.allow_model_modules({module!r}) before loading (or set the Spark "
-        f"conf {ALLOWED_MODULES_CONF}={module}), or pass the factory yourself: {override_hint}"
+        f"conf {ALLOWED_MODULES_CONF}={module}){override}"
     )
 
 

@@ -373,9 +373,11 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
 
     @classmethod
     def load(cls, path: str, model_fn: str | None = None) -> Self:
-        """Load an estimator saved with :meth:`save`. Its ``modelFn`` must be in an
-        allowed module (:func:`sparktrain.ml.allow_model_modules`), unless ``model_fn``
-        replaces it."""
+        """Load an estimator saved with :meth:`save`. Its ``modelFn`` (unless ``model_fn``
+        replaces it) and its ``decode`` / ``collate`` hooks must be in allowed modules
+        (:func:`sparktrain.ml.allow_model_modules`). Its logger destinations
+        (``tensorboardDir``, ``mlflowTrackingUri``) are not kept, with a warning: set
+        them again if you trust them."""
         return TorchEstimatorReader(cls, model_fn=model_fn).load(path)
 
 

@@ -377,10 +377,13 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         """Load a model saved with :meth:`save` (weights read with ``weights_only=True``;
         the module is rebuilt from ``modelFn`` and ``modelKwargs``).
 
-        The saved ``modelFn`` must be in an allowed module
+        Every function the metadata names (``modelFn``, and the ``decode`` / ``collate``
+        hooks of the params and of the saved input layout, which ``transform`` runs on
+        the executors) must be in an allowed module
         (:func:`sparktrain.ml.allow_model_modules`, default ``sparktrain.models``),
-        checked before anything is imported. ``model_fn="package.module:function"``
-        replaces it with a factory of your choice, which is not checked.
+        checked before anything is imported; the weights file must lie inside ``path``.
+        ``model_fn="package.module:function"`` replaces the saved ``modelFn`` with a
+        factory of your choice, which is not checked.
         """
         return TorchModelReader(cls, model_fn=model_fn).load(path)
 

@@ -24,10 +24,14 @@ The weights file is read back with ``torch.load(weights_only=True)``, which only
 tensors and plain containers, and the architecture is rebuilt by calling ``modelFn`` with
 ``modelKwargs`` — nothing unpickles user bytes. Before that, the ``modelFn`` the metadata
 names must be in an allowed module (:mod:`sparktrain.ml.allowlist`), checked before
-anything is imported, unless the caller passes ``model_fn`` to ``load`` itself; a saved
-estimator's ``modelFn`` is checked the same way. Both files go through Hadoop's FileSystem
-(the one Spark uses for the metadata), so a model can live wherever Spark can write:
-a local path, ``file:``, ``hdfs:``, ``s3a:``...
+anything is imported, unless the caller passes ``model_fn`` to ``load`` itself, and so
+must every other function the metadata names: the ``decode`` / ``collate`` params and
+the hooks of the saved ``inputs`` layout. ``weightsFile`` must stay inside the model
+directory. A saved estimator's names are checked the same way, and a loaded estimator
+drops its logger destinations (``tensorboardDir``, ``mlflowTrackingUri``).
+
+Both files go through Hadoop's FileSystem (the one Spark uses for the metadata), so a
+model can live wherever Spark can write: a local path, ``file:``, ``hdfs:``, ``s3a:``...
 
 Under Spark Connect the client has no JVM: the metadata is still written and read by
 Spark (on the server, through the DataFrame API), the weights file by this client with
@@ -38,8 +42,11 @@ either way: a model saved under Connect loads in a classic session and back.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
+import re
 import uuid
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 from urllib.parse import urlparse
@@ -51,8 +58,9 @@ from sparktrain.errors import ConfigError, DataError
 from sparktrain.launch.spark_env import is_connect
 from sparktrain.ml.allowlist import (
     ALLOWED_MODULES_CONF,
+    SavedName,
     allowed_model_modules,
-    check_saved_model_fn,
+    check_saved_names,
     conf_prefixes,
 )
 from sparktrain.result import state_from_bytes
@@ -63,9 +71,19 @@ if TYPE_CHECKING:
     from sparktrain.ml.estimator import TorchEstimator
     from sparktrain.ml.model import TorchModel
 
+log = logging.getLogger(__name__)
+
 WEIGHTS_FILE = "data/weights.pt"
 WEIGHTS_FORMAT = "torch.save(state_dict); load with weights_only=True"
 _CHUNK = 4 << 20  # bytes per Py4J call
+#: Params of a saved model or estimator that name ``"module:function"`` hooks per column.
+HOOK_PARAMS = ("decode", "collate")
+#: Estimator params naming where a run sends its metrics and its weights: a loaded
+#: estimator does not keep them (fitting it would write to whatever the file names).
+LOGGER_PARAMS = ("tensorboardDir", "mlflowTrackingUri")
+# one part of weightsFile: a plain file or directory name (no '.', '..', hidden or empty
+# part, no ':' of a URI scheme, no separator of another OS)
+_PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 M = TypeVar("M", bound="TorchModel")
 E = TypeVar("E", bound="TorchEstimator[Any]")
@@ -124,22 +142,23 @@ class TorchModelReader(MLReader[M], Generic[M]):
 
     def load(self, path: str) -> M:
         spark = self.sparkSession
-        expected = f"{self.cls.__module__}.{self.cls.__name__}"
-        metadata = DefaultParamsReader.loadMetadata(path, spark, expected)
+        metadata = load_metadata(path, spark, self.cls)
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
         if _names_no_label_scaling(instance, metadata):
             instance._setDefault(labelScaling=False)  # saved before it: trained without
-        check_loaded_model_fn(instance, spark, path, self.model_fn)  # before any import
-        weights = _join(path, str(metadata.get("weightsFile", WEIGHTS_FILE)))
+        layout = saved_layout(metadata, path)
+        weights = _join(path, saved_weights_file(metadata, path))
+        # every function the metadata names, before anything is imported or read
+        check_loaded_names(instance, path, self.model_fn, allowed_in(spark), layout)
         blob = read_bytes(spark, weights)
         state = state_from_bytes(blob, where=weights)
         instance._set_state(
             blob,
             num_features=int(metadata["numFeatures"]),
             num_outputs=metadata["numClasses"],
-            layout=saved_layout(metadata, path),
+            layout=layout,
             label_stats=saved_label_stats(metadata, path),
         )
         instance._check_state(state)  # the factory still builds a module these weights fit
@@ -147,16 +166,26 @@ class TorchModelReader(MLReader[M], Generic[M]):
 
 
 class TorchEstimatorReader(DefaultParamsReader[E]):
-    """pyspark's params reader, plus the allowlist check of the ``modelFn`` it loads
-    (fitting a loaded estimator would import and call it)."""
+    """pyspark's params reader, plus the allowlist check of every function the saved
+    estimator names (fitting it would import and call them), and without its logger
+    destinations (:data:`LOGGER_PARAMS`).
+
+    It builds ``cls`` itself, after checking that the metadata's ``"class"`` names it:
+    pyspark's ``DefaultParamsReader.load`` would import whatever module that field names
+    and call the attribute with no arguments."""
 
     def __init__(self, cls: type[E], model_fn: str | None = None) -> None:
         super().__init__(cls)
         self.model_fn = model_fn
 
     def load(self, path: str) -> E:
-        instance = cast("E", super().load(path))
-        check_loaded_model_fn(instance, self.sparkSession, path, self.model_fn)
+        spark = self.sparkSession
+        metadata = load_metadata(path, spark, self.cls)
+        instance = cast("E", self.cls())
+        instance._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(instance, metadata)
+        check_loaded_names(instance, path, self.model_fn, allowed_in(spark))
+        drop_logger_destinations(instance, path)
         return instance
 
 
@@ -204,24 +233,123 @@ def _names_no_label_scaling(instance: Any, metadata: dict[str, Any]) -> bool:
     return not any("labelScaling" in section for section in sections)
 
 
-def check_loaded_model_fn(
+def load_metadata(path: str, spark: SparkSession, cls: type[Any]) -> dict[str, Any]:
+    """The metadata JSON of a save of ``cls``. Its ``"class"`` must name ``cls``: the
+    reader builds ``cls`` itself and imports nothing the field names (pyspark's own
+    ``DefaultParamsReader.load`` imports that module and calls the attribute)."""
+    metadata: dict[str, Any] = DefaultParamsReader.loadMetadata(path, spark)
+    expected = f"{cls.__module__}.{cls.__name__}"
+    if metadata.get("class") != expected:
+        raise ConfigError(
+            f"refusing to load {path} as {cls.__name__}: its metadata names the class "
+            f"{metadata.get('class')!r}, not {expected!r}; load it with that class's load, "
+            "or check that the directory is the save you meant"
+        )
+    return metadata
+
+
+def saved_weights_file(metadata: dict[str, Any], path: str) -> str:
+    """The weights file a saved model names, relative to its directory: plain names
+    joined by ``/``, so that it stays inside the model directory (no absolute path, no
+    URI, no ``..``)."""
+    name = metadata.get("weightsFile", WEIGHTS_FILE)
+    if not isinstance(name, str) or not all(_PATH_PART.fullmatch(p) for p in name.split("/")):
+        raise ConfigError(
+            f"refusing to load {path}: its weightsFile {name!r} is not a path inside the "
+            "model directory (a relative path of plain names: no absolute path, no URI, "
+            f"no '..'); sparktrain saves {WEIGHTS_FILE!r}. Is the metadata intact?"
+        )
+    return name
+
+
+def allowed_in(spark: SparkSession) -> tuple[str, ...]:
+    """The module prefixes saved models may name here: the process-wide allowlist plus
+    the Spark conf ``spark.sparktrain.allowedModelModules``, read on the driver now."""
+    return allowed_model_modules(conf_prefixes(spark.conf.get(ALLOWED_MODULES_CONF, None)))
+
+
+def saved_names(
     instance: TorchModel | TorchEstimator[Any],
-    spark: SparkSession,
-    path: str,
     model_fn: str | None,
-) -> None:
-    """Refuse a loaded ``modelFn`` outside the allowed modules (nothing is imported
-    first), or replace it with the caller's ``model_fn``, which is not checked."""
-    name = type(instance).__name__
+    layout: Layout | None = None,
+) -> list[SavedName]:
+    """Every ``"module:function"`` a loaded model or estimator names, as set or recorded
+    as a default (a default comes back when the set value is cleared): ``modelFn``
+    (unless the caller's ``model_fn`` replaces it, which is set here and not checked),
+    the ``decode`` / ``collate`` params, and a model's trained layout's hooks
+    (``inputs``, what ``transform`` runs on the executors)."""
+    hint = f"{type(instance).__name__}.load(path, model_fn='package.module:function')"
+    names: list[SavedName] = []
     if model_fn is not None:
         instance._set(modelFn=model_fn)
-        return
-    hint = f"{name}.load(path, model_fn='package.module:function')"
-    if not instance.isDefined(instance.modelFn):
-        raise ConfigError(f"{path} names no modelFn; pass the factory yourself: {hint}")
-    conf = spark.conf.get(ALLOWED_MODULES_CONF, None)
-    allowed = allowed_model_modules(conf_prefixes(conf))
-    check_saved_model_fn(instance.getModelFn(), allowed, source=path, override_hint=hint)
+        if instance.hasDefault(instance.modelFn):
+            instance._setDefault(modelFn=model_fn)
+    elif not instance.isDefined(instance.modelFn):
+        raise ConfigError(f"the saved model names no modelFn; pass the factory yourself: {hint}")
+    else:
+        names += [SavedName(f"modelFn{how}", v, hint) for how, v in _recorded(instance, "modelFn")]
+    for param in HOOK_PARAMS:
+        for how, text in _recorded(instance, param):
+            table = json.loads(text)  # canonical JSON (the param's converter wrote it)
+            names += [SavedName(f"{param}[{col!r}]{how}", hook) for col, hook in table.items()]
+    for column in layout.columns if layout is not None else ():
+        for hook, value in (("decode", column.decode), ("collate", column.collate)):
+            if value is not None:  # a non-string is refused as malformed
+                names.append(SavedName(f"inputs.{hook}[{column.key!r}]", value))
+    return names
+
+
+def _recorded(instance: Any, name: str) -> list[tuple[str, Any]]:
+    """("" or " (default)", value) of a param as set and as a default, where there is one."""
+    param = instance.getParam(name)
+    found = []
+    if instance.isSet(param):
+        found.append(("", instance._paramMap[param]))
+    if instance.hasDefault(param) and instance._defaultParamMap[param] is not None:
+        found.append((" (default)", instance._defaultParamMap[param]))
+    return found
+
+
+def check_loaded_names(
+    instance: TorchModel | TorchEstimator[Any],
+    path: str,
+    model_fn: str | None,
+    allowed: tuple[str, ...],
+    layout: Layout | None = None,
+) -> None:
+    """Refuse a loaded model or estimator that names a function outside ``allowed``
+    (:func:`saved_names`; all are checked before anything is imported), or whose allowed
+    names do not resolve to functions of their allowed modules."""
+    try:
+        names = saved_names(instance, model_fn, layout)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    check_saved_names(names, allowed, source=path)
+
+
+def drop_logger_destinations(instance: TorchEstimator[Any], path: str) -> None:
+    """Clear the logger destinations a loaded estimator names (:data:`LOGGER_PARAMS`),
+    set or recorded as defaults, with a warning: fitting it would send the run's metrics
+    and its weights to whatever server or directory the file names."""
+    dropped = {}
+    fresh = type(instance)()  # the class defaults (off), not the ones the file recorded
+    for name in LOGGER_PARAMS:
+        param = instance.getParam(name)
+        value = instance.getOrDefault(param)
+        instance.clear(param)
+        instance._setDefault(**{name: fresh.getOrDefault(name)})
+        if value and value != instance.getOrDefault(param):
+            dropped[name] = value
+    if dropped:
+        setters = ", ".join(f"set{n[0].upper()}{n[1:]}({v!r})" for n, v in dropped.items())
+        log.warning(
+            "%s names logger destinations %s; a loaded estimator does not keep them (fitting "
+            "it would send the run's metrics and weights there). If you trust them, set "
+            "them again: %s",
+            path,
+            dropped,
+            setters,
+        )
 
 
 # ---------------------------------------------------------------------- Hadoop FS
