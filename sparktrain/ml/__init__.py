@@ -10,6 +10,7 @@
 from sparktrain.ml.allowlist import allow_model_modules, allowed_model_modules
 from sparktrain.ml.estimator import TorchClassifier, TorchEstimator, TorchRegressor
 from sparktrain.ml.model import TorchClassificationModel, TorchModel, TorchRegressionModel
+from sparktrain.ml.stage_loading import load_stage
 
 __all__ = [
     "TorchClassificationModel",
@@ -20,4 +21,5 @@ __all__ = [
     "TorchRegressor",
     "allow_model_modules",
     "allowed_model_modules",
+    "load_stage",
 ]
