@@ -32,7 +32,7 @@ from sparktrain.comm.listen import ServiceHost
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig, parse_port_range
 from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerError
-from sparktrain.launch import gpu
+from sparktrain.launch import gpu, occupancy
 from sparktrain.launch.barrier import TaskEntry, launch
 from sparktrain.launch.payload_server import ClosureShipper
 from sparktrain.launch.prepare import PreparedData, unscale_result
@@ -370,11 +370,16 @@ def _attempt(
 def _job_group(env: SparkEnv, spec: JobSpec) -> Iterator[SlotWatchdog | None]:
     """The stage's job group (cancellable as one; named in the UI; an operation tag under
     Spark Connect), and on a cluster a watchdog that cancels it when the stage can never
-    get its slots; the caller's thread-local job properties are restored afterwards."""
+    get its slots; the caller's thread-local job properties are restored afterwards.
+    Slots held by an earlier job's leftovers fail the stage before it is submitted, and
+    any way out but success cancels the group and waits for its tasks
+    (:mod:`~sparktrain.launch.occupancy`)."""
     group = f"sparktrain-{spec.job_id}-{spec.attempt}"
     gpus = gpu.profile_id(env, spec.config)  # 0 unless the stage asks for GPUs
     if gpus:  # the slots that count are the GPU profile's
         check_can_launch(env, spec.config.num_workers, profile_id=gpus)
+    else:  # a task left over from an earlier job would hold a slot for good
+        occupancy.wait_for_free_slots(env, spec.config.num_workers)
     watchdog = None
     if not env.is_local():
         if env.watches_slots:
@@ -386,7 +391,8 @@ def _job_group(env: SparkEnv, spec: JobSpec) -> Iterator[SlotWatchdog | None]:
             )
     with env.job_group(group, f"sparktrain {spec.config.strategy}: training stage"):
         try:
-            yield watchdog
+            with occupancy.launching(env, group):  # any way out but success cancels it
+                yield watchdog
         finally:
             if watchdog is not None:
                 watchdog.stop()

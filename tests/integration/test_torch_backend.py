@@ -18,6 +18,11 @@ from sparktrain.worker.run_context import RunContext
 
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 
+# a 2-task barrier stage on local[2] that cannot start waits for its slots without end:
+# fail long before setup.cfg's 600 s (the test function only: starting the shared session
+# may take minutes on a loaded machine); conftest then names what Spark still runs
+pytestmark = pytest.mark.timeout(180, func_only=True)
+
 
 def lsq_train_fn(ctx: RunContext) -> dict[str, Any]:
     torch.manual_seed(0)
