@@ -354,6 +354,8 @@ class TrainConfig:
     mlflow_experiment: str = "sparktrain"
 
     def __post_init__(self) -> None:
+        # "Ring" means "ring", as compressor names ignore case
+        self.strategy = registry.canonical(self.strategy)
         self.validate()
 
     # ------------------------------------------------------------------ validation
