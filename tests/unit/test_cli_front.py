@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,21 @@ def test_a_pandas_frame_is_refused_with_the_call_that_converts_it(kind: str) -> 
         require_spark_frame(data, "fit's dataset")
     with pytest.raises(DataError, match=expected[kind]):
         prepare(data, None, "features", "label", 2)
+
+
+def test_gpu_smoke_without_a_gpu_points_to_dry_run() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the smoke test would run for real")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "gpu_smoke.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 2
+    assert "--dry-run" in done.stderr
+    assert "Py4J" not in done.stderr and "Traceback" not in done.stderr
