@@ -140,6 +140,18 @@ def check_fit(spark: Any, device: str, epochs: int) -> str:
     return f"digits accuracy {accuracy:.4f} on {placement.get('device')} in {epochs} epochs"
 
 
+def no_gpu_reason() -> str | None:
+    """Why this machine cannot run the GPU checks (no CUDA build, no device), or ``None``;
+    asked before Spark starts, whose resource discovery would otherwise fail in Py4J."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build (no CUDA)"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
@@ -147,6 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if not args.dry_run:
+        missing = no_gpu_reason()
+        if missing:
+            print(
+                f"gpu smoke: {missing}. On a machine without a GPU, run the same checks on "
+                "the CPU: python jobs/gpu_smoke.py --dry-run",
+                file=sys.stderr,
+            )
+            return 2
     from sparktrain.session import get_or_create_session
 
     results: dict[str, str] = {}

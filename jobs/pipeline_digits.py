@@ -70,13 +70,16 @@ def main(argv: list[str]) -> int:
     evaluator = MulticlassClassificationEvaluator(metricName="accuracy")
     accuracy = evaluator.evaluate(model.transform(test))
 
-    path = args.save or tempfile.mkdtemp(prefix="sparktrain-pipeline-")
-    model.write().overwrite().save(path)
-    reloaded = evaluator.evaluate(PipelineModel.load(path).transform(test))
+    with tempfile.TemporaryDirectory(prefix="sparktrain-pipeline-") as scratch:
+        # without --save the round trip goes through a folder removed afterwards
+        path = args.save or scratch
+        model.write().overwrite().save(path)
+        reloaded = evaluator.evaluate(PipelineModel.load(path).transform(test))
+    where = f"saved to {path}" if args.save else "save/load round trip checked"
     print(
         f"pipeline digits: test accuracy {accuracy:.4f} (reloaded {reloaded:.4f}) | "
         f"fit {fit_s:.1f} s | {args.strategy}, {args.workers} workers, {args.epochs} epochs | "
-        f"saved to {path}"
+        f"{where}"
     )
     spark.stop()
     return 0 if accuracy == reloaded else 1

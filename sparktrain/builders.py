@@ -26,6 +26,14 @@ def resolve_model_fn(
     model_fn: ModelFn, kwargs: dict[str, Any] | None = None
 ) -> Callable[[], nn.Module]:
     """Accept a zero-argument callable or an importable ``"package.module:function"``."""
+    if isinstance(model_fn, nn.Module):
+        # a module is callable too: calling it with no input fails deep in forward()
+        name = type(model_fn).__name__
+        raise ConfigError(
+            f"model_fn is a {name} instance; pass a factory that builds one: "
+            f"model_fn=lambda: {name}(...), a function defined with def, or a "
+            "'package.module:function' string. Each worker builds its own copy."
+        )
     if isinstance(model_fn, str):
         fn = import_callable(model_fn, what="model_fn")
     elif callable(model_fn):

@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from sparktrain import __version__
 from sparktrain.config import TrainConfig, apply_overrides, load_toml
 from sparktrain.errors import SparkTrainError
 
@@ -67,7 +69,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     job, rest = split_job_keys(values)
     config = TrainConfig.from_dict(rest)
     split = datasets.load(job["dataset"], **job["dataset_kwargs"])
-    spark = get_or_create_session(args.master, app_name=job["app_name"])
+    spark = get_or_create_session(
+        args.master or default_master(config.num_workers), app_name=job["app_name"]
+    )
     train_df = datasets.to_dataframe(spark, split.x_train, split.y_train, config.num_workers)
     test_df = datasets.to_dataframe(spark, split.x_test, split.y_test, config.num_workers)
     result = Trainer(job["model"], config, model_kwargs=job["model_kwargs"], spark=spark).fit(
@@ -85,6 +89,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         result.save_summary(args.summary_json)
         print(f"summary written to {args.summary_json}")
     return 0
+
+
+def default_master(num_workers: int) -> str | None:
+    """``local[num_workers]``: one slot per worker, as a barrier stage needs. ``None`` (the
+    master spark-submit or a Connect session already chose) when this process runs under
+    ``spark-submit`` (``PYSPARK_GATEWAY_PORT``) or with ``SPARK_REMOTE`` set."""
+    if os.environ.get("PYSPARK_GATEWAY_PORT") or os.environ.get("SPARK_REMOTE"):
+        return None
+    return f"local[{num_workers}]"
 
 
 # Each benchmark: (module under sparktrain.bench, help line). The modules import torch,
@@ -167,6 +180,7 @@ def build_parser(bench: str | None = "*") -> argparse.ArgumentParser:
     benchmark's name only, enough for ``--help`` and for the other commands)."""
     parser = argparse.ArgumentParser(prog="sparktrain", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"sparktrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model described by a TOML config")
@@ -177,7 +191,10 @@ def build_parser(bench: str | None = "*") -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config key (repeatable; dotted for tables)",
     )
-    train.add_argument("--master", help="Spark master URL (default: spark-submit's or local[2])")
+    train.add_argument(
+        "--master",
+        help="Spark master URL (default: spark-submit's, else local[N] with N = num_workers)",
+    )
     train.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
     train.set_defaults(func=cmd_train)
 

@@ -371,6 +371,8 @@ class TrainConfig:
             "false",
         ):
             self.frame_integrity = self.frame_integrity.lower() == "true"
+        # "Ring" means "ring", as compressor names ignore case
+        self.strategy = registry.canonical(self.strategy)
         self.validate()
 
     # ------------------------------------------------------------------ validation

@@ -8,7 +8,17 @@ not a Py4J stack.
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Iterable
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` Did you mean 'ring'?`` for the closest of ``choices`` to ``word`` (case
+    ignored), or an empty string when none is close."""
+    by_folded = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_folded), n=1, cutoff=0.6)
+    return f" Did you mean {by_folded[close[0]]!r}?" if close else ""
 
 
 class SparkTrainError(Exception):
@@ -124,3 +134,23 @@ _BY_NAME: dict[str, type[SparkTrainError]] = {
 }
 # PeerLostError's constructor takes a rank; its text already says everything.
 _BY_NAME["PeerLostError"] = CommError
+
+
+def not_a_spark_frame(data: object, what: str = "data") -> DataError:
+    """The error for ``data`` that is not a pyspark DataFrame (nor an RDD), naming the
+    call that makes one from what was given: pandas, numpy, a list."""
+    kind = type(data)
+    module = kind.__module__.split(".")[0]
+    if module == "pandas":
+        how = "spark.createDataFrame(pandas_df) turns a pandas DataFrame into one"
+    elif module == "numpy":
+        how = (
+            "spark.createDataFrame(pandas.DataFrame(array)) turns an array into one, or "
+            "sparktrain.datasets.to_dataframe(spark, x, y) for features and labels"
+        )
+    else:
+        how = "spark.createDataFrame(rows, [column names]) makes one"
+    return DataError(
+        f"{what} must be a pyspark DataFrame (or an RDD of (features, label) pairs), got "
+        f"{module}.{kind.__name__}: {how}"
+    )

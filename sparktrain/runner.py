@@ -224,6 +224,8 @@ def _assemble(
         "strategy": cfg.strategy,
         "compression": cfg.compression,
         "world_size": cfg.num_workers,
+        # the epochs the function reported (ctx.report(epoch=...)), as a fit's summary counts
+        "epochs_run": len(meta["history"]),
         "train_rows_per_worker": [s["train_rows"] for s in stats],
         "steps_per_epoch": stats[0]["steps_per_epoch"],
         "wall_s": time.perf_counter() - job.started,

@@ -140,6 +140,15 @@ def _train(data: Any) -> str:
                 f"{_num(head['torchdistributor_after_session_s'], '{:.1f} s')} = "
                 f"{_num(head['after_session_ratio'], '{:.2f}')}"
             )
+    for row in derived.get("whole_process_vs_peers", []):
+        verdicts.append(
+            f"- {row['ours']} / {row['peer']}, whole process (spawn to exit) on digits: "
+            f"{_num(row['ours_whole_s'], '{:.1f} s')} / {_num(row['peer_whole_s'], '{:.1f} s')}"
+            f" = {_num(row['whole_ratio'], '{:.2f}')}; spawn to {data['target']:.2f} accuracy: "
+            f"{_num(row['ours_to_target_s'], '{:.1f} s')} / "
+            f"{_num(row['peer_to_target_s'], '{:.1f} s')} = "
+            f"{_num(row['to_target_ratio'], '{:.2f}')} (medians of {row['runs']}){_load(row)}"
+        )
     warm = derived.get("ring_vs_torchdistributor_warm")
     if warm:
         target = f" (target {warm['target']}: {_met(warm['met'])})" if "target" in warm else ""

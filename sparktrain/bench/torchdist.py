@@ -28,6 +28,18 @@ def run_local(fn: Callable[..., Any], *args: Any, workers: int) -> Any:
     return result
 
 
+def run_cluster(fn: Callable[..., Any], *args: Any, workers: int) -> Any:
+    """``TorchDistributor(num_processes=workers, local_mode=False, use_gpu=False).run(fn,
+    *args)``: torchrun inside the tasks of a barrier stage; rank 0's return value."""
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    result = TorchDistributor(num_processes=workers, local_mode=False, use_gpu=False).run(fn, *args)
+    if result is None:
+        raise SparkTrainError("TorchDistributor returned nothing from rank 0")
+    return result
+
+
 def rank0_everywhere(record: Any) -> Any:
     """Inside a TorchDistributor process: rank 0's ``record`` on every rank, then the
     process group destroyed. Local mode has every process pickle its return value to the

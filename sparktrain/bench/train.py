@@ -76,7 +76,7 @@ from typing import Any
 
 from sparktrain import datasets
 from sparktrain.bench.plots import save_figure
-from sparktrain.bench.torchdist import rank0_everywhere, run_local
+from sparktrain.bench.torchdist import rank0_everywhere, run_cluster, run_local
 from sparktrain.errors import SparkTrainError
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
@@ -94,7 +94,7 @@ TREE_AGGREGATE_LOCAL_STEPS = 64  # >= batches per partition on digits: one round
 # does not see; 4 local steps make 9 rounds of its 36 batches per partition.
 SYNTHETIC_TREE_AGGREGATE_LOCAL_STEPS = 4
 
-SUBPROCESS_TIMEOUT_S = 900
+SUBPROCESS_TIMEOUT_S = 300
 WORKERS = 2
 
 # The digits recipe of conf/digits_mlp.toml, shared by every contender.
@@ -489,7 +489,7 @@ def child_main(args: argparse.Namespace) -> int:
     from sparktrain.session import get_or_create_session
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    if args.child == "ring":
+    if args.child in ("ring", "torch_run"):
         spark = get_or_create_session(
             f"local[{WORKERS}]", app_name=f"bench-train-{args.child}", warm_workers=False
         )
@@ -525,22 +525,27 @@ def child_main(args: argparse.Namespace) -> int:
         out["warm_time_to_target_s"] = warm["time_to_target_s"]
         out["warm_fit_s"] = warm["fit_s"]
         out["warm_total_s"] = time.perf_counter() - warm_started
-    elif args.child == "torchdistributor":
+    elif args.child in DDP_RUNNERS:
+        launch = DDP_RUNNERS[args.child]
         fit_started = time.time()
         t = time.perf_counter()
-        result = run_local(ddp_train, args.epochs, args.seed, args.target, workers=WORKERS)
+        result = launch(spark, args.epochs, args.seed, args.target)
         fit_s = time.perf_counter() - t
         out["first_done_abs"] = time.time()
         curve_abs = [(float(a), float(b)) for a, b in result["curve_abs"]]
-        # the same run() again in this now-warm process (torchrun still starts afresh:
-        # that is how TorchDistributor works)
-        warm_started = time.time()
-        t = time.perf_counter()
-        td_warm = run_local(ddp_train, args.epochs, args.seed, args.target, workers=WORKERS)
-        warm_fit_s = time.perf_counter() - t
-        warm_ttt = first_reaching(
-            [(float(a) - warm_started, float(b)) for a, b in td_warm["curve_abs"]], args.target
-        )
+        warm_ttt: float | None = None
+        warm_fit_s: float | None = None
+        if args.child in WARM_CALL:
+            # the same run() again in this now-warm process (TorchDistributor's torchrun
+            # starts afresh: that is how it works)
+            warm_started = time.time()
+            t = time.perf_counter()
+            td_warm = launch(spark, args.epochs, args.seed, args.target)
+            warm_fit_s = time.perf_counter() - t
+            warm_ttt = first_reaching(
+                [(float(a) - warm_started, float(b)) for a, b in td_warm["curve_abs"]],
+                args.target,
+            )
         out.update(
             {
                 "fit_s": fit_s,
@@ -558,7 +563,7 @@ def child_main(args: argparse.Namespace) -> int:
                 ),
                 "warm_time_to_target_s": warm_ttt,
                 "warm_fit_s": warm_fit_s,
-                "warm_total_s": warm_fit_s,
+                "warm_total_s": warm_fit_s or 0.0,
             }
         )
     else:
@@ -570,7 +575,32 @@ def child_main(args: argparse.Namespace) -> int:
     return 0
 
 
-HEADLINE = ("ring", "torchdistributor", "session")
+def _td_local(spark: Any, epochs: int, seed: int, target: float) -> Any:
+    return run_local(ddp_train, epochs, seed, target, workers=WORKERS)
+
+
+def _td_cluster(spark: Any, epochs: int, seed: int, target: float) -> Any:
+    """``TorchDistributor(local_mode=False)``: torchrun inside barrier tasks."""
+    return run_cluster(ddp_train, epochs, seed, target, workers=WORKERS)
+
+
+def _torch_run(spark: Any, epochs: int, seed: int, target: float) -> Any:
+    """The same DDP function under :func:`sparktrain.torch_run`, in sparktrain's session."""
+    from sparktrain import torch_run
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return torch_run(ddp_train, epochs, seed, target, num_workers=WORKERS, spark=spark)
+
+
+# the DDP contenders: one training function (:func:`ddp_train`), three launchers
+DDP_RUNNERS = {
+    "torchdistributor": _td_local,
+    "torchdistributor-cluster": _td_cluster,
+    "torch_run": _torch_run,
+}
+HEADLINE = ("ring", "torchdistributor", "torchdistributor-cluster", "torch_run", "session")
+# the DDP contenders that make their call a second time, warm (the notebook case)
+WARM_CALL = ("torchdistributor", "torch_run")
 MEMORY_INTERVAL_S = 0.1  # how often the headline children's process trees are sampled
 
 
@@ -598,11 +628,12 @@ def run_headline(args: argparse.Namespace) -> list[dict[str, Any]]:
     turns (the first of the three rotates with the repeat), per seed/repeat; each child's
     Python processes' memory is sampled from the parent."""
     records = []
+    chosen = set(args.headline_contenders)
     env = {**os.environ, "SPARK_LOCAL_IP": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")}
     for seed in args.seeds:
         for repeat in range(args.repeats):
             turn = repeat % len(HEADLINE)
-            for contender in HEADLINE[turn:] + HEADLINE[:turn]:
+            for contender in [c for c in HEADLINE[turn:] + HEADLINE[:turn] if c in chosen]:
                 cmd = [
                     sys.executable, "-m", "sparktrain.bench.train", "--child", contender,
                     "--epochs", str(args.epochs), "--seed", str(seed), "--target", str(args.target),
@@ -612,9 +643,9 @@ def run_headline(args: argparse.Namespace) -> list[dict[str, Any]]:
                 line = next((x for x in stdout.splitlines() if x.startswith(RESULT_MARK)), None)
                 record: dict[str, Any] = {
                     "contender": contender,
-                    "strategy": {"ring": "ring", "torchdistributor": "ddp-gloo"}.get(
-                        contender, "none"
-                    ),
+                    "strategy": "ring"
+                    if contender == "ring"
+                    else ("ddp-gloo" if contender in DDP_RUNNERS else "none"),
                     "compression": "none",
                     "link": "none",
                     "workload": "digits",
@@ -869,6 +900,9 @@ def derive(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
         memory = _memory_vs(ring, td, pick(contender="session"))
         if memory:
             out["memory_vs_torchdistributor"] = memory
+    whole = _whole_process_vs_peers(pick)
+    if whole:
+        out["whole_process_vs_peers"] = whole
     steady_ring = pick(contender="ring", workload="synthetic", part="steady")
     steady_td = pick(contender="torchdistributor", workload="synthetic", part="steady")
     if steady_ring and steady_td:
@@ -909,6 +943,46 @@ def derive(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
     out["compression_vs_ideal"] = _compression_vs_ideal(matrix)
     out["auto_vs_best"] = _auto_vs_best(matrix)
     return out
+
+
+# (ours, peer) pairs of the headline: sparktrain's built-in loop and its torch_run against
+# both TorchDistributor modes
+WHOLE_PROCESS_PAIRS = (
+    ("ring", "torchdistributor"),
+    ("ring", "torchdistributor-cluster"),
+    ("torch_run", "torchdistributor"),
+    ("torch_run", "torchdistributor-cluster"),
+)
+
+
+def _whole_process_vs_peers(pick: Any) -> list[dict[str, Any]]:
+    """Medians of each headline contender's whole process (spawn to exit, and spawn to the
+    target accuracy), and the ratio of each (ours, peer) pair of
+    :data:`WHOLE_PROCESS_PAIRS` that this run measured."""
+    rows = []
+    for ours, peer in WHOLE_PROCESS_PAIRS:
+        a, b = pick(contender=ours, workload="digits"), pick(contender=peer, workload="digits")
+        if not a or not b:
+            continue
+        a_ttt = _median([r.get("whole_process_to_target_s") for r in a])
+        b_ttt = _median([r.get("whole_process_to_target_s") for r in b])
+        a_all = _median([r.get("whole_process_s") for r in a])
+        b_all = _median([r.get("whole_process_s") for r in b])
+        rows.append(
+            {
+                "ours": ours,
+                "peer": peer,
+                "ours_to_target_s": a_ttt,
+                "peer_to_target_s": b_ttt,
+                "to_target_ratio": _ratio(a_ttt, b_ttt),
+                "ours_whole_s": a_all,
+                "peer_whole_s": b_all,
+                "whole_ratio": _ratio(a_all, b_all),
+                "runs": min(len(a), len(b)),
+                "load_avg_1m": _spread([r.get("load_avg_1m") for r in a + b]),
+            }
+        )
+    return rows
 
 
 def _group(
@@ -1078,6 +1152,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 label = "ring, fresh process (from spawn)"
             elif key[0] == "torchdistributor":
                 label = "TorchDistributor DDP/Gloo, fresh process (from spawn)"
+            elif key[0] == "torchdistributor-cluster":
+                label = "TorchDistributor(local_mode=False), fresh process (from spawn)"
+            elif key[0] == "torch_run":
+                label = "sparktrain.torch_run DDP/Gloo, fresh process (from spawn)"
             elif key[0] == "mllib":
                 label = "MLlib MLP (L-BFGS), cheapest fit"
             elif key[0] == "sparktrain-fast":
@@ -1164,6 +1242,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="which comparisons to run (steady: ring against DDP, steady-state samples/s "
         "on the synthetic MLP)",
     )
+    parser.add_argument(
+        "--headline-contenders",
+        nargs="+",
+        choices=list(HEADLINE),
+        default=list(HEADLINE),
+        help="which fresh-process contenders the headline part runs",
+    )
     parser.add_argument("--out", default="docs/results", help="folder for bench_train.json/.png")
     parser.add_argument("--json", metavar="PATH", help="JSON path (default OUT/bench_train.json)")
     parser.add_argument(
@@ -1247,7 +1332,7 @@ def _child_entry(argv: list[str]) -> int:
 
     logging.getLogger("py4j").setLevel(logging.WARNING)
     parser = argparse.ArgumentParser(prog="python -m sparktrain.bench.train")
-    parser.add_argument("--child", choices=["ring", "torchdistributor", "session"], required=True)
+    parser.add_argument("--child", choices=list(HEADLINE), required=True)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", type=float, default=0.95)

@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from sparktrain.errors import ConfigError
+from sparktrain.errors import ConfigError, did_you_mean
 
 WRAPPERS = ("delta", "ef")
 """Stage names that wrap the core compressor: ``delta+`` in front, ``+ef`` at the end."""
@@ -116,7 +116,8 @@ def parse(spec: str, known: Collection[str]) -> list[Stage]:
         if s.name not in known and s.name not in WRAPPERS:
             raise ConfigError(
                 f"compression={spec!r}: unknown compressor {s.name!r} (registered: "
-                f"{', '.join(sorted(known))}); allowed values: {FORMS}"
+                f"{', '.join(sorted(known))}).{did_you_mean(s.name, [*known, *WRAPPERS])} The "
+                f"allowed values: {FORMS}"
             )
     core = [n for n in names if n not in WRAPPERS]
     ok = (

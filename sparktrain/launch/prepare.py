@@ -44,7 +44,7 @@ from sparktrain.data.columns import (
     parse_columns,
     parse_labels,
 )
-from sparktrain.errors import DataError
+from sparktrain.errors import DataError, not_a_spark_frame
 from sparktrain.worker.data import FEATURES, IS_VALIDATION, LABEL, WEIGHT
 
 if TYPE_CHECKING:
@@ -183,10 +183,7 @@ def prepare(
         if validation_data is not None and not isinstance(validation_data, RDD):
             raise DataError("validation_data must be an RDD when data is an RDD")
         return _prepare_rdd(data, validation_data, num_workers)
-    raise DataError(
-        f"data must be a pyspark DataFrame or an RDD of (features, label) pairs, "
-        f"got {type(data).__name__}"
-    )
+    raise not_a_spark_frame(data)
 
 
 def _prepare_frame(

@@ -159,10 +159,18 @@ def resume_step(store: CheckpointStore | None, resume: bool) -> int | None:
     a truncated or incomplete newer one is skipped (the store logs which)."""
     if store is None or not resume:
         return None
-    step = store.newest_intact()
-    if step is None:
+    ckpt = store.load()
+    if ckpt is None:
         log.info("no checkpoint in %s yet: starting from scratch", store.uri)
-    return step
+        return None
+    log.info(
+        "resuming from %s/%s: step %d, after %d epoch(s)",
+        store.uri.rstrip("/"),
+        store.main_name(ckpt.step),
+        ckpt.step,
+        len(ckpt.history),
+    )
+    return ckpt.step
 
 
 def train_data_parallel(job: FitJob, strategy: Strategy) -> TrainResult:

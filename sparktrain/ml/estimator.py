@@ -42,6 +42,7 @@ from sparktrain.ml.model import (
     _features_as_float_array,
     build_module,
     layout_width,
+    require_spark_frame,
     trained_module,
 )
 from sparktrain.ml.params import (
@@ -77,6 +78,7 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
 
     # ------------------------------------------------------------------ fit
     def _fit(self, dataset: DataFrame) -> M:
+        require_spark_frame(dataset, "fit's dataset")
         cfg, model_fn, model_kwargs = self._resolve()
         if not self._is_plain_fit():
             return self._fit_typed(dataset, cfg, model_fn, model_kwargs)

@@ -61,7 +61,7 @@ from sparktrain.config import parse_port_range
 from sparktrain.data.batch import Collator, forward
 from sparktrain.data.columns import BINARY, DENSE, RAGGED, Layout, parse_columns
 from sparktrain.data.columns import Column as InputColumn
-from sparktrain.errors import ConfigError, DataError
+from sparktrain.errors import ConfigError, DataError, not_a_spark_frame
 from sparktrain.launch.payload_server import discard_shared, fits_in_closure, serve_shared
 from sparktrain.launch.spark_env import CONNECT_MAX_MESSAGE, spark_env
 from sparktrain.ml.params import (
@@ -244,6 +244,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         return [(self.getPredictionCol(), "prediction")] if self.getPredictionCol() else []
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
+        require_spark_frame(dataset, "transform's dataset")
         from pyspark.ml.functions import array_to_vector
         from pyspark.sql import functions as F
         from pyspark.sql.functions import arrow_udf
@@ -838,3 +839,12 @@ def _list_array(matrix: np.ndarray) -> pa.Array:
     n, k = matrix.shape
     offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
     return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1)))
+
+
+def require_spark_frame(dataset: object, what: str) -> None:
+    """Refuse a pandas (or any other) frame where pyspark.ml takes a Spark DataFrame, with
+    the call that converts it (pyspark.ml would fail later on a missing ``schema``)."""
+    from pyspark.sql import DataFrame as SparkFrame
+
+    if not isinstance(dataset, SparkFrame):
+        raise not_a_spark_frame(dataset, what)

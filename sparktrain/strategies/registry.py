@@ -14,7 +14,7 @@ import importlib
 import threading
 from typing import TYPE_CHECKING
 
-from sparktrain.errors import ConfigError
+from sparktrain.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
     from sparktrain.strategies.base import Strategy
@@ -54,7 +54,9 @@ def register(strategy: Strategy) -> Strategy:
 
 
 def get(name: str) -> Strategy:
-    """The strategy registered as ``name``; the error lists every name there is."""
+    """The strategy registered as ``name`` (case ignored, as compressor names are); the
+    error lists every name there is and the closest one."""
+    name = canonical(name)
     found = _REGISTERED.get(name)
     if found is None and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])  # registers its strategies
@@ -62,11 +64,21 @@ def get(name: str) -> Strategy:
     if found is None:
         raise ConfigError(
             f"strategy={name!r} is not registered; registered strategies: "
-            f"{', '.join(names())}. Did you forget to import the module that calls "
-            "sparktrain.strategies.register() (and ship it to the executors with "
-            "SparkContext.addPyFile)?"
+            f"{', '.join(names())}.{did_you_mean(name, names())} For a plug-in: did you "
+            "forget to import the "
+            "module that calls sparktrain.strategies.register() (and ship it to the "
+            "executors with SparkContext.addPyFile)?"
         )
     return found
+
+
+def canonical(name: str) -> str:
+    """``name`` as registered: ``"Ring"`` is ``"ring"``. A name that matches none, or
+    several that differ only in case, is returned as given."""
+    if not isinstance(name, str) or name in _BUILTIN or name in _REGISTERED:
+        return name
+    folded = [n for n in names() if n.lower() == name.lower()]
+    return folded[0] if len(folded) == 1 else name
 
 
 def names() -> list[str]:

@@ -57,6 +57,7 @@ def test_digits_train_fn_with_bf16_cosine_warmup_accumulation_and_clipping(spark
     assert result.history[-1]["accuracy"] >= 0.95  # exact over both ranks' rows
     assert result.summary["precision"] == "bf16"
     assert seen == list(range(20))
+    assert result.summary["epochs_run"] == 20  # the epochs the function reported
     lines = [json.loads(line) for line in Path(cfg.metrics_jsonl).read_text().splitlines()]
     assert [line["epoch"] for line in lines] == list(range(20))
 

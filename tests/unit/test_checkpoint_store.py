@@ -63,14 +63,17 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_p
         store.load(6)
 
 
-def test_the_driver_resumes_from_the_newest_intact_checkpoint(tmp_path):
+def test_the_driver_resumes_from_the_newest_intact_checkpoint(tmp_path, caplog):
     from sparktrain.launch.stage import resume_step as _resume_step
 
     store = CheckpointStore(str(tmp_path), keep=3)
     for step in (5, 10):
         store.save(_ckpt(step))
     _truncate(tmp_path / "ckpt-000000000010.pt")
-    assert _resume_step(store, True) == 5
+    with caplog.at_level(logging.INFO, logger="sparktrain"):
+        assert _resume_step(store, True) == 5
+    # the log names the file the run continues from
+    assert f"resuming from {tmp_path}/ckpt-000000000005.pt: step 5" in caplog.text
     assert _resume_step(store, False) is None
 
 
