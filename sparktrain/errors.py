@@ -8,7 +8,10 @@ not a Py4J stack.
 
 from __future__ import annotations
 
+import logging
 import re
+
+log = logging.getLogger(__name__)
 
 
 class SparkTrainError(Exception):
@@ -78,6 +81,9 @@ class WorkerError(SparkTrainError):
     def from_spark(cls, exc: BaseException) -> SparkTrainError:
         """Turn a Spark/Py4J exception into the sparktrain error a task raised, if any."""
         text = str(exc)
+        # the tasks' tracebacks and the JVM's stack: for DEBUG only, the console gets
+        # the one line the error says (sparktrain.launch.console keeps Spark's copies off)
+        log.debug("the Spark error behind this failure:\n%s", text)
         found = None
         for line in text.splitlines():
             match = cls._TAGGED.search(line)
