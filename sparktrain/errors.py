@@ -9,6 +9,7 @@ not a Py4J stack.
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from collections.abc import Iterable
 
@@ -19,6 +20,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     by_folded = {c.lower(): c for c in choices}
     close = difflib.get_close_matches(word.lower(), list(by_folded), n=1, cutoff=0.6)
     return f" Did you mean {by_folded[close[0]]!r}?" if close else ""
+
+log = logging.getLogger(__name__)
 
 
 class SparkTrainError(Exception):
@@ -88,6 +91,9 @@ class WorkerError(SparkTrainError):
     def from_spark(cls, exc: BaseException) -> SparkTrainError:
         """Turn a Spark/Py4J exception into the sparktrain error a task raised, if any."""
         text = str(exc)
+        # the tasks' tracebacks and the JVM's stack: for DEBUG only, the console gets
+        # the one line the error says (sparktrain.launch.console keeps Spark's copies off)
+        log.debug("the Spark error behind this failure:\n%s", text)
         found = None
         for line in text.splitlines():
             match = cls._TAGGED.search(line)

@@ -71,6 +71,17 @@ def _preload(modules: tuple[str, ...]) -> None:
             importlib.import_module(name)
 
 
+def _quiet_submitted_driver(builder: SparkSession.Builder) -> SparkSession.Builder:
+    """Under spark-submit the driver JVM runs already (our log4j2 file cannot apply):
+    a quiet start for the SparkContext all the same (see
+    :func:`sparktrain.launch.console.submitted_driver_conf`); unchanged otherwise."""
+    from sparktrain.launch.console import submitted_driver_conf
+
+    for key, value in submitted_driver_conf().items():
+        builder = builder.config(key, value)
+    return builder
+
+
 def get_or_create_session(
     master: str | None = None,
     app_name: str = "sparktrain",
@@ -109,6 +120,7 @@ def get_or_create_session(
     settings = {**DEFAULTS, "spark.driver.extraJavaOptions": log4j_options(), **(conf or {})}
     for key, value in settings.items():
         builder = builder.config(key, value)
+    builder = _quiet_submitted_driver(builder)
     spark = builder.getOrCreate()
     if preloading is not None:
         preloading.join(timeout=PRELOAD_WAIT_S)

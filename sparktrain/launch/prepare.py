@@ -16,10 +16,12 @@ workers' random hold-out, so the training rows' weights have mean ≈ 1 rather t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,10 +47,12 @@ from sparktrain.data.columns import (
     parse_labels,
 )
 from sparktrain.errors import DataError, not_a_spark_frame
+from sparktrain.launch import warmup
+from sparktrain.launch.console import progress_bar_held
 from sparktrain.worker.data import FEATURES, IS_VALIDATION, LABEL, WEIGHT
 
 if TYPE_CHECKING:
-    from pyspark import RDD
+    from pyspark import RDD, SparkContext
     from pyspark.sql import DataFrame
 
     from sparktrain.result import TrainResult
@@ -145,10 +149,55 @@ def prepare(
     training rows' mean and standard deviation (one aggregation job). ``weight_col``
     names a numeric column of non-negative sample weights in ``data`` (a DataFrame); see
     the module docstring for how they are normalised."""
+    sc = _classic_context(data)
+    held = contextlib.nullcontext() if sc is None else progress_bar_held(sc)
+    try:
+        with held:
+            prepared = _prepare(
+                data,
+                validation_data,
+                features_col,
+                label_col,
+                num_workers,
+                weight_col,
+                options or ColumnOptions(),
+                label_scaling,
+            )
+    finally:
+        # No warm-up job may outlive the fit's data preparation (see warmup.settle):
+        # a session stopped right after a failed fit would break it, and Spark print that.
+        if sc is not None:
+            warmup.settle(sc)
+    return prepared
+
+
+def _classic_context(data: Any) -> SparkContext | None:
+    """The SparkContext of a classic DataFrame or an RDD (None: Spark Connect, other)."""
     from pyspark import RDD
     from pyspark.sql import DataFrame
 
-    options = options or ColumnOptions()
+    from sparktrain.launch.spark_env import is_connect
+
+    if isinstance(data, RDD):
+        return data.context
+    if isinstance(data, DataFrame) and not is_connect(data):
+        return data.sparkSession.sparkContext
+    return None
+
+
+def _prepare(
+    data: Any,
+    validation_data: Any,
+    features_col: ColumnsSpec,
+    label_col: str | Sequence[str],
+    num_workers: int,
+    weight_col: str | None,
+    options: ColumnOptions,
+    label_scaling: bool,
+) -> PreparedData:
+    from pyspark import RDD
+    from pyspark.sql import DataFrame
+
     if isinstance(data, DataFrame):
         if validation_data is not None and not isinstance(validation_data, DataFrame):
             raise DataError("validation_data must be a DataFrame when data is a DataFrame")
@@ -501,7 +550,7 @@ def _measure(combined: DataFrame, plan: _Plan) -> tuple[Layout, dict[str, bytes]
         test = F.col(p.column.wire).isNotNull()
         condition = test if condition is None else condition & test
     frame = combined if condition is None else combined.where(condition)
-    first = frame.select(*selects, F.lit(1).alias("_")).first()
+    first = _first_row(frame.select(*selects, F.lit(1).alias("_")))
     if first is None:
         raise DataError("the training data is empty: nothing to train on")
     columns = []
@@ -613,11 +662,57 @@ def _select(df: DataFrame, plan: _Plan, what: str, weight_col: str | None = None
     return df.select(*columns)
 
 
-def _prepare_rdd(rdd: RDD[Any], val: RDD[Any] | None, num_workers: int) -> PreparedData:
+# Physical plan nodes that run Python: rows made in Python (a DataFrame from a list or
+# an RDD), Python and pandas UDFs, mapInPandas/mapInArrow.
+_PYTHON_PLAN = re.compile(r"ExistingRDD|Python|InPandas|InArrow")
+
+
+def _first_row(frame: DataFrame) -> Any:
+    """The frame's first row (None when it is empty). ``first()`` when no Python runs
+    in the plan; otherwise :func:`_first_element` over its rows, since ``first()`` stops
+    reading a Python worker's output early and pyspark then prints that worker's
+    ``BrokenPipeError`` traceback."""
+    from sparktrain.launch.spark_env import is_connect
+
+    if is_connect(frame):  # the server's workers: their output is not this console's
+        return frame.first()
     try:
-        first = rdd.first()
-    except ValueError:
-        raise DataError("the training RDD is empty: nothing to train on") from None
+        plan = str(frame._jdf.queryExecution().executedPlan().toString())
+    except Exception:  # cannot tell: read it to the end
+        plan = "Python"
+    if not _PYTHON_PLAN.search(plan):
+        return frame.first()
+    return _first_element(frame.rdd)
+
+
+def _first_element(rdd: RDD[Any]) -> Any:
+    """The first element of ``rdd`` (None when it is empty), reading each partition it
+    looks at to the end: partition 0 first, then 4, 16... more at a time, as ``take``
+    does, while they are empty. A Python worker whose output is read to its end exits
+    cleanly (``first()``/``take()`` leave it writing into a closed socket)."""
+    count = rdd.getNumPartitions()
+    start, batch = 0, 1
+    while start < count:
+        parts = list(range(start, min(count, start + batch)))
+        found = rdd.context.runJob(rdd, _first_of_partition, parts)
+        if found:
+            return found[0]
+        start, batch = start + batch, batch * 4
+    return None
+
+
+def _first_of_partition(rows: Iterable[Any]) -> list[Any]:
+    found: list[Any] = []
+    for row in rows:  # to the end: see _first_element
+        if not found:
+            found.append(row)
+    return found
+
+
+def _prepare_rdd(rdd: RDD[Any], val: RDD[Any] | None, num_workers: int) -> PreparedData:
+    first = _first_element(rdd)
+    if first is None:
+        raise DataError("the training RDD is empty: nothing to train on")
     if not isinstance(first, tuple | list) or len(first) != 2:
         raise DataError(f"RDD rows must be (features, label) pairs; the first row is {first!r}")
     width = int(np.asarray(first[0]).size)

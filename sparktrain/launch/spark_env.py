@@ -209,7 +209,8 @@ class ClassicEnv(SparkEnv):
         saved = {k: sc.getLocalProperty(k) for k in _JOB_GROUP_PROPERTIES}
         sc.setJobGroup(group, description, True)
         try:
-            yield
+            with _quiet_console(sc, group):
+                yield
         finally:
             for key, value in saved.items():
                 sc.setLocalProperty(key, value)  # type: ignore[arg-type]
@@ -219,6 +220,14 @@ class ClassicEnv(SparkEnv):
 
     def spark_context(self, what: str) -> SparkContext:
         return self.sc
+
+
+def _quiet_console(sc: SparkContext, group: str) -> contextlib.AbstractContextManager[None]:
+    """A sparktrain stage's console: no stack traces for the task failures it handles,
+    no Spark progress bar over its own (:mod:`sparktrain.launch.console`)."""
+    from sparktrain.launch.console import quiet_stage
+
+    return quiet_stage(sc, group)
 
 
 class ConnectEnv(SparkEnv):

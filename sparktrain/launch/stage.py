@@ -298,7 +298,7 @@ def run_stage(
             restarts += 1
             log.warning(
                 "the training stage failed (%s); resubmitting it (restart %d of %d) %s",
-                exc,
+                str(exc).removeprefix("the training stage failed: "),
                 restarts,
                 cfg.max_restarts,
                 driver.resume_source(step),
