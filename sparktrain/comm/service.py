@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from sparktrain.comm.connection import Connection
 from sparktrain.comm.frames import MAX_FRAME_BYTES_DEFAULT
-from sparktrain.comm.handshake import DRIVER_RANK, first_bytes, serve_accepted
+from sparktrain.comm.handshake import DRIVER_RANK, first_bytes, first_size, serve_accepted
 from sparktrain.comm.link import LinkProfile
 from sparktrain.comm.listen import address_of, open_service_listener
 from sparktrain.comm.preauth import PreauthGate, notify_observer
@@ -84,6 +84,7 @@ class DriverService:
             handshake=self._handshake,
             on_ready=self._ready,
             first_bytes=first_bytes(security),
+            first_size=first_size(security),
         )
         self._thread = threading.Thread(
             target=self._gate.serve,
