@@ -144,6 +144,19 @@ def address_prefix(source: str) -> str:
     """The group ``source`` (an IP address) is capped in: its IPv4 /:data:`PREFIX_BITS_V4`
     or IPv6 /:data:`PREFIX_BITS_V6` network; every loopback address (127.0.0.0/8, ::1) is
     one group, ``"loopback"``, and anything else (not an IP address) is its own group."""
+    prefix = _PREFIXES.get(source)
+    if prefix is None:
+        if len(_PREFIXES) >= _PREFIX_CACHE:  # a flood of addresses: start over, bounded
+            _PREFIXES.clear()
+        prefix = _PREFIXES[source] = _address_prefix(source)
+    return prefix
+
+
+_PREFIXES: dict[str, str] = {}  # parsing costs more than the rest of an accept
+_PREFIX_CACHE = 4096
+
+
+def _address_prefix(source: str) -> str:
     try:
         ip = ipaddress.ip_address(source.partition("%")[0])  # drop an IPv6 zone (fe80::1%eth0)
     except ValueError:
@@ -229,11 +242,11 @@ class PendingTable(Generic[S]):
         victims: list[S] = []
         now = slot.since
         while self._sources[slot.source] >= self.max_per_source:
-            victims.append(self._evict(lambda s: s.source == slot.source, now))
+            victims.append(self._evict(now, source=slot.source))
         while self._prefixes[slot.prefix] >= self.max_per_prefix:
-            victims.append(self._evict(lambda s: s.prefix == slot.prefix, now))
+            victims.append(self._evict(now, prefix=slot.prefix))
         while len(self._slots) >= self.max_pending:
-            victims.append(self._evict(lambda s: True, now))
+            victims.append(self._evict(now))
         self._slots[key] = slot
         self._sources[slot.source] += 1
         self._prefixes[slot.prefix] += 1
@@ -259,22 +272,30 @@ class PendingTable(Generic[S]):
         self._prefixes.clear()
         return slots
 
-    def _evict(self, among: Callable[[S], bool], now: float) -> S:
-        # least progress, then the most crowded prefix, then the stalest (dicts keep
-        # insertion order and min() keeps the first of equals: oldest among ties)
-        key = min(
-            (k for k, s in self._slots.items() if among(s)),
-            key=lambda k: self._rank(self._slots[k], now),
-        )
-        victim = self.pop(key)
+    def _evict(self, now: float, source: str | None = None, prefix: str | None = None) -> S:
+        """Pop the victim among the slots of ``source``, else of ``prefix``, else all:
+        least progress (a silent one within :data:`HELLO_GRACE_S` counts as mid-hello),
+        then the most crowded prefix, then the stalest. Slots are in accept order, so in
+        one source or prefix the first silent one past its grace is the victim and the
+        scan stops there: the common case under a flood, and it keeps an accept cheap."""
+        one_prefix = source is not None or prefix is not None
+        best_key, best = -1, (HELLO + 1, 0, 0.0)
+        for key, slot in self._slots.items():
+            if (source is not None and slot.source != source) or (
+                prefix is not None and slot.prefix != prefix
+            ):
+                continue
+            stage = slot.stage
+            if stage == ARRIVED and now - slot.since < HELLO_GRACE_S:
+                stage = SPOKE  # its hello may be on the way
+            rank = (stage, -self._prefixes[slot.prefix], slot.since)
+            if rank < best:
+                best_key, best = key, rank
+                if stage == ARRIVED and one_prefix:
+                    break
+        victim = self.pop(best_key)
         assert victim is not None  # the caps are >= 1: the group over its cap is not empty
         return victim
-
-    def _rank(self, slot: S, now: float) -> tuple[int, int, float]:
-        stage = slot.stage
-        if stage == ARRIVED and now - slot.since < HELLO_GRACE_S:
-            stage = SPOKE  # its hello may be on the way
-        return stage, -self._prefixes[slot.prefix], slot.since
 
 
 # --------------------------------------------------------------------------- the gate
@@ -304,8 +325,7 @@ MAX_FIRST_MESSAGE = 1 << 15
 """A first message claiming more bytes than this is not a client's (a TLS record is at
 most 16 KiB and change, the plaintext hello 40 bytes): closed at once."""
 
-_HEAD_BYTES = 8  # peeked to tell the protocol and the first message's size
-_ACCEPT_BURST = 16  # connections accepted per step at most (a quarter of a prefix's cap)
+_HEAD_BYTES = 64  # peeked at once: the protocol, and all of a plaintext hello (40 bytes)
 
 
 class PreauthGate(Generic[T]):
@@ -414,9 +434,8 @@ class PreauthGate(Generic[T]):
         self._expire()
 
     def _accept_queued(self) -> None:
-        # a few at a time: between bursts the selector notices the hellos that landed
-        # just after their connection was accepted, before newcomers push them out
-        for _ in range(_ACCEPT_BURST):
+        # a client that waited in the backlog has its hello in by now: looked at below
+        for _ in range(self.max_pending):  # bounded: the rest waits for the next step
             try:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, TimeoutError):
@@ -499,7 +518,7 @@ class PreauthGate(Generic[T]):
         if size > MAX_FIRST_MESSAGE:
             return None
         have = len(head)
-        if size > have:
+        if size > have == _HEAD_BYTES:  # more may be there than the first peek asked for
             try:
                 have = len(entry.sock.recv(size, socket.MSG_PEEK))
             except OSError:
