@@ -213,9 +213,9 @@ class _Peer:
 
 HANDSHAKE_RETRIES = 20
 """How often a dial is re-run after the server reset or closed it mid-handshake (within
-the caller's timeout). A listener under a flood of strangers drops its oldest pending
-handshakes (:mod:`sparktrain.comm.preauth`), which may be this client's: a fresh dial
-then gets through. An authentication *rejection* is never retried."""
+the caller's timeout). A listener under a flood of strangers evicts pending handshakes
+(:mod:`sparktrain.comm.preauth`), strangers that got less far first, but it may still be
+this client's: a fresh dial then gets through. An authentication *rejection* is never retried."""
 
 _P = ParamSpec("_P")
 

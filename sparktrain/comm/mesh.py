@@ -203,7 +203,7 @@ class Mesh:
         self._closed = False
         self._acceptor: threading.Thread | None = None
         # Handshakes run off the accept thread with a short deadline, and strangers are
-        # capped (the oldest dropped): a flood cannot keep lower ranks out.
+        # capped (who got least far evicted first): a flood cannot keep lower ranks out.
         self._gate = PreauthGate(
             listener,
             name=f"mesh-{rank}",

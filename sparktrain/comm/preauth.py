@@ -323,9 +323,9 @@ class _Pending(Slot):
 
 MAX_FIRST_MESSAGE = 1 << 15
 """A first message claiming more bytes than this is not a client's (a TLS record is at
-most 16 KiB and change, the plaintext hello 40 bytes): closed at once."""
+most 16 KiB and change, the plaintext hello 44 bytes): closed at once."""
 
-_HEAD_BYTES = 64  # peeked at once: the protocol, and all of a plaintext hello (40 bytes)
+_HEAD_BYTES = 64  # peeked at once: the protocol, and all of a plaintext hello (44 bytes)
 
 
 class PreauthGate(Generic[T]):

@@ -9,9 +9,9 @@ progress (:mod:`sparktrain.metrics`), the barrier stage's rendezvous
 secret in the handshake with every client. The accept thread only accepts: each
 handshake runs on a thread of its own under the pre-auth gate
 (:mod:`sparktrain.comm.preauth`: a deadline of
-:data:`~sparktrain.comm.preauth.PREAUTH_DEADLINE_S`, capped strangers, the oldest
-dropped), so silent or garbage-sending strangers never delay an authenticated client.
-That thread then serves the client with :meth:`DriverService.handle`.
+:data:`~sparktrain.comm.preauth.PREAUTH_DEADLINE_S`, capped strangers, those that got
+least far evicted first), so silent or garbage-sending strangers never delay an
+authenticated client. That thread then serves the client with :meth:`DriverService.handle`.
 :meth:`DriverService.stop` ends the accept loop at once.
 
 A service that lives across stage attempts (a parameter-server shard) passes its

@@ -14,6 +14,7 @@ import inspect
 import itertools
 import secrets
 import selectors
+import socket
 import subprocess
 import sys
 import threading
@@ -23,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from sparktrain.comm import DRIVER_RANK, KIND_CONTROL, CommStats, Connection, connect, preauth
-from sparktrain.comm.handshake import HELLO_PREFIX
+from sparktrain.comm.handshake import _HELLO, HELLO_PREFIX, PROTOCOL_VERSION, first_size
 from sparktrain.comm.preauth import ARRIVED, HELLO, SPOKE, PendingTable, Slot, address_prefix
+from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 
 HOST = "127.0.0.1"
@@ -141,6 +143,37 @@ def test_popping_keeps_the_counts() -> None:
 def test_the_table_rejects_bad_caps() -> None:
     with pytest.raises(ValueError, match="positive"):
         PendingTable(8, 0, 8)
+
+
+def test_the_first_message_size_is_the_hello_or_the_tls_record() -> None:
+    plain = first_size(None)
+    assert plain(HELLO_PREFIX) == plain(b"") == _HELLO.size == 44
+    tls = first_size(WireSecurity(tls_fingerprint="ab"))  # TLS on: its fingerprint is set
+    assert tls(b"\x16\x03") == 5  # the record header first
+    assert tls(b"\x16\x03\x01\x02\x00") == 5 + 512
+
+
+# ------------------------------------------------------------ a hello in pieces
+
+
+def test_a_hello_in_pieces_gets_its_thread_once_complete(echo: Echo) -> None:
+    # the gate waits for the whole first message without a thread (SO_RCVLOWAT), then
+    # the handshake answers with the server's hello at once
+    hello = _HELLO.pack(HELLO_PREFIX, PROTOCOL_VERSION, 0, 0, secrets.token_bytes(32))
+    host, _, port = echo.address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+        sock.sendall(hello[:10])
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):  # no thread yet: nobody answers
+            sock.recv(1)
+        sock.settimeout(5.0)
+        sock.sendall(hello[10:])
+        answer = b""
+        while len(answer) < _HELLO.size:
+            chunk = sock.recv(_HELLO.size - len(answer))
+            assert chunk, "the server closed a client whose hello came in pieces"
+            answer += chunk
+    assert answer.startswith(HELLO_PREFIX)
 
 
 # ------------------------------------------------------------ the flood (real sockets)
