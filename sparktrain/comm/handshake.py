@@ -33,6 +33,7 @@ from sparktrain.comm.connection import Connection
 from sparktrain.comm.frames import MAX_FRAME_BYTES_DEFAULT
 from sparktrain.comm.link import LinkProfile
 from sparktrain.comm.listen import parse_address, tune_socket
+from sparktrain.comm.preauth import hello_received
 from sparktrain.comm.security import FrameMac, WireSecurity, describe_mode
 from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError, ConfigError, HandshakeError, PeerLostError
@@ -228,9 +229,9 @@ class _Peer:
 
 HANDSHAKE_RETRIES = 20
 """How often a dial is re-run after the server reset or closed it mid-handshake (within
-the caller's timeout). A listener under a flood of strangers drops its oldest pending
-handshakes (:mod:`sparktrain.comm.preauth`), which may be this client's: a fresh dial
-then gets through. An authentication *rejection* is never retried."""
+the caller's timeout). A listener under a flood of strangers evicts pending handshakes
+(:mod:`sparktrain.comm.preauth`), strangers that got less far first, but it may still be
+this client's: a fresh dial then gets through. An authentication *rejection* is never retried."""
 
 _P = ParamSpec("_P")
 
@@ -401,6 +402,7 @@ def _serve_handshake(
                 "a client sent bytes that are not a sparktrain hello"
                 + (hint if hello[:1] == b"\x16" else "")
             )
+        hello_received()  # its gate now evicts it only after strangers that got less far
         io.send(_HELLO.pack(_HELLO_MAGIC, PROTOCOL_VERSION, mode, my_rank, nonce))
         client_mac = io.recv(_MAC_BYTES)
         expected = _mac(
@@ -519,6 +521,22 @@ def first_bytes(security: WireSecurity | None) -> bytes:
     """What a client of a listener with this ``security`` sends first (TLS runs before
     the hello)."""
     return TLS_PREFIX if security is not None and security.tls else HELLO_PREFIX
+
+
+def first_size(security: WireSecurity | None) -> Callable[[bytes], int]:
+    """How many bytes a client's first message has, judged from its first bytes: the
+    plaintext hello is fixed-size; TLS's ClientHello is one record, whose 5-byte header
+    says its length. The pre-auth gates start a handshake thread only once it is all
+    there."""
+    if security is not None and security.tls:
+        return _tls_record_size
+    return lambda head: _HELLO.size
+
+
+def _tls_record_size(head: bytes) -> int:
+    if len(head) < 5:
+        return 5  # the header first
+    return 5 + int.from_bytes(head[3:5], "big")
 
 
 def serve_accepted(

@@ -22,7 +22,13 @@ import numpy as np
 
 from sparktrain.comm.connection import Connection
 from sparktrain.comm.frames import KIND_DATA, MAX_FRAME_BYTES_DEFAULT
-from sparktrain.comm.handshake import check_secret, connect, first_bytes, serve_accepted
+from sparktrain.comm.handshake import (
+    check_secret,
+    connect,
+    first_bytes,
+    first_size,
+    serve_accepted,
+)
 from sparktrain.comm.link import LinkProfile
 from sparktrain.comm.listen import parse_address
 from sparktrain.comm.preauth import PreauthGate
@@ -197,7 +203,7 @@ class Mesh:
         self._closed = False
         self._acceptor: threading.Thread | None = None
         # Handshakes run off the accept thread with a short deadline, and strangers are
-        # capped (the oldest dropped): a flood cannot keep lower ranks out.
+        # capped (who got least far evicted first): a flood cannot keep lower ranks out.
         self._gate = PreauthGate(
             listener,
             name=f"mesh-{rank}",
@@ -205,6 +211,7 @@ class Mesh:
             on_ready=self._adopt,
             on_reject=self._on_rejected,
             first_bytes=first_bytes(self._security),
+            first_size=first_size(self._security),
         )
         if rank > 0:  # rank 0 has no lower rank to dial it
             self._acceptor = threading.Thread(

@@ -9,9 +9,9 @@ progress (:mod:`sparktrain.metrics`), the barrier stage's rendezvous
 secret in the handshake with every client. The accept thread only accepts: each
 handshake runs on a thread of its own under the pre-auth gate
 (:mod:`sparktrain.comm.preauth`: a deadline of
-:data:`~sparktrain.comm.preauth.PREAUTH_DEADLINE_S`, capped strangers, the oldest
-dropped), so silent or garbage-sending strangers never delay an authenticated client.
-That thread then serves the client with :meth:`DriverService.handle`.
+:data:`~sparktrain.comm.preauth.PREAUTH_DEADLINE_S`, capped strangers, those that got
+least far evicted first), so silent or garbage-sending strangers never delay an
+authenticated client. That thread then serves the client with :meth:`DriverService.handle`.
 :meth:`DriverService.stop` ends the accept loop at once.
 
 A service that lives across stage attempts (a parameter-server shard) passes its
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from sparktrain.comm.connection import Connection
 from sparktrain.comm.frames import MAX_FRAME_BYTES_DEFAULT
-from sparktrain.comm.handshake import DRIVER_RANK, first_bytes, serve_accepted
+from sparktrain.comm.handshake import DRIVER_RANK, first_bytes, first_size, serve_accepted
 from sparktrain.comm.link import LinkProfile
 from sparktrain.comm.listen import address_of, open_service_listener
 from sparktrain.comm.preauth import PreauthGate, notify_observer
@@ -84,6 +84,7 @@ class DriverService:
             handshake=self._handshake,
             on_ready=self._ready,
             first_bytes=first_bytes(security),
+            first_size=first_size(security),
         )
         self._thread = threading.Thread(
             target=self._gate.serve,

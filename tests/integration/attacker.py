@@ -1,11 +1,14 @@
 """A hostile process for the attack tests: holds strangers' connections open.
 
 :func:`run` is started in a process of its own (multiprocessing, "spawn"). For every
-target address it is sent, it keeps :data:`SILENT` connections that never send a
-byte and :data:`NOISY` connections that send random bytes (1..120 of them: shorter
-than a hello waits for the rest, longer is refused at once), from the loopback
-aliases 127.0.0.2 and up. A connection the server closes is opened again after
-:data:`REFILL_S`: the flood lasts as long as the target listens. A target that
+target address it is sent, it keeps connections open as its :class:`Flood` says. The
+default, :data:`MILD`: :data:`SILENT` connections that never send a byte and
+:data:`NOISY` connections that send random bytes (1..120 of them: shorter than a hello
+waits for the rest, longer is refused at once), from the loopback aliases 127.0.0.2
+and up, a closed one opened again after :data:`REFILL_S`. :data:`HALF_OPEN` (issue
+31): 4 connections from each of 64 loopback addresses, one per /16, half silent and
+half sending the protocol's first bytes but never a whole hello, a closed one opened
+again at once. The flood lasts as long as the target listens. A target that
 refuses connections (its service stopped) is forgotten. Single-threaded, selectors,
 non-blocking connects: a listener that stopped accepting never stalls the attack.
 Bounded: at most ``max_s`` seconds, at most :data:`MAX_TARGETS` targets.
@@ -31,9 +34,34 @@ SILENT = 50
 NOISY = 50
 SOURCES = 10  # 127.0.0.2 .. 127.0.0.11
 REFILL_S = 0.5  # a closed slot is reopened after this long (a flood, not a busy loop)
+PARTIAL_HELLO = b"STH1\x01\x00"  # the hello magic (HELLO_PREFIX), then a stall
 CONNECT_WAIT_S = 1.0  # a connect not finished by then is abandoned (backlog full)
 MAX_TARGETS = 64
 TICK_S = 0.1  # how often closed slots are refilled (the attacker shares the test's CPUs)
+
+
+@dataclass(frozen=True)
+class Flood:
+    """What the attacker holds against each target: ``silent`` connections that send
+    nothing and ``noisy`` ones that send ``payload`` (None: 1..120 random bytes), spread
+    round-robin over ``sources`` addresses (:meth:`source`); a closed one is opened
+    again after ``refill_s``."""
+
+    silent: int
+    noisy: int
+    sources: int
+    refill_s: float
+    payload: bytes | None = None
+    spread: bool = False  # one address per /16 (127.10.0.1, 127.11.0.1, ...), else 127.0.0.2..
+
+    def source(self, i: int) -> str:
+        n = i % self.sources
+        return f"127.{10 + n}.0.1" if self.spread else f"127.0.0.{2 + n}"
+
+
+MILD = Flood(SILENT, NOISY, SOURCES, REFILL_S)
+HALF_OPEN = Flood(128, 128, 64, 0.0, payload=PARTIAL_HELLO, spread=True)
+FLOODS = {"mild": MILD, "half-open": HALF_OPEN}
 
 
 @dataclass
@@ -62,7 +90,8 @@ def _split(address: str) -> tuple[str, int]:
 
 
 class _Attack:
-    def __init__(self) -> None:
+    def __init__(self, flood: Flood) -> None:
+        self.flood = flood
         self.sel = selectors.DefaultSelector()
         self.targets: list[_Target] = []
         self.done: list[_Target] = []
@@ -72,9 +101,9 @@ class _Attack:
             return
         host, port = _split(address)
         target = _Target(kind, host, port)
-        for i in range(SILENT + NOISY):
-            source = f"127.0.0.{2 + i % SOURCES}"
-            target.slots.append(_Slot(noisy=i >= SILENT, source=source))
+        flood = self.flood
+        for i in range(flood.silent + flood.noisy):
+            target.slots.append(_Slot(noisy=i >= flood.silent, source=flood.source(i)))
         self.targets.append(target)
         self.refill(target, time.monotonic())
 
@@ -91,7 +120,7 @@ class _Attack:
             err = sock.connect_ex((target.host, target.port))
         except OSError:
             sock.close()
-            slot.refill_at = now + REFILL_S
+            slot.refill_at = now + self.flood.refill_s
             return
         if err not in (0, errno.EINPROGRESS):
             sock.close()
@@ -102,14 +131,14 @@ class _Attack:
 
     def _refused(self, target: _Target, slot: _Slot, now: float) -> None:
         target.refusals += 1
-        slot.refill_at = now + REFILL_S
+        slot.refill_at = now + max(self.flood.refill_s, 0.05)  # not a busy loop on a refusal
 
     def _close(self, slot: _Slot, now: float) -> None:
         if slot.sock is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(slot.sock)
             slot.sock.close()
-        slot.sock, slot.refill_at = None, now + REFILL_S
+        slot.sock, slot.refill_at = None, now + self.flood.refill_s
 
     def on_event(self, target: _Target, slot: _Slot, what: str, now: float) -> None:
         sock = slot.sock
@@ -126,8 +155,9 @@ class _Attack:
             slot.connecting_since = 0.0
             self.sel.modify(sock, selectors.EVENT_READ, (target, slot, "read"))
             if slot.noisy:
+                junk = os.urandom(1 + int.from_bytes(os.urandom(1), "little") % 120)
                 with contextlib.suppress(OSError):
-                    sock.send(os.urandom(1 + int.from_bytes(os.urandom(1), "little") % 120))
+                    sock.send(self.flood.payload or junk)
             return
         try:
             data = sock.recv(4096)
@@ -138,6 +168,8 @@ class _Attack:
         if not data:
             target.closed_by_server += 1
             self._close(slot, now)
+            if not self.flood.refill_s:  # a flood: dial again at once
+                self._open(target, slot, now)
 
     def tick(self, now: float) -> None:
         for target in list(self.targets):
@@ -171,11 +203,14 @@ class _Attack:
         ]
 
 
-def run(targets: Any, acks: Any, results: Any, stop: Any, max_s: float) -> None:
+def run(
+    targets: Any, acks: Any, results: Any, stop: Any, max_s: float, flood: str = "mild"
+) -> None:
     """The attacker's main loop: ``targets`` yields ``(kind, address, ack)``; when
     ``ack`` is true, ``acks`` gets the address once its connections are under way.
-    On ``stop`` (or after ``max_s``) it puts a summary per target on ``results``."""
-    attack = _Attack()
+    ``flood`` names the :data:`FLOODS` profile. On ``stop`` (or after ``max_s``) it puts
+    a summary per target on ``results``."""
+    attack = _Attack(FLOODS[flood])
     deadline = time.monotonic() + max_s
     next_tick = 0.0
     try:

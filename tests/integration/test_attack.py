@@ -11,6 +11,10 @@ attacked run's time). Every fit must complete, and the median wall time of the
 attacked runs may grow by less than 20 % over the plain runs: the runs come in
 adjacent pairs, one of each kind, and the median of the pairs' ratios is compared, so a
 drift in the shared host's load between pairs cancels out.
+
+Issue 31: the same for a ps fit under a harsher flood (:data:`attacker.HALF_OPEN`:
+256 half-open connections per listener from 64 loopback addresses, dialed again the
+moment the gate drops one), held to the issue's goal of at most 1.5x.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import pytest
 
 from sparktrain import Trainer
 from sparktrain.comm import preauth
+from sparktrain.comm.handshake import HELLO_PREFIX
 
 from . import attacker
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
@@ -34,6 +39,8 @@ pytestmark = [pytest.mark.spark, pytest.mark.attack, pytest.mark.timeout(300)]
 
 RUNS = 7  # pairs, one run of each kind (the host is shared and noisy: +-30 % run to run)
 MAX_GROWTH = 0.20
+HALF_OPEN_RUNS = 5
+HALF_OPEN_MAX_RATIO = 1.5  # issue 31's goal: strangers cannot slow a fit beyond 1.5x
 
 STRATEGIES = {
     # rendezvous + metrics channel + meshes
@@ -53,7 +60,8 @@ STRATEGIES = {
 class Attacker:
     """The attacking process and the observer that feeds it targets."""
 
-    def __init__(self) -> None:
+    def __init__(self, flood: str = "mild") -> None:
+        self.flood = attacker.FLOODS[flood]
         ctx = multiprocessing.get_context("spawn")  # never fork a process running a JVM
         self.targets = ctx.Queue()
         self.acks = ctx.Queue()
@@ -61,7 +69,7 @@ class Attacker:
         self.stop_event = ctx.Event()
         self.proc = ctx.Process(
             target=attacker.run,
-            args=(self.targets, self.acks, self.results, self.stop_event, 280.0),
+            args=(self.targets, self.acks, self.results, self.stop_event, 280.0, flood),
             daemon=True,
         )
         self.proc.start()
@@ -90,8 +98,8 @@ class Attacker:
 
 
 @pytest.fixture
-def attack() -> Iterator[Attacker]:
-    hostile = Attacker()
+def attack(request: pytest.FixtureRequest) -> Iterator[Attacker]:
+    hostile = Attacker(getattr(request, "param", "mild"))
     try:
         yield hostile
     finally:
@@ -108,13 +116,35 @@ def attack() -> Iterator[Attacker]:
 def test_a_flood_of_strangers_does_not_slow_a_fit_down(
     spark: Any, attack: Attacker, strategy: str
 ) -> None:
+    ratio, walls = paired_runs(spark, attack, strategy, RUNS)
+    assert ratio < 1 + MAX_GROWTH, walls
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("attack", ["half-open"], indirect=True)
+def test_a_half_open_flood_from_64_addresses_does_not_slow_a_ps_fit_down(
+    spark: Any, attack: Attacker
+) -> None:
+    # today's main drops the oldest pending connection, which under this churn is a
+    # worker's handshake again and again: measured 10.2 s against 3.7 s (issue 31)
+    assert attacker.PARTIAL_HELLO.startswith(HELLO_PREFIX)  # the attacker speaks it
+    ratio, walls = paired_runs(spark, attack, "ps", HALF_OPEN_RUNS)
+    assert ratio <= HALF_OPEN_MAX_RATIO, walls
+
+
+def paired_runs(
+    spark: Any, attack: Attacker, strategy: str, runs: int
+) -> tuple[float, dict[str, list[float]]]:
+    """``runs`` adjacent pairs of fits, one plain and one attacked; returns the median of
+    the pairs' ratios (attacked / plain) and the wall times, after checking that every
+    listener of every attacked run was flooded."""
     train, test = digits_frames(spark)
     cfg = fast_config(**{"epochs": 3, **STRATEGIES[strategy]})
     # warm-up, the same fit: Python workers, imports, the test frame's conversion
     Trainer(DIGITS_MODEL, cfg, spark=spark).fit(train, validation_data=test)
 
     walls: dict[str, list[float]] = {"plain": [], "attacked": []}
-    for i in range(RUNS):
+    for i in range(runs):
         # alternate which kind goes first, so a drift in the host's load favours neither
         for kind in ("plain", "attacked") if i % 2 == 0 else ("attacked", "plain"):
             preauth.set_test_observer(attack.observe if kind == "attacked" else None)
@@ -144,6 +174,6 @@ def test_a_flood_of_strangers_does_not_slow_a_fit_down(
     # the attack happened: every listener of every attacked run was flooded
     expected = {"driver"} if strategy == "tree_aggregate" else {"driver", "mesh"}
     assert set(kinds) == expected
-    assert len(summary) == len(attack.seen) >= RUNS * len(expected)
-    assert all(t["opened"] >= attacker.SILENT for t in summary), summary
-    assert ratio < 1 + MAX_GROWTH, walls
+    assert len(summary) == len(attack.seen) >= runs * len(expected)
+    assert all(t["opened"] >= attack.flood.silent for t in summary), summary
+    return ratio, walls
