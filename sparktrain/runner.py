@@ -89,7 +89,9 @@ def run(
     """Run ``train_fn(ctx)`` in each of ``num_workers`` tasks of one barrier stage and
     return rank 0's return value (in :class:`RunResult`).
 
-    ``train_fn`` is a picklable callable or ``"package.module:function"``; ``ctx`` is a
+    ``train_fn`` is a callable or ``"package.module:function"``: a function of your script
+    or notebook travels by value with the globals it names
+    (:mod:`sparktrain.launch.pickling`); ``ctx`` is a
     :class:`~sparktrain.worker.run_context.RunContext`. ``data`` (a DataFrame, or under a
     classic session an RDD of ``(features, label)`` pairs; optional) is split over the
     tasks and read with

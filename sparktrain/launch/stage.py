@@ -35,6 +35,7 @@ from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerE
 from sparktrain.launch import gpu, occupancy
 from sparktrain.launch.barrier import TaskEntry, launch
 from sparktrain.launch.payload_server import ClosureShipper
+from sparktrain.launch.pickling import shippable
 from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.rendezvous import RendezvousServer
 from sparktrain.launch.resources import SlotWatchdog, check_can_launch, task_cpus
@@ -352,9 +353,13 @@ def _attempt(
             rendezvous_address=meeting.address,
             state_address=receiver.address,
         )
+        # the spec pickled here, as the task carries it: functions of a script or notebook
+        # too (sparktrain.launch.pickling), and an unpicklable part fails now, by its name
+        shipped = shippable(spec)
+        ship = None if shipper is None else shipper.ship
         with _job_group(env, spec) as watchdog:
             try:
-                records = launch(prepared, spec, entry, None if shipper is None else shipper.ship)
+                records = launch(prepared, shipped, entry, ship)
             except SparkTrainError as exc:
                 if watchdog is not None and watchdog.reason:  # cancelled: could never start
                     raise ResourceError(watchdog.reason) from exc
