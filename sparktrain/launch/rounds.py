@@ -94,6 +94,7 @@ from sparktrain.checkpoint import Checkpoint, open_for_run
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
+from sparktrain.launch.pickling import shippable
 from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.resources import check_transport_security
 from sparktrain.launch.round_frames import ConnectBackend, closure_budget
@@ -199,7 +200,8 @@ def run_rounds(
             sizing = dataclasses.replace(
                 sizing, weights_address=downloads.address, secret=secret, security=security
             )
-        runner = RoundRunner(backend, sizing, downloads=downloads)
+        # functions of a script or notebook (model_fn, hooks) travel as users write them
+        runner = RoundRunner(backend, shippable(sizing), downloads=downloads)
         # The first round converts and caches the data, reports every partition's row
         # counts and (unless resuming, which must know rounds_per_epoch first) trains:
         # one Spark job where a separate sizing job used to cost one more job overhead.
@@ -232,11 +234,13 @@ def run_rounds(
                 "rows: lower batch_size or set drop_last=false"
             )
         rounds_per_epoch = max(1, math.ceil(steps / k))
-        runner.spec = dataclasses.replace(
-            sizing,
-            rounds_per_epoch=rounds_per_epoch,
-            evaluate_on_validation=world_val > 0,
-            size_slots=0,
+        runner.spec = shippable(
+            dataclasses.replace(
+                sizing,
+                rounds_per_epoch=rounds_per_epoch,
+                evaluate_on_validation=world_val > 0,
+                size_slots=0,
+            )
         )
         volume = backend.volume(group)
         loop = _Loop(

@@ -112,6 +112,14 @@ SCRIPT = textwrap.dedent(
         )
         assert epochs.seen == 3 and lines == [1, 2, 3], (epochs.seen, lines)
         assert result.history[-1]["loss"] < result.history[0]["loss"], result.history
+
+        # tree_aggregate's rounds ship the script's model_fn in their own closure
+        cfg = TrainConfig(
+            epochs=2, lr=0.01, num_workers=2, progress=False, strategy="tree_aggregate",
+            local_steps=64,
+        )
+        rounds = Trainer(model_fn, cfg).fit(df, validation_data=test)
+        assert rounds.summary["epochs_run"] == 2, rounds.summary
         spark.stop()
         print("script done")
     """
