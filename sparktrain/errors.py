@@ -21,6 +21,7 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(word.lower(), list(by_folded), n=1, cutoff=0.6)
     return f" Did you mean {by_folded[close[0]]!r}?" if close else ""
 
+
 log = logging.getLogger(__name__)
 
 
