@@ -87,3 +87,28 @@ def test_an_exception_on_one_rank_fails_the_run_without_hanging(spark):  # type:
     # rank 0, still waiting for its peer in init_process_group, has stopped too: it
     # would hold one of local[2]'s slots and the next 2-task barrier stage would wait
     assert occupancy.running_tasks(spark.sparkContext) == 0
+
+
+def ddp_then_broadcast(seed: int) -> dict[str, Any]:
+    """A DDP step, then rank 0's record broadcast to every rank, the group destroyed and
+    the module freed on return: the ending in which a reducer used to free its Gloo group
+    while holding the GIL, deadlocking the task (about 1 call in 5)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(seed)
+    model = DDP(torch.nn.Linear(8, 2))
+    model(torch.randn(4, 8)).sum().backward()
+    shared: list[Any] = [{"rank": dist.get_rank(), "seed": seed}]
+    dist.broadcast_object_list(shared, src=0)
+    dist.destroy_process_group()
+    return dict(shared[0])
+
+
+def test_many_ddp_calls_in_reused_workers_never_deadlock(spark):  # type: ignore[no-untyped-def]
+    # each call reuses the same two Python workers; before the fix one of the first ten
+    # calls hung in ProcessGroupGloo's destructor and this test hit its timeout
+    for seed in range(10):
+        out = sparktrain.torch_run(ddp_then_broadcast, seed, num_workers=2, spark=spark)
+        assert out == {"rank": 0, "seed": seed}
