@@ -11,8 +11,7 @@ Each block runs in a scratch directory and must neither raise nor print a traceb
 stderr.
 
 Not run: docs/connect.md's block, which needs a Spark Connect server and the user's
-Parquet data (the ``connect`` tests train through one); in the kernel, docs/torch.md's
-(``torch_run`` stalls there, see ``NOT_RUN_IN_KERNEL``).
+Parquet data (the ``connect`` tests train through one).
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ pytestmark = [pytest.mark.docs, pytest.mark.spark, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN = {"docs/connect.md": "needs a Spark Connect server and the user's Parquet data"}
-# in the kernel only: sparktrain.torch_run from an ipykernel stalls (a Python worker ends
-# with EOFError and the stage waits; the same block passes as a script). Left open.
-NOT_RUN_IN_KERNEL = {"docs/torch.md": "torch_run stalls in an ipykernel"}
+# pages whose blocks run as scripts only, with the reason (none today)
+NOT_RUN_IN_KERNEL: dict[str, str] = {}
 
 PRELUDE = textwrap.dedent(
     """
