@@ -15,10 +15,10 @@ issue 405). A ``train_fn`` written in a script with ``import torch`` hit exactly
 :func:`dumps` is Spark's cloudpickle with that one case fixed: an importable module of
 any type goes by reference, as a plain module does. :func:`shippable` gives a spec (a
 dataclass such as :class:`~sparktrain.worker.context.JobSpec`) that Spark's pickler
-pickles as :func:`dumps` made it, on the driver, before any task starts: a part that
-cannot be pickled is a :class:`~sparktrain.errors.ConfigError` that names it. In the task
-the spec unpickles as the plain dataclass, so nothing on the executors changes; the bytes
-are the closure's own, from the driver, as Spark's are.
+pickles through :func:`dumps`; it is tried once on the driver before any task starts,
+so a part that cannot be pickled is a :class:`~sparktrain.errors.ConfigError` that names
+it. In the task the spec unpickles as the plain dataclass, so nothing on the executors
+changes; the bytes are the closure's own, from the driver, as Spark's are.
 """
 
 from __future__ import annotations
@@ -67,14 +67,14 @@ def dumps(obj: Any) -> bytes:
 
 
 class _Shipped:
-    """Mixin of a spec whose pickle is the bytes :func:`shippable` made: it unpickles as
-    the plain spec (its base class)."""
+    """Mixin of a spec that pickles through :func:`dumps` and unpickles as the plain spec
+    (its base class)."""
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        blob = vars(self).get("_shipped_blob")
-        if blob is None:  # a dataclasses.replace() copy: pickle it afresh
-            blob = dumps(_plain(self))
-        return pickle.loads, (blob,)
+        # pickled now, inside Spark's own pickling of the closure: a broadcast variable in
+        # the spec registers itself with the SparkContext at this moment, so that Spark
+        # ships it with this job (bytes pickled earlier would leave it behind)
+        return pickle.loads, (dumps(_plain(self)),)
 
 
 _SHIPPED: dict[type, type] = {}
@@ -82,13 +82,13 @@ _SHIPPED: dict[type, type] = {}
 
 def shippable(spec: T) -> T:
     """``spec`` (a dataclass instance), as an object that behaves as it does on the driver
-    and that Spark's pickler pickles through :func:`dumps`; the pickle is made here, once,
+    and that Spark's pickler pickles through :func:`dumps`; it is pickled once here too,
     so a part that cannot be pickled fails on the driver with a
     :class:`~sparktrain.errors.ConfigError` naming it (e.g. ``train_fn``,
     ``config.decode['image']``) before any task starts."""
     base = type(spec)
     try:
-        blob = dumps(spec)
+        dumps(spec)  # fail here, by the part's name, not in the tasks
     except Exception as exc:
         raise _unpicklable(spec, exc) from exc
     cls = _SHIPPED.get(base)
@@ -97,7 +97,6 @@ def shippable(spec: T) -> T:
         cls.__qualname__ = f"shippable({base.__qualname__})"
     shipped: Any = object.__new__(cls)
     vars(shipped).update(vars(spec))
-    vars(shipped)["_shipped_blob"] = blob
     return shipped
 
 
@@ -107,7 +106,7 @@ def _plain(spec: Any) -> Any:
         c for c in type(spec).__mro__[1:] if c is not _Shipped and dataclasses.is_dataclass(c)
     )
     plain = object.__new__(base)
-    vars(plain).update({k: v for k, v in vars(spec).items() if k != "_shipped_blob"})
+    vars(plain).update(vars(spec))
     return plain
 
 
