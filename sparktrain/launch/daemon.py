@@ -27,7 +27,10 @@ are the port Spark reads.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def preload() -> None:
@@ -43,15 +46,31 @@ def preload() -> None:
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
+def _quiet_on_a_closed_socket(worker: Callable[..., int]) -> Callable[..., int]:
+    """pyspark's per-task ``worker`` call, ending the forked worker without a stack trace
+    when the JVM has already closed the task's socket (the session stopped or the task
+    was killed while it still wrote): nobody is left to read it, and pyspark's manager
+    would print a ``BrokenPipeError`` trace on the user's terminal before exiting 1."""
+
+    def run(*args: Any) -> int:
+        try:
+            return worker(*args)
+        except (BrokenPipeError, ConnectionResetError):
+            os._exit(1)
+
+    return run
+
+
 def main() -> None:
     """Preload, then run pyspark's daemon manager (which never returns normally)."""
     try:
         preload()
     except Exception as exc:  # carry on as the plain daemon
         print(f"sparktrain.launch.daemon: preloading failed ({exc!r})", file=sys.stderr)
-    from pyspark.daemon import manager
+    import pyspark.daemon
 
-    manager()
+    pyspark.daemon.worker = _quiet_on_a_closed_socket(pyspark.daemon.worker)
+    pyspark.daemon.manager()
 
 
 if __name__ == "__main__":
