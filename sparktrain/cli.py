@@ -1,19 +1,7 @@
 """The ``sparktrain`` command line (also behind ``spark-submit jobs/*.py``).
 
     sparktrain train CONFIG.toml [--set key=value ...] [--master URL] [--summary-json PATH]
-    sparktrain bench allreduce --world 2 4 --sizes 4K 1M 16M 64M --algos ring tree gloo --json PATH
-    sparktrain bench ps --world 2 --epochs 10 --json PATH
-    sparktrain bench compression --json PATH
-    sparktrain bench mllib --json PATH
-    sparktrain bench train --workloads digits synthetic --links none 5g --out docs/results
-    sparktrain bench report [--check]
-    sparktrain bench pipeline --stages 2 4 --micro-batches 8 --json PATH
-    sparktrain bench scaling --worlds 1 2 4 --links none 5g --out docs/results
-    sparktrain bench overlap --strategies ring ps --out docs/results
-    sparktrain bench data --out docs/results
-    sparktrain bench infer --json docs/results/bench_infer.json
-    sparktrain bench sparse --json docs/results/bench_sparse.json
-    sparktrain bench multihost --rate-mbit 100 --json docs/results/bench_multihost.json
+    sparktrain bench NAME ...   (from a checkout of the repository: benchmarks/cli.py)
 
 A training config is a TrainConfig (top-level keys) plus a ``[job]`` table that says what
 to train on: ``model`` ("package.module:function"), ``model_kwargs``, ``dataset`` and
@@ -28,6 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from sparktrain import __version__
@@ -100,84 +89,72 @@ def default_master(num_workers: int) -> str | None:
     return f"local[{num_workers}]"
 
 
-# Each benchmark: (module under sparktrain.bench, help line). The modules import torch,
-# Spark and matplotlib, so they are imported only when their benchmark is asked for:
-# `sparktrain --help` and `sparktrain train --help` then import neither torch nor pyspark.
-BENCHES: dict[str, tuple[str, str]] = {
-    "allreduce": ("allreduce", "ring/tree allreduce vs torch Gloo"),
-    "ps": ("ps", "parameter server: async/ssp, staleness_lr on/off"),
-    "compression": (
-        "compression",
-        "compressor speed (GB/s), ratio; --quality: accuracy vs bytes",
-    ),
-    "mllib": ("mllib", "tree_aggregate vs MLlib's MLP (L-BFGS) on digits"),
-    "train": ("train", "every strategy x compressor vs TorchDistributor and MLlib, same run"),
-    "report": ("report", "regenerate README's results section from the JSON"),
-    "pipeline": ("pipeline", "GPipe vs 1F1B: step time, activation memory"),
-    "scaling": ("scaling", "worlds 1, 2, 4 measured; alpha-beta predictions to 1024 workers"),
-    "overlap": ("overlap", "step time with overlap on/off, ring and ps"),
-    "multihost": (
-        "multihost",
-        "2 workers in network namespaces, links shaped by tc tbf: every strategy and DDP; "
-        "own link emulation vs tbf (root)",
-    ),
-    "infer": ("infer", "batch inference: transform vs pyspark's predict_batch_udf, same run"),
-    "sparse": (
-        "sparse",
-        "two-tower recommender, 1M x 64 table: dense ring vs sparse ring/ps vs DDP, same run",
-    ),
-    "data": (
-        "data",
-        "data path: worker memory and samples/s, in RAM vs spilled, prefetch on/off, "
-        "vs a Petastorm/pyarrow peer",
-    ),
-}
-# what a benchmark may import that only the `bench` extra installs
-BENCH_EXTRA_MODULES = ("matplotlib", "sklearn")
+# `sparktrain bench ...` runs the benchmark suite of a checkout of the repository: the
+# top-level `benchmarks` package, which the installed package does not contain.
+BENCH_HELP = "the benchmarks, from a checkout of the repository (sparktrain bench --help)"
+NO_CHECKOUT = (
+    "the benchmarks are not part of the installed package: clone sparktrain's repository "
+    "and run `./dev bench {args}` (or `python -m benchmarks {args}`) from its root"
+)
 
 
-def bench_module(name: str) -> Any:
-    """Import ``sparktrain.bench.<module>`` for benchmark ``name``; a missing extra gets an
-    error that names it."""
-    try:
-        return importlib.import_module(f"sparktrain.bench.{BENCHES[name][0]}")
-    except ModuleNotFoundError as exc:
-        _raise_if_extra_missing(exc)
-        raise
+def checkout_candidates() -> list[Path]:
+    """Where ``sparktrain bench`` looks for a checkout: the directory above the imported
+    ``sparktrain`` package (an editable install, or a checkout on the path), then the
+    current directory."""
+    import sparktrain
+
+    return [Path(sparktrain.__file__).resolve().parents[1], Path.cwd()]
 
 
-def _raise_if_extra_missing(exc: ModuleNotFoundError) -> None:
-    if (exc.name or "").partition(".")[0] in BENCH_EXTRA_MODULES:
-        raise SparkTrainError(
-            f"the benchmarks need {exc.name}, which is not installed: "
-            "pip install 'sparktrain[bench]'"
-        ) from exc
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what not in BENCHES:
-        raise SparkTrainError(f"unknown benchmark {args.what!r}; available: {', '.join(BENCHES)}")
-    try:
-        return int(bench_module(args.what).main(args))
-    except ModuleNotFoundError as exc:  # a plot's lazy `import matplotlib`
-        _raise_if_extra_missing(exc)
-        raise
-
-
-def wanted_bench(argv: Sequence[str]) -> str | None:
-    """The benchmark ``argv`` runs (``bench NAME ...``), if any: only its module is imported
-    to build its arguments. Top-level options take no values, so the first two positional
-    words are the command and the benchmark."""
-    words = [a for a in argv if not a.startswith("-")]
-    if len(words) >= 2 and words[0] == "bench":
-        return words[1]
+def benchmarks_root(candidates: Sequence[Path] | None = None) -> Path | None:
+    """The checkout whose ``benchmarks/`` suite ``sparktrain bench`` runs: the first of
+    ``candidates`` (default :func:`checkout_candidates`) holding ``benchmarks/cli.py``;
+    ``None`` for a wheel's install run outside a checkout."""
+    for root in checkout_candidates() if candidates is None else candidates:
+        if (root / "benchmarks" / "__init__.py").is_file() and (
+            root / "benchmarks" / "cli.py"
+        ).is_file():
+            return root.resolve()
     return None
 
 
-def build_parser(bench: str | None = "*") -> argparse.ArgumentParser:
-    """The command line's parser. ``bench`` says which benchmark's arguments to add (its
-    module is imported for them): ``"*"`` all, ``None`` none (they then parse as the
-    benchmark's name only, enough for ``--help`` and for the other commands)."""
+def run_benchmarks(argv: Sequence[str], root: Path | None = None) -> int:
+    """``sparktrain bench ARGV``: ``benchmarks.cli.main(ARGV)`` of the checkout at ``root``
+    (default :func:`benchmarks_root`); an error that says what to do when there is none."""
+    root = benchmarks_root() if root is None else root
+    shown = " ".join(argv) or "--help"
+    if root is None or not (root / "benchmarks" / "cli.py").is_file():
+        raise SparkTrainError(NO_CHECKOUT.format(args=shown))
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    loaded = sys.modules.get("benchmarks")
+    if loaded is not None and Path(loaded.__file__ or "").resolve().parent != root / "benchmarks":
+        raise SparkTrainError(
+            f"another `benchmarks` package is already imported ({loaded.__file__}); "
+            f"run `python -m benchmarks {shown}` from {root}"
+        )
+    # importlib, not a plain import: the core never imports the benchmarks at module level
+    bench_cli = importlib.import_module("benchmarks.cli")
+    return int(bench_cli.main(list(argv)))
+
+
+def _bench_argv(argv: Sequence[str]) -> list[str] | None:
+    """The benchmark's arguments when ``argv`` is ``[-v] bench ...``, else ``None`` (the
+    top-level options take no values, so the first positional word is the command)."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words or words[0] != "bench":
+        return None
+    at = list(argv).index("bench")
+    top = argv[:at]
+    if any(a not in ("-v", "--verbose") for a in top):
+        return None  # --help, --version: the top-level parser answers
+    return (["-v"] if top else []) + list(argv[at + 1 :])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (``bench``'s arguments are the checkout's: see
+    :func:`run_benchmarks`)."""
     parser = argparse.ArgumentParser(prog="sparktrain", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"sparktrain {__version__}")
@@ -198,24 +175,21 @@ def build_parser(bench: str | None = "*") -> argparse.ArgumentParser:
     train.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
     train.set_defaults(func=cmd_train)
 
-    bench_parser = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench_parser.add_subparsers(dest="what", required=True)
-    for name, (_, help_line) in BENCHES.items():
-        sub_parser = bench_sub.add_parser(name, help=help_line)
-        if bench in ("*", name):
-            bench_module(name).add_arguments(sub_parser)
-    bench_parser.set_defaults(func=cmd_bench)
+    # listed for --help only: main() hands `bench ...` to run_benchmarks before parsing
+    sub.add_parser("bench", help=BENCH_HELP, add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        parser = build_parser(bench=wanted_bench(argv))
-    except SparkTrainError as exc:  # a benchmark's extra is missing
-        print(f"sparktrain: error: {exc}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
+    bench_argv = _bench_argv(argv)
+    if bench_argv is not None:
+        try:
+            return run_benchmarks(bench_argv)
+        except SparkTrainError as exc:  # no checkout
+            print(f"sparktrain: error: {exc}", file=sys.stderr)
+            return 2
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -5,7 +5,7 @@ never from each other.
   training config, the summary keys;
 - a real Spark standalone cluster on loopback: one master and N workers started from
   pyspark's own ``bin/spark-class``, stopped again whatever happens
-  (:class:`StandaloneCluster`, from :mod:`sparktrain.bench.standalone`), and the
+  (:class:`StandaloneCluster`, from :mod:`tests.cluster.standalone`), and the
   process-tree helpers its tests use.
 
 :mod:`tests.integration.attacker` stays a module of its own (its docstring says why).
@@ -20,13 +20,13 @@ import numpy as np
 from sparktrain import TrainConfig, datasets
 
 # The standalone cluster and its process-tree helpers: one implementation, shared with the
-# multi-host bench (sparktrain/bench/netcluster.py); re-exported for the tests.
-from sparktrain.bench.standalone import LOOPBACK as LOOPBACK
-from sparktrain.bench.standalone import StandaloneCluster as StandaloneCluster
-from sparktrain.bench.standalone import child_pids as child_pids
-from sparktrain.bench.standalone import cmdline as cmdline
-from sparktrain.bench.standalone import descendants as descendants
-from sparktrain.bench.standalone import spark_home as spark_home
+# multi-host bench (tests/cluster/netcluster.py); re-exported for the tests.
+from tests.cluster.standalone import LOOPBACK as LOOPBACK
+from tests.cluster.standalone import StandaloneCluster as StandaloneCluster
+from tests.cluster.standalone import child_pids as child_pids
+from tests.cluster.standalone import cmdline as cmdline
+from tests.cluster.standalone import descendants as descendants
+from tests.cluster.standalone import spark_home as spark_home
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
 

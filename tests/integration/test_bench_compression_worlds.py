@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparktrain.bench.compression import quality_run
-from sparktrain.bench.compression_worlds import per_worker_batch, time_to_accuracy
+from benchmarks.compression import quality_run
+from benchmarks.compression_worlds import per_worker_batch, time_to_accuracy
 
 from .fixtures import digits_frames
 

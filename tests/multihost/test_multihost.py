@@ -1,6 +1,6 @@
 """Training across a small multi-host cluster: two Spark workers, each in a network
 namespace of its own, linked to the driver's namespace by veths that ``tc tbf`` shapes
-(:mod:`sparktrain.bench.netcluster`). The tasks' traffic crosses real interfaces, so
+(:mod:`tests.cluster.netcluster`). The tasks' traffic crosses real interfaces, so
 their byte counters can be held against what the summary says went on the wire.
 
 Marked ``multihost`` (not in the default run; ``./dev test-marked`` and .ci/run run it).
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparktrain.bench import multihost
-from sparktrain.bench.netcluster import NetCluster, unavailable
+from benchmarks import multihost
+from tests.cluster.netcluster import NetCluster, unavailable
 
 pytestmark = [pytest.mark.multihost, pytest.mark.spark, pytest.mark.timeout(300)]
 

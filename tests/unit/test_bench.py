@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from sparktrain.bench.allreduce import (
+from benchmarks.allreduce import (
     ALGOS,
     DEFAULT_ALGOS,
     add_arguments,
@@ -58,7 +58,7 @@ def test_ps_is_an_algo_but_not_a_default():
 
 
 def test_torch_is_a_bench_algo_and_compares_with_gloo():
-    from sparktrain.bench.allreduce import TORCH
+    from benchmarks.allreduce import TORCH
 
     assert TORCH in ALGOS and TORCH not in DEFAULT_ALGOS
     rows = [record("torch", 2, 1 << 20, 0.002), record("gloo", 2, 1 << 20, 0.001)]

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from sparktrain.bench import compression, compression_worlds, report
-from sparktrain.bench.compression_worlds import (
+from benchmarks import compression, compression_worlds, report
+from benchmarks.compression_worlds import (
     Variant,
     ablation_variants,
     aggregate,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sparktrain.bench import data as bd
+from benchmarks import data as bd
 from sparktrain.errors import ConfigError
 
 
@@ -154,7 +154,7 @@ def test_the_json_round_trips_and_the_page_renders_it(tmp_path: Path):
 
 
 def test_the_report_page_has_a_section_for_the_bench():
-    from sparktrain.bench import report
+    from benchmarks import report
 
     section = next(s for s in report.SECTIONS if s.key == "bench_data")
     assert section.json_name == "bench_data.json" and "bench data" in section.command

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sparktrain.bench import infer
-from sparktrain.bench import report as rp
-from sparktrain.cli import build_parser
+from benchmarks import infer
+from benchmarks import report as rp
+from benchmarks.cli import build_parser
 from sparktrain.errors import ConfigError
 
 
@@ -31,7 +31,7 @@ def test_defaults_score_the_issues_million_rows():
 
 
 def test_the_cli_knows_the_bench():
-    args = build_parser(bench="infer").parse_args(["bench", "infer", "--rows", "10"])
+    args = build_parser(bench="infer").parse_args(["infer", "--rows", "10"])
     assert args.what == "infer" and args.rows == 10
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from sparktrain.bench import multihost, netcluster
-from sparktrain.bench import report as rp
-from sparktrain.cli import build_parser
+from benchmarks import multihost
+from benchmarks import report as rp
+from benchmarks.cli import build_parser
 from sparktrain.errors import SparkTrainError
+from tests.cluster import netcluster
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -32,7 +33,7 @@ def test_defaults_cover_every_contender_and_both_workloads():
 
 
 def test_the_cli_knows_the_bench():
-    args = build_parser(bench="multihost").parse_args(["bench", "multihost", "--repeats", "1"])
+    args = build_parser(bench="multihost").parse_args(["multihost", "--repeats", "1"])
     assert args.what == "multihost" and args.repeats == 1
 
 

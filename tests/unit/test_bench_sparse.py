@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks import report as rp
+from benchmarks import sparse as sb
+from benchmarks.cli import build_parser
 from sparktrain import datasets
-from sparktrain.bench import report as rp
-from sparktrain.bench import sparse as sb
-from sparktrain.cli import build_parser
 from sparktrain.errors import ConfigError
 from sparktrain.models import two_tower
 from sparktrain.worker.sparse_rows import rows_of, sparse_parameters
@@ -173,7 +173,7 @@ def test_defaults_are_the_issues_run():
 
 
 def test_the_cli_knows_the_bench():
-    args = build_parser(bench="sparse").parse_args(["bench", "sparse", "--table", "100"])
+    args = build_parser(bench="sparse").parse_args(["sparse", "--table", "100"])
     assert args.what == "sparse" and args.table == 100
 
 

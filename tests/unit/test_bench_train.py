@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks import report as rep
+from benchmarks import train as bt
 from sparktrain import TrainConfig
-from sparktrain.bench import report as rep
-from sparktrain.bench import train as bt
 from sparktrain.errors import SparkTrainError
 from sparktrain.models import mlp
 from sparktrain.result import state_to_bytes
@@ -350,7 +350,7 @@ def test_sizing_round_reports_row_counts_and_trains_round_zero():
 def test_a_ddp_epoch_takes_its_steps_even_on_a_short_shard() -> None:
     import torch
 
-    from sparktrain.bench.train import ddp_epoch
+    from benchmarks.train import ddp_epoch
 
     model = torch.nn.Linear(3, 2)
     stepped: list[int] = []

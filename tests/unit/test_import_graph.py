@@ -1,14 +1,15 @@
 """The package's import graph keeps its layers: no cycles, no pyspark on the executors, no
-benchmarks in the core; and test files share helpers through a fixtures module, never by
-importing each other.
+benchmarks or test helpers in the core; the benchmarks (``benchmarks/``, not installed)
+have no cycles either and take from the tests only their cluster helpers; and test files
+share helpers through a fixtures module, never by importing each other.
 
 The check reads the source with :mod:`ast` and imports nothing, so it is fast and sees
 imports that a run would only reach on some paths. What counts as an import:
 
 - every ``import`` and ``from ... import`` statement, at module level and inside functions
   alike, and ``importlib.import_module``/``__import__`` calls whose argument is a string
-  literal (or an f-string, by its constant dotted prefix: cli.py's lazy
-  ``f"sparktrain.bench.{name}"`` is an import of ``sparktrain.bench``); imports under
+  literal (or an f-string, by its constant dotted prefix: ``f"benchmarks.{name}"`` is an
+  import of ``benchmarks``); imports under
   ``if TYPE_CHECKING:`` are not (they never run), the ``else:`` branch of such an ``if`` is;
 - ``from pkg import name`` imports the submodule ``pkg.name`` when there is one, else ``pkg``
   (relative imports resolved against the importing module);
@@ -59,10 +60,14 @@ EXECUTOR_CODE = (
 # Executors unpickle strategy objects, so these modules must import without pyspark; their
 # driver halves may import it inside functions.
 EXECUTOR_IMPORTED = ("sparktrain.strategies",)
-BENCH = "sparktrain.bench"
-BENCH_TOP_LEVEL = "benchmarks"  # where the suite may move, out of the package
-# the one core module allowed to import the benchmarks, and only inside a function
+# the benchmark suite and the tests: top-level packages of the checkout, not installed
+BENCH = "benchmarks"
+TESTS = "tests"
+# the one core module allowed to import the benchmarks (`sparktrain bench` from a
+# checkout), and only inside a function
 BENCH_LOADER = "sparktrain.cli"
+# what the benchmarks may import from the tests: the clusters they run on
+CLUSTER_HELPERS = "tests.cluster"
 
 
 @dataclass(frozen=True)
@@ -373,14 +378,29 @@ def spark_violations(graph: Graph) -> list[str]:
 
 
 def bench_violations(graph: Graph) -> list[str]:
-    """Core modules that import the benchmarks (cli.py may, inside a function)."""
+    """Core modules that import the benchmarks or the tests (cli.py may import the
+    benchmarks, inside a function)."""
     return [
         f"{i.source} imports {i.target} at {i.where()}"
-        for i in graph.internal + graph.external
-        if _under(i.target, (BENCH, BENCH_TOP_LEVEL))
-        and not _under(i.source, (BENCH,))
-        and not (i.source == BENCH_LOADER and not i.module_level)
+        for i in graph.external
+        if i.target in (BENCH, TESTS)
+        and not (i.source == BENCH_LOADER and i.target == BENCH and not i.module_level)
     ]
+
+
+def imports_of_the_tests(root: Path, package: str) -> list[tuple[str, str, str]]:
+    """(importing module, imported ``tests...`` module, where) for every import of the test
+    tree by ``package``'s modules."""
+    out = []
+    for module, path in module_names(root, package).items():
+        collector = _Collector(module, path.name == "__init__.py")
+        collector.visit(ast.parse(path.read_text(), str(path)))
+        rel = str(path.relative_to(root))
+        for base, names, line, _ in collector.found:
+            if base.partition(".")[0] == TESTS:
+                for target in [f"{base}.{n}" for n in names] or [base]:
+                    out.append((module, target, f"{rel}:{line}"))
+    return out
 
 
 def imports_between_test_files(root: Path) -> list[str]:
@@ -437,8 +457,39 @@ def test_executor_code_never_imports_pyspark(real: Report) -> None:
     assert not real.spark, "executor code imports pyspark:\n  " + "\n  ".join(real.spark)
 
 
-def test_core_never_imports_the_benchmarks(real: Report) -> None:
-    assert not real.bench, "the core imports sparktrain.bench:\n  " + "\n  ".join(real.bench)
+def test_core_never_imports_the_benchmarks_or_the_tests(real: Report) -> None:
+    assert not real.bench, "the core imports the checkout's benchmarks or tests:\n  " + (
+        "\n  ".join(real.bench)
+    )
+
+
+def test_the_benchmarks_have_no_import_cycles() -> None:
+    report = check(REPO, BENCH)
+    assert {"benchmarks.cli", "benchmarks.train", "benchmarks.report"} <= set(
+        report.graph.modules
+    )
+    assert not report.cycles, report.explain_cycles()
+
+
+def test_the_benchmarks_take_only_the_cluster_helpers_from_the_tests() -> None:
+    found = imports_of_the_tests(REPO, BENCH)
+    assert any(target.startswith(CLUSTER_HELPERS + ".") for _, target, _ in found)
+    wrong = [f"{m} imports {t} at {w}" for m, t, w in found if not _under(t, (CLUSTER_HELPERS,))]
+    assert not wrong, "the benchmarks import test code:\n  " + "\n  ".join(wrong)
+
+
+def test_the_cluster_helpers_import_neither_the_benchmarks_nor_other_tests() -> None:
+    # they are what the tests run Spark clusters with: no benchmark may be needed for that
+    graph = build_graph(REPO, TESTS)
+    helpers = [m for m in graph.modules if _under(m, (CLUSTER_HELPERS,))]
+    assert f"{CLUSTER_HELPERS}.standalone" in helpers
+    wrong = [
+        f"{i.source} imports {i.target} at {i.where()}"
+        for i in graph.internal + graph.external
+        if i.source in helpers
+        and (i.target == BENCH or (i.target in graph.modules and i.target not in helpers))
+    ]
+    assert not wrong, "\n  ".join(wrong)
 
 
 def test_test_files_never_import_each_other() -> None:
@@ -452,7 +503,7 @@ def test_the_check_sees_the_real_package(real: Report) -> None:
         real.graph.modules
     )
     assert any(i.target == "pyspark" for i in real.graph.external)
-    assert any(i.source == BENCH_LOADER and i.target == BENCH for i in real.graph.internal)
+    assert any(i.source == BENCH_LOADER and i.target == BENCH for i in real.graph.external)
 
 
 # --- the check itself, on synthetic trees -----------------------------------------------
@@ -565,18 +616,23 @@ def test_bench_imports_from_the_core_are_caught(tmp_path: Path) -> None:
         tmp_path,
         {
             "sparktrain/__init__.py": "",
-            "sparktrain/bench/__init__.py": "",
-            "sparktrain/bench/train.py": "from sparktrain import cli\n",
+            "benchmarks/__init__.py": "",
+            "benchmarks/train.py": "from sparktrain import cli\nfrom tests.unit import fixtures\n",
             "sparktrain/cli.py": (
                 "import importlib\n"
                 "def bench(name):\n"
-                '    return importlib.import_module(f"sparktrain.bench.{name}")\n'
+                '    return importlib.import_module(f"benchmarks.{name}")\n'
             ),
-            "sparktrain/costmodel.py": "from sparktrain.bench.train import run\n",
+            "sparktrain/costmodel.py": "from benchmarks.train import run\n",
+            "sparktrain/session.py": "def f():\n    from tests.cluster import standalone\n",
         },
     )
     assert check(root).bench == [
-        "sparktrain.costmodel imports sparktrain.bench.train at sparktrain/costmodel.py:1"
+        "sparktrain.costmodel imports benchmarks at sparktrain/costmodel.py:1",
+        "sparktrain.session imports tests at sparktrain/session.py:2 (in a function)",
+    ]
+    assert imports_of_the_tests(root, BENCH) == [
+        ("benchmarks.train", "tests.unit.fixtures", "benchmarks/train.py:2")
     ]
 
 

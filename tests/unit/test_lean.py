@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from sparktrain import cli, datasets
-from sparktrain.errors import ConfigError, SparkTrainError
+from sparktrain import datasets
+from sparktrain.errors import ConfigError
 
 HEAVY = ("torch", "pyspark", "sklearn", "matplotlib")
 
@@ -51,28 +51,6 @@ def heavy_imports(argv: list[str] | None) -> list[str]:
 )
 def test_help_and_import_load_neither_torch_nor_pyspark(argv: list[str] | None) -> None:
     assert heavy_imports(argv) == []
-
-
-def test_bench_imports_only_the_benchmark_asked_for() -> None:
-    assert cli.wanted_bench(["-v", "bench", "report", "--check"]) == "report"
-    assert cli.wanted_bench(["train", "conf.toml", "--set", "x=1"]) is None
-    parser = cli.build_parser(bench="report")
-    args = parser.parse_args(["bench", "report", "--check"])
-    assert args.what == "report" and args.check
-
-
-def test_every_benchmark_builds_its_arguments() -> None:
-    parser = cli.build_parser()  # default: all benchmarks, as before
-    for name in cli.BENCHES:
-        assert parser.parse_args(["bench", name]).what == name
-
-
-def test_missing_bench_extra_names_it() -> None:
-    exc = ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
-    with pytest.raises(SparkTrainError, match=r"sparktrain\[bench\]"):
-        cli._raise_if_extra_missing(exc)
-    other = ModuleNotFoundError("No module named 'foo'", name="foo")
-    cli._raise_if_extra_missing(other)  # not an extra's module: left to propagate
 
 
 def test_missing_sklearn_names_the_datasets_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -343,7 +343,7 @@ def test_ps_refuses_a_per_layer_table():
 
 
 def test_bench_savings_and_table():
-    from sparktrain.bench.overlap import savings, table
+    from benchmarks.overlap import savings, table
 
     def rec(mode, median):
         return {
@@ -369,7 +369,7 @@ def test_bench_savings_and_table():
 
 def test_bench_runs_ranks_as_processes():
     """One tiny strategy end to end: two spawned ranks, ring, the three modes."""
-    from sparktrain.bench.overlap import run_strategy
+    from benchmarks.overlap import run_strategy
 
     job = {
         "world": 2,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sparktrain.bench.pipeline import add_arguments, main
+from benchmarks.pipeline import add_arguments, main
 
 pytestmark = pytest.mark.timeout(120)
 

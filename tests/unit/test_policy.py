@@ -64,7 +64,7 @@ def test_bad_tables_raise_config_errors() -> None:
 
 
 def test_bench_mixed_policy_keeps_sensitive_layers_safe() -> None:
-    from sparktrain.bench.compression import layer_groups, mixed_policy, policy_label
+    from benchmarks.compression import layer_groups, mixed_policy, policy_label
 
     assert layer_groups("mlp") == [("0", 8192 + 128), ("2", 1280 + 10)]
     assert [name for name, _ in layer_groups("cnn")] == ["1", "3", "7"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sparktrain.bench import procmem
-from sparktrain.bench import train as bt
+from benchmarks import procmem
+from benchmarks import train as bt
 
 MB = 1 << 20
 

@@ -5,7 +5,7 @@ master and N workers, stopped again whatever happens.
         spark = SparkSession.builder.master(cluster.url)...
 
 The integration tests (``tests/integration/fixtures.py``) and the multi-host cluster of
-:mod:`sparktrain.bench.netcluster` (workers in network namespaces) share it: the master
+:mod:`tests.cluster.netcluster` (workers in network namespaces) share it: the master
 listens on ``host``, and each worker may run under a command prefix (``ip netns exec
 NS``), on an address of its own, with environment variables of its own.
 

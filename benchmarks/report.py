@@ -59,43 +59,43 @@ def _digits(data: Any) -> str:
 
 
 def _allreduce(data: Any) -> str:
-    from sparktrain.bench import allreduce
+    from benchmarks import allreduce
 
     return allreduce.table(data)
 
 
 def _ps(data: Any) -> str:
-    from sparktrain.bench import ps
+    from benchmarks import ps
 
     return ps.table(data)
 
 
 def _mllib(data: Any) -> str:
-    from sparktrain.bench import mllib
+    from benchmarks import mllib
 
     return mllib.table(data)
 
 
 def _pipeline(data: Any) -> str:
-    from sparktrain.bench import pipeline
+    from benchmarks import pipeline
 
     return pipeline.table(data)
 
 
 def _compression(data: Any) -> str:
-    from sparktrain.bench import compression
+    from benchmarks import compression
 
     return compression.quality_table(data)
 
 
 def _compression_worlds(data: Any) -> str:
-    from sparktrain.bench import compression_worlds
+    from benchmarks import compression_worlds
 
     return compression_worlds.render(data)
 
 
 def _per_layer(data: Any) -> str:
-    from sparktrain.bench import compression
+    from benchmarks import compression
 
     return compression.per_layer_table(data)
 
@@ -114,7 +114,7 @@ def _speed(data: Any) -> str:
 
 
 def _train(data: Any) -> str:
-    from sparktrain.bench import train
+    from benchmarks import train
 
     parts = [train.table(data)]
     derived = data.get("derived", {})
@@ -250,31 +250,31 @@ def _train(data: Any) -> str:
 
 
 def _overlap(data: Any) -> str:
-    from sparktrain.bench import overlap
+    from benchmarks import overlap
 
     return str(overlap.table(data["records"]))
 
 
 def _data(data: Any) -> str:
-    from sparktrain.bench import data as data_bench
+    from benchmarks import data as data_bench
 
     return data_bench.table(data)
 
 
 def _infer(data: Any) -> str:
-    from sparktrain.bench import infer
+    from benchmarks import infer
 
     return infer.table(data)
 
 
 def _sparse(data: Any) -> str:
-    from sparktrain.bench import sparse
+    from benchmarks import sparse
 
     return sparse.table(data)
 
 
 def _multihost(data: Any) -> str:
-    from sparktrain.bench import multihost
+    from benchmarks import multihost
 
     return multihost.table(data)
 
@@ -394,7 +394,7 @@ SECTIONS: tuple[Section, ...] = (
         "allreduce", "Allreduce between barrier tasks against torch.distributed Gloo",
         "sparktrain bench allreduce --world 2 4 --sizes 4K 1M 16M 64M --algos ring tree gloo \\\n"
         "    --json docs/results/allreduce.json        "
-        "# also: spark-submit jobs/bench_allreduce.py ...",
+        "# also: spark-submit benchmarks/submit.py allreduce ...",
         "allreduce.json", _allreduce, ("allreduce.png",),
     ),
     Section(
@@ -480,7 +480,7 @@ SECTIONS: tuple[Section, ...] = (
         "sparktrain bench train --parts matrix --strategies ps-sync ps-async tree_aggregate \\\n"
         "    --repeats 2 --merge --out docs/results\n"
         "sparktrain bench train --parts headline steady --repeats 3 --merge --out docs/results\n"
-        "# also: spark-submit jobs/bench_train.py",
+        "# also: spark-submit benchmarks/submit.py train",
         "bench_train.json", _train, ("bench_train.png",),
     ),
     Section(

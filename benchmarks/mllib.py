@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.plots import save_figure
 from sparktrain import datasets
-from sparktrain.bench.plots import save_figure
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
 TINY_MODEL = "sparktrain.models:mlp"

@@ -1,7 +1,7 @@
 """What frame MACs cost a training step: conf/synthetic_throughput.toml's MLP, worlds 2
 and 4, fits with ``frame_integrity`` on and off taking turns in one session.
 
-    python jobs/bench_frame_mac.py --json docs/results/frame_mac_step.json
+    python -m benchmarks.frame_mac --json docs/results/frame_mac_step.json
 
 Each fit's step time is the median over its epochs but the first (Spark's warm-up) of
 the epoch's seconds over its steps; the figure per world is the median of the on/off

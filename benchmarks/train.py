@@ -19,7 +19,7 @@ Four parts, each a fair comparison of its own:
   confs, no torch import in the driver, as a TorchDistributor user's). The parent times
   each child from spawn to exit (``whole_process_s``) and from spawn until the first
   epoch whose test accuracy reached the target was known (``whole_process_to_target_s``),
-  and samples the memory of its Python processes (:mod:`sparktrain.bench.procmem`:
+  and samples the memory of its Python processes (:mod:`benchmarks.procmem`:
   summed PSS over the child's process tree without the JVMs, every
   ``MEMORY_INTERVAL_S``; ``peak_pss_bytes`` up to the end of the first call). Each child
   then makes the same call again, warm (the notebook case: ``warm_time_to_target_s``).
@@ -43,7 +43,7 @@ Four parts, each a fair comparison of its own:
   :mod:`sparktrain.comm.link`). Time to target is measured
   from ``fit()`` until the epoch record that first reached the target arrived at the
   driver (its JSON line, polled every ``POLL_S``).
-* **tree_aggregate against MLlib**: :mod:`sparktrain.bench.mllib`'s two systems in the
+* **tree_aggregate against MLlib**: :mod:`benchmarks.mllib`'s two systems in the
   same shared session (its ``fast`` recipe; MLlib timed fit by fit with growing
   ``maxIter``).
 
@@ -74,9 +74,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.plots import save_figure
+from benchmarks.torchdist import rank0_everywhere, run_cluster, run_local
 from sparktrain import datasets
-from sparktrain.bench.plots import save_figure
-from sparktrain.bench.torchdist import rank0_everywhere, run_cluster, run_local
 from sparktrain.errors import SparkTrainError
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
@@ -608,7 +608,7 @@ def run_child(cmd: list[str], env: dict[str, str]) -> tuple[str, str, int, float
     """Run one headline child, sampling its process tree's memory (``procmem``) until it
     exits; (stdout, stderr, exit code, spawned, ended, sampler). Bounded by
     ``SUBPROCESS_TIMEOUT_S``: a child that overruns it is killed."""
-    from sparktrain.bench.procmem import TreeMemorySampler
+    from benchmarks.procmem import TreeMemorySampler
 
     spawned = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -635,7 +635,7 @@ def run_headline(args: argparse.Namespace) -> list[dict[str, Any]]:
             turn = repeat % len(HEADLINE)
             for contender in [c for c in HEADLINE[turn:] + HEADLINE[:turn] if c in chosen]:
                 cmd = [
-                    sys.executable, "-m", "sparktrain.bench.train", "--child", contender,
+                    sys.executable, "-m", "benchmarks.train", "--child", contender,
                     "--epochs", str(args.epochs), "--seed", str(seed), "--target", str(args.target),
                 ]  # fmt: skip
                 load = load_average()
@@ -753,7 +753,7 @@ def run_steady(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------- tree_aggregate vs MLlib
 def run_mllib_pair(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from sparktrain.bench import mllib
+    from benchmarks import mllib
 
     split = datasets.digits()
     mllib.bench_ours(spark, split, WORKERS, TREE_AGGREGATE_LOCAL_STEPS, 1, args.target)  # warm-up
@@ -1331,7 +1331,7 @@ def _child_entry(argv: list[str]) -> int:
     import logging
 
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    parser = argparse.ArgumentParser(prog="python -m sparktrain.bench.train")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.train")
     parser.add_argument("--child", choices=list(HEADLINE), required=True)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)

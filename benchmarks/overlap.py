@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparktrain.bench.plots import save_figure
+from benchmarks.plots import save_figure
 from sparktrain.errors import ConfigError
 
 HOST = "127.0.0.1"

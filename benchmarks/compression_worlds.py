@@ -430,7 +430,7 @@ def main(
     args: argparse.Namespace, specs: Sequence[str], quality_run: Callable[..., dict[str, Any]]
 ) -> int:
     """The grid (models x worlds x seeds x specs), then the time-to-accuracy runs;
-    ``quality_run`` is :func:`sparktrain.bench.compression.quality_run` (passed in, as
+    ``quality_run`` is :func:`benchmarks.compression.quality_run` (passed in, as
     that module imports this one)."""
     from sparktrain import datasets
     from sparktrain.session import get_or_create_session

@@ -1,6 +1,6 @@
 """Head to head on a network that is not loopback (issue 20): the same jobs, in one run,
 on a standalone Spark cluster whose two workers live in network namespaces of their own,
-linked by veths that the kernel shapes with ``tc tbf`` (:mod:`sparktrain.bench.netcluster`).
+linked by veths that the kernel shapes with ``tc tbf`` (:mod:`tests.cluster.netcluster`).
 
     sparktrain bench multihost --rate-mbit 100 --repeats 3 --json docs/results/bench_multihost.json
 
@@ -8,7 +8,7 @@ Needs root (namespaces, ``tc``). Two parts, each interleaved (repeat after repea
 contender once per repeat, so the machine's load falls on all of them alike):
 
 * **Contenders under tbf**: the digits MLP and the synthetic 256-1024-1024-10 MLP
-  (:mod:`sparktrain.bench.train`'s recipes) trained by ``ring``, ``tree``, ``ps`` (sync),
+  (:mod:`benchmarks.train`'s recipes) trained by ``ring``, ``tree``, ``ps`` (sync),
   ``tree_aggregate`` and DDP under ``TorchDistributor(local_mode=False,
   num_processes=2)`` over the same cluster (Gloo between the namespaces), every link
   shaped at ``--rate-mbit``. Reported: time per optimizer step (the training loop's
@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import train as bench_train
 from sparktrain import datasets
-from sparktrain.bench import train as bench_train
 from sparktrain.errors import SparkTrainError
 
 CONTENDERS = ("ring", "tree", "ps", "tree_aggregate", "ddp")
@@ -304,10 +304,10 @@ def compare_link(
 def run_busbw(net: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Allreduce bus bandwidth between barrier tasks in the namespaces, at each world of
     ``--busbw-worlds``: sparktrain's ring against Gloo (``comm_backend="torch"``'s
-    bootstrap, in the same tasks; :func:`sparktrain.bench.allreduce.bench_ours`), links
+    bootstrap, in the same tasks; :func:`benchmarks.allreduce.bench_ours`), links
     shaped by tbf at the rate and unshaped (the veths' own speed). One session per world,
     with that many one-core executors."""
-    from sparktrain.bench import allreduce
+    from benchmarks import allreduce
     from sparktrain.session import get_or_create_session
 
     sizes = [allreduce.parse_size(s) for s in args.busbw_sizes]
@@ -554,8 +554,8 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from sparktrain.bench.netcluster import NetCluster, unavailable
     from sparktrain.session import get_or_create_session
+    from tests.cluster.netcluster import NetCluster, unavailable
 
     _check(args)
     reason = unavailable()

@@ -10,7 +10,7 @@ fp32 size over the payload bytes actually produced. Runs in this process with
 
 Quality (``--quality``): accuracy against bytes, end to end on Spark, at worlds 2, 4 and
 8 with the global batch fixed, three seeds and paired gaps to the uncompressed run; see
-:mod:`sparktrain.bench.compression_worlds` (issue 21's targets)::
+:mod:`benchmarks.compression_worlds` (issue 21's targets)::
 
     sparktrain bench compression --quality --json runs/compression_worlds.json \
         --plot runs/compression_worlds.png [--worlds 2 4 8] [--seeds 0 1 2] [--ablation]
@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from sparktrain.bench import compression_worlds
-from sparktrain.bench.allreduce import parse_size
-from sparktrain.bench.compression_worlds import WORLD_SPECS, target_for
+from benchmarks import compression_worlds
+from benchmarks.allreduce import parse_size
+from benchmarks.compression_worlds import WORLD_SPECS, target_for
 from sparktrain.compress.base import BucketState
 from sparktrain.compress.registry import build
 from sparktrain.errors import ConfigError

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from sparktrain.bench.plots import save_figure
+from benchmarks.plots import save_figure
 from sparktrain.errors import ConfigError
 
 OURS = ("ring", "tree")

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.plots import save_figure
 from sparktrain import costmodel, strategies
-from sparktrain.bench.plots import save_figure
 from sparktrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -407,7 +407,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from sparktrain.bench.allreduce import parse_size
+    from benchmarks.allreduce import parse_size
 
     if args.auto:
         return main_auto(args)

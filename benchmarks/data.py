@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sparktrain.bench.plots import save_figure
+from benchmarks.plots import save_figure
 from sparktrain.errors import ConfigError
 from sparktrain.worker.memory import anon_rss_bytes
 

@@ -65,8 +65,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sparktrain.bench.plots import save_figure
-from sparktrain.bench.torchdist import rank0_everywhere, run_local
+from benchmarks.plots import save_figure
+from benchmarks.torchdist import rank0_everywhere, run_local
 from sparktrain.errors import ConfigError
 
 # the sparse ring with its rows compressed (issue 21): the tables' values through the

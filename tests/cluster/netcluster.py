@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparktrain.bench.standalone import StandaloneCluster
+from tests.cluster.standalone import StandaloneCluster
 
 PREFIX = "sth"
 """Every namespace and link this module makes starts with it (sparktrain host)."""
@@ -49,9 +49,18 @@ DRIVER_IP = f"{SUBNET}.1"
 WORKER_IFNAME = "eth0"
 """A worker's interface name inside its namespace (the same in every namespace)."""
 MAX_WORKERS = 8
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository's root: the executors import ``benchmarks`` and ``tests`` from it."""
 TBF_BURST = "64kb"  # as tests/unit/test_link.py's kernel reference and link.py's bucket
 TBF_LATENCY = "400ms"  # queue bound; a deep queue so TCP is not dropped into slow start
 CMD_TIMEOUT_S = 20.0
+
+
+def executor_pythonpath() -> str:
+    """The executors' ``PYTHONPATH``: the repository's root (the benchmarks' code they run
+    is not installed), then the driver's own."""
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys([str(ROOT), *path]))
 
 
 def _tool(name: str) -> str | None:
@@ -274,7 +283,7 @@ class NetCluster:
             "spark.cores.max": str(cores_max or self.workers * self.cores),
             "spark.executor.memory": "768m",
             "spark.executorEnv.GLOO_SOCKET_IFNAME": WORKER_IFNAME,
-            "spark.executorEnv.PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+            "spark.executorEnv.PYTHONPATH": executor_pythonpath(),
             "spark.pyspark.python": sys.executable,
             "spark.barrier.sync.timeout": "120s",
             "spark.task.maxFailures": "1",
