@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMM_BACKENDS = ("sparktrain", "torch")
-TORCH_STRATEGIES = ("ring", "tree")
 TORCH_SPECS = ("none", "fp16", "bf16", "powersgd:R", "powersgd:R+ef", "powersgd:R,cold+ef")
 """The compression specs ``comm_backend="torch"`` runs as DDP communication hooks."""
 
@@ -80,9 +79,12 @@ def check_comm_backend(cfg: TrainConfig) -> None:
         )
     if cfg.comm_backend == "sparktrain":
         return
-    if cfg.strategy not in TORCH_STRATEGIES or cfg.parallelism_pipeline > 1:
+    from sparktrain.strategies import registry
+
+    if not registry.get(cfg.strategy).torch_backend or cfg.parallelism_pipeline > 1:
         raise ConfigError(
-            f"comm_backend='torch' averages the gradients of strategy='ring' or 'tree' "
+            f"comm_backend='torch' averages the gradients of strategy="
+            f"{registry.spelled(registry.having('torch_backend'))} "
             f"without a pipeline, not strategy={cfg.strategy!r}"
             f"{' with parallelism.pipeline > 1' if cfg.parallelism_pipeline > 1 else ''}"
         )

@@ -400,12 +400,12 @@ class TrainConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("compression_path", self.compression_path, COMPRESSION_PATHS)
         _at_least("gpus_per_task", self.gpus_per_task, 0)
-        # the GPU path is the ring/tree exchange (worker/device.py GPU_STRATEGIES)
         if self.device == "cuda" and (
-            self.strategy not in ("ring", "tree", "auto") or self.parallelism_pipeline > 1
+            not registry.get(self.strategy).supports_cuda or self.parallelism_pipeline > 1
         ):
+            cuda = registry.spelled(registry.having("supports_cuda"))
             raise ConfigError(
-                f"device='cuda' trains with strategy ring, tree or auto without a pipeline; "
+                f"device='cuda' trains with strategy={cuda} without a pipeline; "
                 f"strategy={self.strategy!r} with parallelism.pipeline="
                 f"{self.parallelism_pipeline} trains on the CPU: use device='auto' or 'cpu'"
             )
@@ -889,9 +889,10 @@ def check_sharding(cfg: TrainConfig) -> None:
         raise ConfigError(f"shard_optimizer={cfg.shard_optimizer!r} must be true or false")
     if not cfg.shard_optimizer:
         return
-    if cfg.strategy not in ("ring", "tree"):
+    if not registry.get(cfg.strategy).supports_sharding:
         raise ConfigError(
-            f"shard_optimizer=true needs strategy='ring' or 'tree', got {cfg.strategy!r} "
+            f"shard_optimizer=true needs strategy="
+            f"{registry.spelled(registry.having('supports_sharding'))}, got {cfg.strategy!r} "
             "('auto' cannot be sharded: choose ring or tree)"
         )
     if cfg.compression != "none":

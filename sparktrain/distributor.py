@@ -79,9 +79,13 @@ def torch_run(
     cfg = config or TrainConfig()
     if num_workers is not None:
         cfg = cfg.replace(num_workers=num_workers)
-    if cfg.strategy not in ("ring", "tree"):  # the ps would start a server fn never uses
+    from sparktrain.strategies import registry
+
+    # not the ps: it would start a server fn never uses
+    if not registry.get(cfg.strategy).supports_torch_run:
         raise ConfigError(
-            f"torch_run meets the ranks over strategy='ring' or 'tree', not "
+            f"torch_run meets the ranks over strategy="
+            f"{registry.spelled(registry.having('supports_torch_run'))}, not "
             f"{cfg.strategy!r}: fn does its own communication"
         )
     session = spark

@@ -45,6 +45,7 @@ from sparktrain.result import (
     load_state_records,
     sparse_summary,
 )
+from sparktrain.strategies import registry
 from sparktrain.worker.faults import FaultPlan
 from sparktrain.worker.run_task import decode_value, run_partition
 
@@ -52,8 +53,6 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from sparktrain.worker.run_context import RunContext
-
-RUN_STRATEGIES = ("ring", "tree", "ps")
 
 
 @dataclass
@@ -164,10 +163,12 @@ def run(
 
 
 def _check_run_config(cfg: TrainConfig) -> None:
-    if cfg.strategy not in RUN_STRATEGIES:
+    if not registry.get(cfg.strategy).supports_run:
+        can = registry.having("supports_run")
+        others = [n for n in registry.names() if n not in can]
         raise ConfigError(
-            f"sparktrain.run trains with strategy='ring', 'tree' or 'ps', not {cfg.strategy!r}: "
-            "tree_aggregate and 'auto' stay with Trainer.fit"
+            f"sparktrain.run trains with strategy={registry.spelled(can)}, not "
+            f"{cfg.strategy!r}: {registry.spelled(others)} stay with Trainer.fit"
         )
     if cfg.parallelism_pipeline > 1:
         raise ConfigError(

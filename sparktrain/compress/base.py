@@ -100,6 +100,23 @@ class BaseCompressor:
 
     spec = "?"
     summable = False
+    # Abilities: what the collectives, the tree rounds and the parameter server ask of a
+    # compressor (read through :func:`ability`, so a plug-in that does not subclass this
+    # class gets these defaults).
+    ring_path: str | None = None
+    """The decode-add-encode ring its non-summable payloads may take: ``"recompress"``
+    (decode a partial sum, add, re-encode: int8, sign), ``"resparsify"`` (keep each
+    hop's top values; only under ``+ef``, which takes the loss: top-k) or None (the
+    all-gather)."""
+    coarse: bool = False
+    """Recompressible, but ``compression_path="auto"`` keeps it on the all-gather: a
+    re-encoding's error is of the order of the partial sum it encodes (sign)."""
+    parts_summable: bool = False
+    """Do two single-round payloads with equal ctx sum part by part, still compressed
+    (fp16, bf16, randomk): tree_aggregate's combOp then merges them without decoding."""
+    deterministic_decode: bool = True
+    """Is decoding bit-identical on every process (thread counts included)? A ``delta+``
+    mirror needs it: the sender's and the receiver's copies must not drift."""
 
     def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
         raise NotImplementedError
@@ -280,3 +297,14 @@ def decode_message(
         parts.append(data[pos : pos + nbytes].view(dt))
         pos += _pad8(nbytes)
     return tuple(parts), Ctx(int(got_numel), meta), float(count)
+
+
+def ability(comp: object, name: str) -> Any:
+    """``comp``'s answer to ability ``name`` (an attribute of :class:`BaseCompressor`),
+    asked of the core compressor under ``+ef``, with the base class's default for a
+    compressor that does not declare it."""
+    from sparktrain.compress.feedback import ErrorFeedback  # it subclasses this module's
+
+    while isinstance(comp, ErrorFeedback):
+        comp = comp.inner
+    return getattr(comp, name, getattr(BaseCompressor, name))

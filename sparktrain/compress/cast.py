@@ -41,6 +41,7 @@ class Identity(BaseCompressor):
 
     spec = "none"
     summable = True
+    parts_summable = True
 
     def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
         t = tensor.detach().reshape(-1).to(torch.float32, copy=True)
@@ -66,6 +67,7 @@ class Half(BaseCompressor):
 
     spec = "fp16"
     summable = True
+    parts_summable = True
 
     def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
         t = tensor.detach().reshape(-1)
@@ -97,6 +99,7 @@ class BFloat16(BaseCompressor):
 
     spec = "bf16"
     summable = True
+    parts_summable = True
 
     def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
         t = tensor.detach().reshape(-1)

@@ -84,6 +84,7 @@ from sparktrain.compress.base import (
     BucketState,
     Compressor,
     Ctx,
+    ability,
     decode_message,
     encode_message,
     message_nbytes,
@@ -92,24 +93,6 @@ from sparktrain.compress.feedback import SCALE, WORLD, ErrorFeedback
 from sparktrain.compress.snapshot import dump_states, load_states
 from sparktrain.compress.topk import index_dtype
 from sparktrain.errors import CommError, ConfigError
-
-RECOMPRESSIBLE = ("int8", "sign")
-"""Dense compressors whose payloads may be decoded, added to and re-encoded hop by hop."""
-
-COARSE = ("sign",)
-"""Recompressible, but ``"auto"`` keeps them on the all-gather: a re-encoding's error is
-of the order of the partial sum it encodes, so the residual of the rank that made it
-grows with the hops (a partial sum of ``j`` ranks costs about ``sqrt(j)`` times one
-rank's error) and error feedback stops contracting. Measured on the digits CNN at a
-global batch of 64: ``sign:chunk=32+ef:momentum=0.9`` on the recompress ring collapses
-at world 8 (seeds 0 and 1: 0.10 and 0.69 accuracy), on the all-gather it ends at 0.98.
-``compression_path="recompress"`` still forces it."""
-
-RESPARSIFIABLE = ("topk",)
-"""Sparse compressors whose partial sums may be re-sparsified hop by hop (gTop-k, Shi et
-al. 2019), only under ``+ef``: the union of index sets grows along the ring, so each hop
-keeps the segment's own top ``k`` and the loss must go to a residual. Without ``+ef``
-top-k stays on the exact all-gather."""
 
 PATHS = ("reduce", "allgather", "recompress", "resparsify")
 """Every path's name, in the order ties are broken (the exact all-gather first among the
@@ -122,16 +105,16 @@ def _inner(comp: Compressor) -> Compressor:
 
 
 def ring_path(comp: Compressor) -> str | None:
-    """The decode-add-encode ring ``comp`` may take: ``"recompress"`` (dense int8, sign),
-    ``"resparsify"`` (top-k under ``+ef``) or None."""
+    """The decode-add-encode ring ``comp`` may take, as its class says
+    (:attr:`~sparktrain.compress.base.BaseCompressor.ring_path`): ``"recompress"`` (dense
+    int8, sign), ``"resparsify"`` (top-k, only under ``+ef``, which keeps what a hop
+    drops; without it top-k stays on the exact all-gather) or None."""
     if comp.summable:
         return None
-    name = _inner(comp).spec.partition(":")[0]
-    if name in RECOMPRESSIBLE:
-        return "recompress"
-    if name in RESPARSIFIABLE and isinstance(comp, ErrorFeedback):
-        return "resparsify"
-    return None
+    path = ability(comp, "ring_path")
+    if path == "resparsify" and not isinstance(comp, ErrorFeedback):
+        return None
+    return path if path in ("recompress", "resparsify") else None
 
 
 def recompressible(comp: Compressor) -> bool:
@@ -174,7 +157,7 @@ def path_for(comp: Compressor, world: int = 2, algo: str = "ring") -> str:
     the ring would re-quantise the partial sums (and send two frames instead of one).
     """
     options = path_bytes(comp, 1 << 20, world, algo)
-    if _inner(comp).spec.partition(":")[0] in COARSE:
+    if ability(comp, "coarse"):  # forced only by compression_path="recompress"
         options.pop("recompress", None)
     best = min(options.values())
     for name in PATHS:

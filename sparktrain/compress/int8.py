@@ -47,6 +47,7 @@ _MAGIC = torch.tensor(1.5 * 2**23)  # see Int8._quantize
 
 class Int8(BaseCompressor):
     summable = False
+    ring_path = "recompress"
 
     def __init__(self, chunk: int = 1024, stochastic: bool = False) -> None:
         self.chunk = int(chunk)

@@ -91,6 +91,7 @@ def _orth(p: torch.Tensor) -> torch.Tensor:
 
 class PowerSGD(BaseCompressor):
     summable = True
+    deterministic_decode = False  # a matrix product: its bits depend on the thread count
 
     def __init__(self, rank: int, warm: bool = True) -> None:
         self.rank = int(rank)

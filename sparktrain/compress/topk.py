@@ -106,6 +106,9 @@ def above(t: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
 
 class TopK(BaseCompressor):
     summable = False
+    # gTop-k (Shi et al. 2019): the union of index sets grows along the ring, so each hop
+    # keeps the segment's own top k and the loss must go to a +ef residual
+    ring_path = "resparsify"
     sparse = True  # sends a few coordinates: ``+ef:momentum`` masks what was sent
 
     def __init__(
@@ -189,6 +192,7 @@ class TopK(BaseCompressor):
 
 class RandomK(BaseCompressor):
     summable = True
+    parts_summable = True  # equal seeds pick equal indices: the values add
     sparse = True
 
     def __init__(self, ratio: float) -> None:

@@ -217,7 +217,7 @@ def train_in_stage(
         log.info(
             "Spark Connect: the driver services (progress, rendezvous, state%s) run in this "
             "client process on %s; the executors must reach it",
-            ", parameter server" if cfg.strategy == "ps" else "",
+            f", {strategy.driver_service}" if strategy.driver_service else "",
             host,
         )
     log.info("job %s: %s on %d workers%s", spec.job_id, cfg.strategy, cfg.num_workers, describe)

@@ -96,7 +96,13 @@ import torch
 
 from sparktrain.comm.connection import Connection
 from sparktrain.comm.frames import HEADER_BYTES, KIND_DATA, KIND_USER_MIN
-from sparktrain.compress.base import BucketState, Compressor, decode_message, encode_message
+from sparktrain.compress.base import (
+    BucketState,
+    Compressor,
+    ability,
+    decode_message,
+    encode_message,
+)
 from sparktrain.compress.registry import build, split_spec
 from sparktrain.errors import ConfigError, FrameError
 
@@ -341,7 +347,7 @@ def make_compression(spec: str) -> Compression:
     parts = split_spec(spec)
     push = build(parts.gradient)
     pull = build(parts.base) if parts.delta else None
-    if pull is not None and parts.base.partition(":")[0].lower() == "powersgd":
+    if pull is not None and not ability(pull, "deterministic_decode"):
         raise ConfigError(
             f"compression={spec!r}: delta+powersgd cannot compress parameter-server pulls "
             "(its decode is a matrix product whose bits depend on the thread count, so the "

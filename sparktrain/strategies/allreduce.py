@@ -34,6 +34,8 @@ class Allreduce(Strategy):
     per_layer_compression = True
     pipeline_replicas = True
     auto_compression = True
+    supports_cuda = True
+    compression_paths = True
 
     def worker_sync(self, ctx: WorkerContext, model: nn.Module, mesh: Mesh) -> StepSync:
         from sparktrain.worker.sync import AllreduceSync
@@ -49,14 +51,23 @@ class Allreduce(Strategy):
         return AllreduceSync(ctx, model, mesh)
 
 
-class Ring(Allreduce):
+class _FixedAllreduce(Allreduce):
+    """Ring or tree as named: what only a fixed algorithm can do."""
+
+    supports_run = True
+    supports_torch_run = True
+    supports_sharding = True
+    torch_backend = True
+
+
+class Ring(_FixedAllreduce):
     """Bandwidth-optimal ring allreduce (reduce-scatter + all-gather)."""
 
     name = "ring"
     cost_model = "ring"
 
 
-class Tree(Allreduce):
+class Tree(_FixedAllreduce):
     """Recursive-doubling tree allreduce, for small, latency-bound gradients."""
 
     name = "tree"

@@ -125,6 +125,25 @@ class Strategy:
     """Can ``compression="auto"`` be chosen inside its stage (the link probe)?"""
     cost_model: ClassVar[str | None] = None
     """Its exchange in :func:`sparktrain.costmodel.comm_s` (``ring``, ``tree``, ``ps``)."""
+    supports_run: ClassVar[bool] = False
+    """Can ``sparktrain.run(train_fn)`` train with it (the user's own loop on its
+    barrier stage)?"""
+    supports_torch_run: ClassVar[bool] = False
+    """Can ``sparktrain.torch_run(fn)`` meet its ranks over it (a mesh and nothing the
+    function would have to serve)?"""
+    supports_cuda: ClassVar[bool] = False
+    """Does its exchange read gradients from device memory (``device="cuda"``)?"""
+    supports_sharding: ClassVar[bool] = False
+    """Can it shard the optimizer state (``shard_optimizer=true``: reduce-scatter,
+    step a shard, all-gather)?"""
+    torch_backend: ClassVar[bool] = False
+    """Can ``comm_backend="torch"`` (torch.distributed with DDP's comm hooks) do its
+    exchange?"""
+    compression_paths: ClassVar[bool] = False
+    """Does its allreduce choose how compressed buckets move (``compression_path``)?"""
+    driver_service: ClassVar[str | None] = None
+    """What the driver serves the ranks beyond progress, rendezvous and state, in words
+    for the log (``"parameter server"``); None for nothing."""
 
     # ----------------------------------------------------------------- driver half
     def validate(self, cfg: TrainConfig) -> None:
@@ -229,7 +248,9 @@ def _check_compression_path(cfg: TrainConfig, strategy: str, specs: list[str]) -
     strategy's allreduce at ``num_workers`` (checked again where the reducer is built, for
     what only the stage knows: strategy or compression ``auto``, pipeline replicas)."""
     want = cfg.compression_path
-    if strategy not in ("ring", "tree", "auto"):
+    from sparktrain.strategies import registry
+
+    if not registry.get(strategy).compression_paths:
         raise ConfigError(
             f"compression_path={want!r} chooses how the ring or tree allreduce moves "
             f"compressed buckets; strategy={strategy!r} has no such choice: leave "

@@ -35,6 +35,8 @@ class ParameterServer(Strategy):
 
     name = "ps"
     cost_model = "ps"
+    supports_run = True
+    driver_service = "parameter server"
     takes_delta = True  # pulls send deltas on what the worker already holds
     executors_write_checkpoints = False  # the server checkpoints from the driver
 

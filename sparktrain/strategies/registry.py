@@ -86,6 +86,19 @@ def names() -> list[str]:
     return [*_BUILTIN, *(n for n in _REGISTERED if n not in _BUILTIN)]
 
 
+def having(ability: str) -> list[str]:
+    """The names of the strategies whose class says yes to ``ability`` (an attribute of
+    :class:`~sparktrain.strategies.base.Strategy`, e.g. ``"supports_run"``), built-ins
+    first: what an error lists as the strategies that can."""
+    return [n for n in names() if getattr(get(n), ability)]
+
+
+def spelled(choices: list[str]) -> str:
+    """``'ring', 'tree' or 'ps'``: ``choices`` as an error message lists them."""
+    quoted = [repr(c) for c in choices]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 def is_known(name: object) -> bool:
     """Is ``name`` a built-in or registered strategy (without importing any)?"""
     return isinstance(name, str) and (name in _BUILTIN or name in _REGISTERED)

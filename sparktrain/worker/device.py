@@ -43,15 +43,13 @@ class Placement:
         return {"device": str(self.device), "gpus": list(self.gpus), "gpu": self.gpu}
 
 
-GPU_STRATEGIES = ("ring", "tree", "auto")
-"""Strategies whose exchange reads gradients from device memory (``auto`` picks ring or
-tree); the parameter server, ``tree_aggregate`` and pipelines train on the CPU."""
-
-
 def device_for(cfg: TrainConfig) -> str:
     """The device the task may use: the config's, or ``"cpu"`` where the strategy has
     no GPU path (``"auto"`` falls back; the config refuses ``"cuda"`` there)."""
-    if cfg.strategy in GPU_STRATEGIES and cfg.parallelism_pipeline == 1:
+    from sparktrain.strategies import registry
+
+    # the strategy's own answer (Strategy.supports_cuda); pipelines train on the CPU
+    if registry.get(cfg.strategy).supports_cuda and cfg.parallelism_pipeline == 1:
         return cfg.device
     return "cpu"
 

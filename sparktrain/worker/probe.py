@@ -331,9 +331,12 @@ def resolve_auto(
     cfg = ctx.job.config
     if not needs_auto(cfg.strategy, cfg.compression):
         return ctx, None
-    if cfg.strategy not in (*AUTO_STRATEGIES, "auto"):
+    from sparktrain.strategies import registry
+
+    if not registry.get(cfg.strategy).auto_compression:
         raise ConfigError(
-            f"compression='auto' is chosen inside the barrier stage for ring or tree; "
+            f"compression='auto' is chosen inside the barrier stage for strategy="
+            f"{registry.spelled(registry.having('auto_compression'))}; "
             f"with strategy={cfg.strategy!r} give a compressor (e.g. 'fp16') or 'none'"
         )
     started = time.perf_counter()

@@ -29,6 +29,7 @@ import torch
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
+    ability,
     add_bf16,
     decode_message,
     encode_message,
@@ -87,17 +88,6 @@ class IdentityCodec:
         return int(np.asarray(payload).nbytes)
 
 
-def _parts_summable(comp: Compressor) -> bool:
-    """Do two single-round payloads with equal ctx sum part by part (fp16, bf16, randomk)?"""
-    from sparktrain.compress.cast import BFloat16, Half, Identity
-    from sparktrain.compress.feedback import ErrorFeedback
-    from sparktrain.compress.topk import RandomK
-
-    while isinstance(comp, ErrorFeedback):
-        comp = comp.inner
-    return isinstance(comp, Half | BFloat16 | RandomK | Identity)
-
-
 class CompressedCodec:
     """A compressor on the treeAggregate path. A payload is either a compressed message
     (1-D uint8, straight from a partition or merged part by part) or, once two
@@ -108,7 +98,8 @@ class CompressedCodec:
     def __init__(self, comp: Compressor) -> None:
         self.comp = comp
         self.name = comp.spec
-        self.summable = _parts_summable(comp)
+        # do two payloads with equal ctx sum part by part (fp16, bf16, randomk)?
+        self.summable = bool(ability(comp, "parts_summable"))
 
     def encode(self, vec: np.ndarray, state: BucketState | None = None) -> np.ndarray:
         state = state if state is not None else BucketState()
@@ -179,14 +170,15 @@ def download_compressor(compression: object) -> Compressor | None:
     parts = split_spec(compression)
     if not parts.delta:
         return None
-    if parts.base.partition(":")[0].lower() == "powersgd":
+    comp = build(parts.base)
+    if comp is not None and not ability(comp, "deterministic_decode"):
         raise ConfigError(
             f"compression={compression!r}: delta+powersgd cannot compress tree_aggregate's "
             "weight downloads (its decode depends on the thread count, so the copies would "
             "drift); use delta+int8, delta+fp16 or delta+topk:R, or plain powersgd:R+ef for "
             "the uploads only"
         )
-    return build(parts.base)
+    return comp
 
 
 # ---------------------------------------------------------------------- combOp

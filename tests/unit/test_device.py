@@ -32,7 +32,9 @@ def test_config_checks_device_and_gpus_per_task():
         TrainConfig(device="tpu")
     with pytest.raises(ConfigError, match="gpus_per_task"):
         TrainConfig(gpus_per_task=-1)
-    with pytest.raises(ConfigError, match="device='cuda' trains with strategy ring"):
+    with pytest.raises(
+        ConfigError, match="device='cuda' trains with strategy='ring', 'tree' or 'auto'"
+    ):
         TrainConfig(device="cuda", strategy="ps")
     assert TrainConfig.from_dict({"device": "cuda", "gpus_per_task": 1}).gpus_per_task == 1
 

@@ -10,6 +10,7 @@ import pytest
 from sparktrain import costmodel, strategies
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.strategies import registry
 from sparktrain.strategies.base import DriverHalf, Strategy
 from sparktrain.strategies.registry import is_known, register
 
@@ -126,3 +127,53 @@ def test_the_default_driver_half_has_no_services():
     spec = loop_spec()
     assert half.job_spec(spec) is spec
     assert half.resume_source(3) == "from the checkpoint of step 3"
+
+
+class _CudaToy(Strategy):
+    """A plug-in that says it reads gradients from device memory, and nothing else."""
+
+    name = "toy_with_cuda_only"
+    supports_cuda = True
+
+
+ABILITIES = {
+    "supports_run": ["ring", "tree", "ps"],
+    "supports_torch_run": ["ring", "tree"],
+    "supports_cuda": ["ring", "tree", "auto"],
+    "supports_sharding": ["ring", "tree"],
+    "torch_backend": ["ring", "tree"],
+    "compression_paths": ["ring", "tree", "auto"],
+    "auto_compression": ["ring", "tree", "auto"],
+}
+
+
+@pytest.mark.parametrize("ability", sorted(ABILITIES))
+def test_the_builtins_abilities_are_their_class_attributes(ability):
+    builtins = strategies.names()[:5]
+    assert [n for n in registry.having(ability) if n in builtins] == ABILITIES[ability]
+
+
+def test_every_check_asks_the_plugin_not_a_list_of_names(monkeypatch):
+    """A plug-in's own attributes decide; the errors list the strategies that can."""
+    from sparktrain.runner import _check_run_config
+    from sparktrain.worker.device import device_for
+
+    # registered for this test only: other tests' error messages list the built-ins
+    monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
+    register(_CudaToy())
+    cuda = TrainConfig(strategy="toy_with_cuda_only", device="cuda")  # accepted: it can
+    assert device_for(cuda) == "cuda"
+    assert "'toy_with_cuda_only'" in registry.spelled(registry.having("supports_cuda"))
+    with pytest.raises(ConfigError, match=r"strategy='ring', 'tree' or 'ps', not "):
+        _check_run_config(cuda)  # supports_run is False on the plug-in
+    with pytest.raises(ConfigError, match="shard_optimizer=true needs strategy='ring' or 'tree'"):
+        TrainConfig(strategy="toy_with_cuda_only", shard_optimizer=True)
+    with pytest.raises(ConfigError, match="comm_backend='torch' averages the gradients of "):
+        TrainConfig(strategy="toy_with_cuda_only", comm_backend="torch")
+    with pytest.raises(ConfigError, match="has no such choice"):
+        TrainConfig(strategy="toy_with_cuda_only", compression="fp16", compression_path="allgather")
+
+
+def test_an_ability_list_reads_as_an_error_lists_it():
+    assert registry.spelled(["ring"]) == "'ring'"
+    assert registry.spelled(["ring", "tree", "ps"]) == "'ring', 'tree' or 'ps'"
