@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import torch
-from pyspark import inheritable_thread_target, keyword_only
+from pyspark import inheritable_thread_target
 from pyspark.ml import Estimator
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable
 
@@ -53,6 +53,11 @@ from sparktrain.ml.params import (
     _TorchRegressorParams,
 )
 from sparktrain.ml.persistence import TorchEstimatorReader, TorchEstimatorWriter
+from sparktrain.ml.shared_params import (
+    _TorchClassifierKeywords,
+    _TorchEstimatorSetters,
+    _TorchRegressorKeywords,
+)
 from sparktrain.result import state_to_bytes
 from sparktrain.trainer import Trainer
 
@@ -64,12 +69,19 @@ __all__ = ["TorchClassifier", "TorchEstimator", "TorchRegressor"]
 M = TypeVar("M", bound=TorchModel)
 
 
-class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultParamsReadable[Any]):
+class TorchEstimator(
+    Estimator[M],
+    _TorchParams,
+    _TorchEstimatorSetters,
+    DefaultParamsWritable,
+    DefaultParamsReadable[Any],
+):
     """Base of the sparktrain estimators (see :class:`TorchClassifier` and
     :class:`TorchRegressor`): ``fit`` trains ``modelFn`` with the Trainer on the
-    ``featuresCol`` / ``labelCol`` of a DataFrame and returns the fitted model."""
+    ``featuresCol`` / ``labelCol`` of a DataFrame and returns the fitted model. Its
+    setters (``setLearningRate``...), and the classifier's and regressor's keyword
+    arguments, are generated from :data:`sparktrain.ml.paramgen.PARAMS`."""
 
-    _input_kwargs: dict[str, Any]
     _allowed_losses: tuple[str, ...] = ()
 
     @abstractmethod
@@ -184,184 +196,6 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
     def _check_targets(self, stats: Row, num_outputs: int) -> None:
         """Labels against the model's outputs (classifiers and regressors differ)."""
 
-    # ------------------------------------------------------------------ setters
-    def setFeaturesCol(self, value: str) -> Self:
-        """Sets the value of :py:attr:`featuresCol`."""
-        return self._set(featuresCol=value)
-
-    def setFeaturesCols(self, value: list[str] | dict[str, str]) -> Self:
-        """Sets the value of :py:attr:`featuresCols`: a list of column names (``model(a,
-        b)``), of ``"argument=column"`` entries, or a ``{argument: column}`` dict
-        (``model(argument=...)``). Set and non-empty, it overrides ``featuresCol``."""
-        return self._set(featuresCols=value)
-
-    def setFeatureShapes(self, value: str | dict[str, Any]) -> Self:
-        """Sets the value of :py:attr:`featureShapes` (a dict or JSON object text)."""
-        return self._set(featureShapes=value)
-
-    def setFeatureDtypes(self, value: str | dict[str, str]) -> Self:
-        """Sets the value of :py:attr:`featureDtypes` (a dict or JSON object text)."""
-        return self._set(featureDtypes=value)
-
-    def setDecode(self, value: str | dict[str, str]) -> Self:
-        """Sets the value of :py:attr:`decode` (a dict or JSON object text)."""
-        return self._set(decode=value)
-
-    def setCollate(self, value: str | dict[str, str]) -> Self:
-        """Sets the value of :py:attr:`collate` (a dict or JSON object text)."""
-        return self._set(collate=value)
-
-    def setLabelCol(self, value: str) -> Self:
-        """Sets the value of :py:attr:`labelCol`."""
-        return self._set(labelCol=value)
-
-    def setPredictionCol(self, value: str) -> Self:
-        """Sets the value of :py:attr:`predictionCol`."""
-        return self._set(predictionCol=value)
-
-    def setWeightCol(self, value: str) -> Self:
-        """Sets the value of :py:attr:`weightCol` (sample weights; ``""`` or unset: none)."""
-        return self._set(weightCol=value)
-
-    def setModelFn(self, value: str) -> Self:
-        """Sets the value of :py:attr:`modelFn`."""
-        return self._set(modelFn=value)
-
-    def setModelKwargs(self, value: str | dict[str, Any]) -> Self:
-        """Sets the value of :py:attr:`modelKwargs` (a dict or JSON object text)."""
-        return self._set(modelKwargs=value)
-
-    def setLoss(self, value: str) -> Self:
-        """Sets the value of :py:attr:`loss`."""
-        return self._set(loss=value)
-
-    def setOptimizer(self, value: str) -> Self:
-        """Sets the value of :py:attr:`optimizer`."""
-        return self._set(optimizer=value)
-
-    def setOptimizerKwargs(self, value: str | dict[str, Any]) -> Self:
-        """Sets the value of :py:attr:`optimizerKwargs` (a dict or JSON object text)."""
-        return self._set(optimizerKwargs=value)
-
-    def setLearningRate(self, value: float) -> Self:
-        """Sets the value of :py:attr:`learningRate`."""
-        return self._set(learningRate=value)
-
-    def setBatchSize(self, value: int) -> Self:
-        """Sets the value of :py:attr:`batchSize`."""
-        return self._set(batchSize=value)
-
-    def setMaxEpochs(self, value: int) -> Self:
-        """Sets the value of :py:attr:`maxEpochs`."""
-        return self._set(maxEpochs=value)
-
-    def setNumWorkers(self, value: int) -> Self:
-        """Sets the value of :py:attr:`numWorkers`."""
-        return self._set(numWorkers=value)
-
-    def setStrategy(self, value: str) -> Self:
-        """Sets the value of :py:attr:`strategy`."""
-        return self._set(strategy=value)
-
-    def setCompression(self, value: str) -> Self:
-        """Sets the value of :py:attr:`compression`."""
-        return self._set(compression=value)
-
-    def setPsMode(self, value: str) -> Self:
-        """Sets the value of :py:attr:`psMode`."""
-        return self._set(psMode=value)
-
-    def setSeed(self, value: int) -> Self:
-        """Sets the value of :py:attr:`seed`."""
-        return self._set(seed=value)
-
-    def setValidationFraction(self, value: float) -> Self:
-        """Sets the value of :py:attr:`validationFraction`."""
-        return self._set(validationFraction=value)
-
-    def setDataMemoryInMB(self, value: float) -> Self:
-        """Sets the value of :py:attr:`dataMemoryInMB`."""
-        return self._set(dataMemoryInMB=value)
-
-    def setLrSchedule(self, value: str) -> Self:
-        """Sets the value of :py:attr:`lrSchedule` (a ``torch.optim.lr_scheduler`` class
-        name, or ``"none"``)."""
-        return self._set(lrSchedule=value)
-
-    def setLrScheduleKwargs(self, value: str | dict[str, Any]) -> Self:
-        """Sets the value of :py:attr:`lrScheduleKwargs` (a dict or JSON object text)."""
-        return self._set(lrScheduleKwargs=value)
-
-    def setLrScheduleInterval(self, value: str) -> Self:
-        """Sets the value of :py:attr:`lrScheduleInterval` (``"step"`` or ``"epoch"``)."""
-        return self._set(lrScheduleInterval=value)
-
-    def setWarmupSteps(self, value: int) -> Self:
-        """Sets the value of :py:attr:`warmupSteps`."""
-        return self._set(warmupSteps=value)
-
-    def setPrecision(self, value: str) -> Self:
-        """Sets the value of :py:attr:`precision` (``"fp32"``, ``"bf16"`` or ``"fp16"``)."""
-        return self._set(precision=value)
-
-    def setFp16SkipLimit(self, value: int) -> Self:
-        """Sets the value of :py:attr:`fp16SkipLimit`."""
-        return self._set(fp16SkipLimit=value)
-
-    def setAccumulateSteps(self, value: int) -> Self:
-        """Sets the value of :py:attr:`accumulateSteps`."""
-        return self._set(accumulateSteps=value)
-
-    def setClipGradNorm(self, value: float) -> Self:
-        """Sets the value of :py:attr:`clipGradNorm` (0: no clipping)."""
-        return self._set(clipGradNorm=value)
-
-    def setEarlyStopping(self, value: str | dict[str, Any]) -> Self:
-        """Sets the value of :py:attr:`earlyStopping` (a dict or JSON object text;
-        ``{}``: off)."""
-        return self._set(earlyStopping=value)
-
-    def setMetrics(self, value: list[str]) -> Self:
-        """Sets the value of :py:attr:`metrics` (metric names, e.g. ``["macro_f1",
-        "top_k:3"]``)."""
-        return self._set(metrics=value)
-
-    def setTensorboardDir(self, value: str) -> Self:
-        """Sets the value of :py:attr:`tensorboardDir` (``""``: off)."""
-        return self._set(tensorboardDir=value)
-
-    def setMlflowTrackingUri(self, value: str) -> Self:
-        """Sets the value of :py:attr:`mlflowTrackingUri` (``""``: off)."""
-        return self._set(mlflowTrackingUri=value)
-
-    def setMlflowExperiment(self, value: str) -> Self:
-        """Sets the value of :py:attr:`mlflowExperiment`."""
-        return self._set(mlflowExperiment=value)
-
-    def setDevice(self, value: str) -> Self:
-        """Sets the value of :py:attr:`device` (``"auto"``, ``"cpu"`` or ``"cuda"``)."""
-        return self._set(device=value)
-
-    def setGpusPerTask(self, value: int) -> Self:
-        """Sets the value of :py:attr:`gpusPerTask`."""
-        return self._set(gpusPerTask=value)
-
-    def setCommBackend(self, value: str) -> Self:
-        """Sets the value of :py:attr:`commBackend` (``"sparktrain"`` or ``"torch"``)."""
-        return self._set(commBackend=value)
-
-    def setShardOptimizer(self, value: bool) -> Self:
-        """Sets the value of :py:attr:`shardOptimizer`."""
-        return self._set(shardOptimizer=value)
-
-    def setDriverServicesHost(self, value: str) -> Self:
-        """Sets the value of :py:attr:`driverServicesHost`."""
-        return self._set(driverServicesHost=value)
-
-    def setDriverServicesPorts(self, value: str) -> Self:
-        """Sets the value of :py:attr:`driverServicesPorts` (``"LOW-HIGH"``)."""
-        return self._set(driverServicesPorts=value)
-
     # ------------------------------------------------------------------ persistence
     def write(self) -> TorchEstimatorWriter:
         """An MLWriter of the params (MLlib metadata), whose ``overwrite()`` also works
@@ -383,7 +217,11 @@ class TorchEstimator(Estimator[M], _TorchParams, DefaultParamsWritable, DefaultP
         return TorchEstimatorReader(cls, model_fn=model_fn).load(path)
 
 
-class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifierParams):
+class TorchClassifier(
+    _TorchClassifierKeywords,
+    TorchEstimator[TorchClassificationModel],
+    _TorchClassifierParams,
+):
     """Train a torch classifier on a Spark DataFrame, as a pyspark.ml Estimator.
 
     ``modelFn`` builds a module mapping ``(n, numFeatures)`` float32 features to ``(n, C)``
@@ -505,120 +343,6 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
 
     _allowed_losses = CLASSIFICATION_LOSSES
 
-    @keyword_only
-    def __init__(
-        self,
-        *,
-        featuresCol: str = "features",
-        labelCol: str = "label",
-        predictionCol: str = "prediction",
-        probabilityCol: str = "probability",
-        rawPredictionCol: str = "rawPrediction",
-        weightCol: str | None = None,
-        modelFn: str | None = None,
-        modelKwargs: str | dict[str, Any] = "{}",
-        loss: str = "cross_entropy",
-        optimizer: str = "adam",
-        optimizerKwargs: str | dict[str, Any] = "{}",
-        learningRate: float = 0.001,
-        batchSize: int = 32,
-        maxEpochs: int = 50,
-        numWorkers: int = 2,
-        strategy: str = "ring",
-        compression: str = "none",
-        psMode: str = "sync",
-        seed: int = 0,
-        validationFraction: float = 0.0,
-        dataMemoryInMB: float = 512.0,
-        featuresCols: list[str] | dict[str, str] | None = None,
-        featureShapes: str | dict[str, Any] = "{}",
-        featureDtypes: str | dict[str, str] = "{}",
-        decode: str | dict[str, str] = "{}",
-        collate: str | dict[str, str] = "{}",
-        lrSchedule: str = "none",
-        lrScheduleKwargs: str | dict[str, Any] = "{}",
-        lrScheduleInterval: str = "step",
-        warmupSteps: int = 0,
-        precision: str = "fp32",
-        fp16SkipLimit: int = 10,
-        accumulateSteps: int = 1,
-        clipGradNorm: float = 0.0,
-        earlyStopping: str | dict[str, Any] = "{}",
-        metrics: list[str] | None = None,
-        tensorboardDir: str = "",
-        mlflowTrackingUri: str = "",
-        mlflowExperiment: str = "sparktrain",
-        device: str = "auto",
-        gpusPerTask: int = 0,
-        commBackend: str = "sparktrain",
-        shardOptimizer: bool = False,
-        driverServicesHost: str = "",
-        driverServicesPorts: str = "",
-    ) -> None:
-        super().__init__()
-        self._set(**self._input_kwargs)
-
-    @keyword_only
-    def setParams(
-        self,
-        *,
-        featuresCol: str = "features",
-        labelCol: str = "label",
-        predictionCol: str = "prediction",
-        probabilityCol: str = "probability",
-        rawPredictionCol: str = "rawPrediction",
-        weightCol: str | None = None,
-        modelFn: str | None = None,
-        modelKwargs: str | dict[str, Any] = "{}",
-        loss: str = "cross_entropy",
-        optimizer: str = "adam",
-        optimizerKwargs: str | dict[str, Any] = "{}",
-        learningRate: float = 0.001,
-        batchSize: int = 32,
-        maxEpochs: int = 50,
-        numWorkers: int = 2,
-        strategy: str = "ring",
-        compression: str = "none",
-        psMode: str = "sync",
-        seed: int = 0,
-        validationFraction: float = 0.0,
-        dataMemoryInMB: float = 512.0,
-        featuresCols: list[str] | dict[str, str] | None = None,
-        featureShapes: str | dict[str, Any] = "{}",
-        featureDtypes: str | dict[str, str] = "{}",
-        decode: str | dict[str, str] = "{}",
-        collate: str | dict[str, str] = "{}",
-        lrSchedule: str = "none",
-        lrScheduleKwargs: str | dict[str, Any] = "{}",
-        lrScheduleInterval: str = "step",
-        warmupSteps: int = 0,
-        precision: str = "fp32",
-        fp16SkipLimit: int = 10,
-        accumulateSteps: int = 1,
-        clipGradNorm: float = 0.0,
-        earlyStopping: str | dict[str, Any] = "{}",
-        metrics: list[str] | None = None,
-        tensorboardDir: str = "",
-        mlflowTrackingUri: str = "",
-        mlflowExperiment: str = "sparktrain",
-        device: str = "auto",
-        gpusPerTask: int = 0,
-        commBackend: str = "sparktrain",
-        shardOptimizer: bool = False,
-        driverServicesHost: str = "",
-        driverServicesPorts: str = "",
-    ) -> Self:
-        """Sets params for this TorchClassifier (only the ones passed)."""
-        return self._set(**self._input_kwargs)
-
-    def setProbabilityCol(self, value: str) -> Self:
-        """Sets the value of :py:attr:`probabilityCol`."""
-        return self._set(probabilityCol=value)
-
-    def setRawPredictionCol(self, value: str) -> Self:
-        """Sets the value of :py:attr:`rawPredictionCol`."""
-        return self._set(rawPredictionCol=value)
-
     def _create_model(self) -> TorchClassificationModel:
         return TorchClassificationModel()
 
@@ -653,7 +377,11 @@ class TorchClassifier(TorchEstimator[TorchClassificationModel], _TorchClassifier
             )
 
 
-class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams):
+class TorchRegressor(
+    _TorchRegressorKeywords,
+    TorchEstimator[TorchRegressionModel],
+    _TorchRegressorParams,
+):
     """Train a torch regressor on a Spark DataFrame, as a pyspark.ml Estimator.
 
     ``modelFn`` builds a module mapping ``(n, numFeatures)`` float32 features to ``(n, 1)``
@@ -683,114 +411,6 @@ class TorchRegressor(TorchEstimator[TorchRegressionModel], _TorchRegressorParams
     """
 
     _allowed_losses = REGRESSION_LOSSES
-
-    @keyword_only
-    def __init__(
-        self,
-        *,
-        featuresCol: str = "features",
-        labelCol: str = "label",
-        predictionCol: str = "prediction",
-        weightCol: str | None = None,
-        modelFn: str | None = None,
-        modelKwargs: str | dict[str, Any] = "{}",
-        loss: str = "mse",
-        labelScaling: bool = True,
-        optimizer: str = "adam",
-        optimizerKwargs: str | dict[str, Any] = "{}",
-        learningRate: float = 0.001,
-        batchSize: int = 32,
-        maxEpochs: int = 50,
-        numWorkers: int = 2,
-        strategy: str = "ring",
-        compression: str = "none",
-        psMode: str = "sync",
-        seed: int = 0,
-        validationFraction: float = 0.0,
-        dataMemoryInMB: float = 512.0,
-        featuresCols: list[str] | dict[str, str] | None = None,
-        featureShapes: str | dict[str, Any] = "{}",
-        featureDtypes: str | dict[str, str] = "{}",
-        decode: str | dict[str, str] = "{}",
-        collate: str | dict[str, str] = "{}",
-        lrSchedule: str = "none",
-        lrScheduleKwargs: str | dict[str, Any] = "{}",
-        lrScheduleInterval: str = "step",
-        warmupSteps: int = 0,
-        precision: str = "fp32",
-        fp16SkipLimit: int = 10,
-        accumulateSteps: int = 1,
-        clipGradNorm: float = 0.0,
-        earlyStopping: str | dict[str, Any] = "{}",
-        metrics: list[str] | None = None,
-        tensorboardDir: str = "",
-        mlflowTrackingUri: str = "",
-        mlflowExperiment: str = "sparktrain",
-        device: str = "auto",
-        gpusPerTask: int = 0,
-        commBackend: str = "sparktrain",
-        shardOptimizer: bool = False,
-        driverServicesHost: str = "",
-        driverServicesPorts: str = "",
-    ) -> None:
-        super().__init__()
-        self._set(**self._input_kwargs)
-
-    @keyword_only
-    def setParams(
-        self,
-        *,
-        featuresCol: str = "features",
-        labelCol: str = "label",
-        predictionCol: str = "prediction",
-        weightCol: str | None = None,
-        modelFn: str | None = None,
-        modelKwargs: str | dict[str, Any] = "{}",
-        loss: str = "mse",
-        labelScaling: bool = True,
-        optimizer: str = "adam",
-        optimizerKwargs: str | dict[str, Any] = "{}",
-        learningRate: float = 0.001,
-        batchSize: int = 32,
-        maxEpochs: int = 50,
-        numWorkers: int = 2,
-        strategy: str = "ring",
-        compression: str = "none",
-        psMode: str = "sync",
-        seed: int = 0,
-        validationFraction: float = 0.0,
-        dataMemoryInMB: float = 512.0,
-        featuresCols: list[str] | dict[str, str] | None = None,
-        featureShapes: str | dict[str, Any] = "{}",
-        featureDtypes: str | dict[str, str] = "{}",
-        decode: str | dict[str, str] = "{}",
-        collate: str | dict[str, str] = "{}",
-        lrSchedule: str = "none",
-        lrScheduleKwargs: str | dict[str, Any] = "{}",
-        lrScheduleInterval: str = "step",
-        warmupSteps: int = 0,
-        precision: str = "fp32",
-        fp16SkipLimit: int = 10,
-        accumulateSteps: int = 1,
-        clipGradNorm: float = 0.0,
-        earlyStopping: str | dict[str, Any] = "{}",
-        metrics: list[str] | None = None,
-        tensorboardDir: str = "",
-        mlflowTrackingUri: str = "",
-        mlflowExperiment: str = "sparktrain",
-        device: str = "auto",
-        gpusPerTask: int = 0,
-        commBackend: str = "sparktrain",
-        shardOptimizer: bool = False,
-        driverServicesHost: str = "",
-        driverServicesPorts: str = "",
-    ) -> Self:
-        """Sets params for this TorchRegressor (only the ones passed)."""
-        return self._set(**self._input_kwargs)
-
-    def setLabelScaling(self, value: bool) -> Self:
-        """Sets the value of :py:attr:`labelScaling`."""
-        return self._set(labelScaling=value)
 
     def _create_model(self) -> TorchRegressionModel:
         return TorchRegressionModel()
