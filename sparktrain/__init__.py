@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from sparktrain import _moved
 from sparktrain import torchcheck as _torchcheck
 
 if TYPE_CHECKING:
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 
 __all__ = ["RunResult", "TrainConfig", "TrainResult", "Trainer", "run", "torch_run"]
 __version__ = "0.1.0"
+
+# Old module paths (sparktrain/_moved.py) import their new modules, with a warning, for one
+# more release.
+_moved.install()
 
 # A torch whose torch.load(weights_only=True) has known bypasses is refused at once, here
 # on the driver and in every Python worker (which imports sparktrain to run a task).

@@ -30,11 +30,11 @@ What each strategy costs per step, derived from what the code does:
   work over threads but not the bandwidth: ``4 alpha + 2 p n beta`` (compressed pushes:
   ``4 alpha + p n beta / ratio + p n beta``; pulls stay exact). The server's optimizer
   time is not modelled.
-- **tree_aggregate** (:mod:`sparktrain.launch.rounds`): one Spark job per round, whose
-  scheduling overhead ``J`` is measured (``bench mllib``'s ``round_overhead_s``), plus
-  the broadcast of the weights (a binomial tree, ``ceil(log2 p)(alpha + n beta)``) and
-  ``RDD.treeAggregate`` of depth ``d`` (each level merges ``ceil(p^(1/d))`` payloads:
-  ``d (alpha + ceil(p^(1/d)) n beta)``).
+- **tree_aggregate** (:mod:`sparktrain.strategies.tree_aggregate.driver`): one Spark job
+  per round, whose scheduling overhead ``J`` is measured (``bench mllib``'s
+  ``round_overhead_s``), plus the broadcast of the weights (a binomial tree,
+  ``ceil(log2 p)(alpha + n beta)``) and ``RDD.treeAggregate`` of depth ``d`` (each level
+  merges ``ceil(p^(1/d))`` payloads: ``d (alpha + ceil(p^(1/d)) n beta)``).
 
 Gradients travel in buckets of at most ``bucket_mb``: each bucket is one collective, so
 the latency terms are paid once per bucket. A step costs ``compute + comm`` (or

@@ -1,8 +1,9 @@
 """Callbacks and experiment loggers: what the driver does with each record of a run.
 
-Rank 0 sends its records to the driver (:mod:`sparktrain.metrics`); the driver's
-:class:`~sparktrain.metrics.ProgressDisplay` hands them to a list of *listeners*, objects
-with the four methods of :class:`RunListener`. Three kinds come with sparktrain:
+Rank 0 sends its records to the driver (:mod:`sparktrain.worker.metrics_client`); the
+driver's :class:`~sparktrain.launch.metrics_server.ProgressDisplay` hands them to a list
+of *listeners*, objects with the four methods of :class:`RunListener`. Three kinds come
+with sparktrain:
 
 - user callbacks: a :class:`Callback` subclass, or a plain function
   ``fn(record, history)``, called after every epoch (or ``sparktrain.run`` report);
@@ -189,7 +190,7 @@ class ListenerGroup:
     one with its traceback) and the others still run. Keeps the lifecycle of the module
     docstring: ``start`` once (also implied by the first other event), nothing after
     ``finish`` or ``error``. Not thread-safe by itself: the caller serialises calls
-    (:class:`~sparktrain.metrics.ProgressDisplay` holds its lock)."""
+    (:class:`~sparktrain.launch.metrics_server.ProgressDisplay` holds its lock)."""
 
     def __init__(
         self, listeners: Sequence[RunListener], config: Mapping[str, Any] | None = None

@@ -1,9 +1,9 @@
 """The driver-hosted services' common part: a listener and a pre-auth gate.
 
 The driver serves tasks over the same authenticated wire as the collectives: rank 0's
-progress (:mod:`sparktrain.metrics`), the barrier stage's rendezvous
+progress (:mod:`sparktrain.launch.metrics_server`), the barrier stage's rendezvous
 (:mod:`sparktrain.launch.rendezvous`), tree_aggregate's weights
-(:mod:`sparktrain.launch.weights_server`), rank 0's trained state
+(:mod:`sparktrain.strategies.tree_aggregate.driver_weights`), rank 0's trained state
 (:mod:`sparktrain.launch.state_server`) and the parameter-server shards
 (:mod:`sparktrain.ps.server`). Each binds to the driver's own host and proves the job
 secret in the handshake with every client. The accept thread only accepts: each

@@ -78,8 +78,8 @@ def starts_own_sockets(cfg: TrainConfig) -> bool:
     Every barrier strategy (ring, tree, ps, auto) and every pipeline does: rendezvous,
     metrics, allreduce or parameter-server traffic. ``tree_aggregate`` moves everything
     through Spark's own jobs, except that a ``delta+`` compression spec starts the driver's
-    weights server (:mod:`sparktrain.launch.weights_server`); each strategy says which
-    (:meth:`~sparktrain.strategies.base.Strategy.opens_sockets`).
+    weights server (:mod:`sparktrain.strategies.tree_aggregate.driver_weights`); each
+    strategy says which (:meth:`~sparktrain.strategies.base.Strategy.opens_sockets`).
     """
     return cfg.parallelism_pipeline > 1 or strategies.get(cfg.strategy).opens_sockets(cfg)
 

@@ -34,6 +34,7 @@ from sparktrain.config import TrainConfig, parse_port_range
 from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerError
 from sparktrain.launch import gpu, occupancy
 from sparktrain.launch.barrier import TaskEntry, launch
+from sparktrain.launch.metrics_server import MetricsServer, ProgressDisplay
 from sparktrain.launch.payload_server import ClosureShipper
 from sparktrain.launch.pickling import shippable
 from sparktrain.launch.prepare import PreparedData, unscale_result
@@ -41,7 +42,6 @@ from sparktrain.launch.rendezvous import RendezvousServer
 from sparktrain.launch.resources import SlotWatchdog, check_can_launch, task_cpus
 from sparktrain.launch.state_server import StateReceiver
 from sparktrain.loggers import make_listeners
-from sparktrain.metrics import MetricsServer, ProgressDisplay
 from sparktrain.result import Record, TrainResult, assemble
 from sparktrain.worker.context import JobSpec
 from sparktrain.worker.faults import FaultPlan

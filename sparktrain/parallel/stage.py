@@ -57,7 +57,6 @@ from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
 from sparktrain.comm.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
 from sparktrain.comm.frames import KIND_DATA
 from sparktrain.config import single_spec
-from sparktrain.metrics import MetricsClient, start_reporter
 from sparktrain.parallel.checkpoints import StageCheckpoints, StagePart, stage_state
 from sparktrain.parallel.group import GroupGradientSync, GroupMesh, group_allreduce
 from sparktrain.parallel.partition import Partition, as_sequential
@@ -74,6 +73,7 @@ from sparktrain.worker.data import (
 from sparktrain.worker.divergence import check_finite_weights
 from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
 from sparktrain.worker.meet import SEEDED_INIT, rendezvous
+from sparktrain.worker.metrics_client import MetricsClient, start_reporter
 from sparktrain.worker.state import digest, return_state, start_from_rank0
 
 KIND_ROWS = KIND_USER_MIN + 1

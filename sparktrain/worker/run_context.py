@@ -35,13 +35,13 @@ from sparktrain.comm.ring import DEFAULT_CHUNK_BYTES
 from sparktrain.config import TrainConfig
 from sparktrain.data.batch import Batch, Collator, forward
 from sparktrain.errors import CheckpointError, ConfigError
-from sparktrain.metrics import MetricsClient
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, epoch_batches
 from sparktrain.worker.device import Placement
 from sparktrain.worker.divergence import diverged
 from sparktrain.worker.early_stop import EarlyStopping, agree_to_stop
 from sparktrain.worker.evaluate import feed_scores, finish_scores
+from sparktrain.worker.metrics_client import MetricsClient
 from sparktrain.worker.precision import Precision
 from sparktrain.worker.prefetch import Prefetcher
 from sparktrain.worker.scores import Scores

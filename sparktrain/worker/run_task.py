@@ -22,7 +22,6 @@ import torch
 from sparktrain import errors
 from sparktrain.builders import import_callable
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.metrics import start_reporter
 from sparktrain.result import Record
 from sparktrain.worker.context import WorkerContext
 from sparktrain.worker.data import PartitionData, steps_for
@@ -30,6 +29,7 @@ from sparktrain.worker.device import device_for, place
 from sparktrain.worker.loop import TrainedModel, builtin_loop
 from sparktrain.worker.meet import rendezvous
 from sparktrain.worker.memory import peak_anon_bytes, peak_rss_bytes, reset_peak_rss
+from sparktrain.worker.metrics_client import start_reporter
 from sparktrain.worker.run_context import RunContext
 from sparktrain.worker.state import return_state
 

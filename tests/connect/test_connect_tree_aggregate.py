@@ -14,9 +14,9 @@ import pytest
 
 from sparktrain import Trainer
 from sparktrain.errors import ConfigError
-from sparktrain.launch.round_frames import CLOSURE_SHARE
 from sparktrain.launch.spark_env import ConnectEnv
 from sparktrain.result import state_to_bytes
+from sparktrain.strategies.tree_aggregate.driver_frames import CLOSURE_SHARE
 
 from .fixtures import DIGITS_MODEL, SUMMARY_KEYS, accuracy, classic_mode, digits, fast_config
 

@@ -18,11 +18,15 @@ from sparktrain.builders import build_model, resolve_model_fn
 from sparktrain.cli import main as cli_main
 from sparktrain.errors import DataError
 from sparktrain.launch.prepare import prepare
-from sparktrain.launch.round_runner import ClassicBackend, RoundRunner, cache_blocks
-from sparktrain.launch.rounds import run_rounds
-from sparktrain.launch.spark_volume import SparkVolume
 from sparktrain.result import state_to_bytes
-from sparktrain.worker.rounds import RoundSpec
+from sparktrain.strategies.tree_aggregate.driver import run_rounds
+from sparktrain.strategies.tree_aggregate.driver_round import (
+    ClassicBackend,
+    RoundRunner,
+    cache_blocks,
+)
+from sparktrain.strategies.tree_aggregate.driver_volume import SparkVolume
+from sparktrain.strategies.tree_aggregate.task import RoundSpec
 
 from .fixtures import (
     DIGITS_MODEL,

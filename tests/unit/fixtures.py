@@ -46,9 +46,9 @@ from sparktrain.ps import protocol
 from sparktrain.ps.client import ShardClient, connect_shards
 from sparktrain.ps.server import ParameterServer, start_parameter_server
 from sparktrain.result import TrainResult, assemble, load_state_records, state_to_bytes
+from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec
 from sparktrain.worker.context import JobSpec, WorkerContext
 from sparktrain.worker.data import PartitionData
-from sparktrain.worker.rounds import Block, RoundSpec
 from sparktrain.worker.run_task import decode_value, run_partition
 
 T = TypeVar("T")

@@ -22,10 +22,10 @@ from sparktrain import TrainConfig
 from sparktrain.errors import SparkTrainError
 from sparktrain.models import mlp
 from sparktrain.result import state_to_bytes
+from sparktrain.strategies.tree_aggregate.codec import NUM_STATS
+from sparktrain.strategies.tree_aggregate.flat import flatten
+from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec, partition_round
 from sparktrain.worker.data import PartitionData
-from sparktrain.worker.flat import flatten
-from sparktrain.worker.round_codec import NUM_STATS
-from sparktrain.worker.rounds import Block, RoundSpec, partition_round
 
 
 # ------------------------------------------------------------------ bench train

@@ -353,8 +353,8 @@ def test_senders_must_split_the_model_exactly(senders, match):
 
 def test_the_weights_mirror_is_fetched_in_pieces():
     from sparktrain.compress.registry import build
-    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
-    from sparktrain.worker.weights_mirror import fetch_mirror
+    from sparktrain.strategies.tree_aggregate.driver_weights import DownloadEncoder, WeightsServer
+    from sparktrain.strategies.tree_aggregate.task_weights import fetch_mirror
 
     comp = build("int8")
     assert comp is not None

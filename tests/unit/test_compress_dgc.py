@@ -347,8 +347,8 @@ def test_tree_aggregate_round_tells_the_compressor_its_partitions():
     (``RoundSpec.partitions``), next to ``ef.scale``."""
     import dataclasses
 
-    from sparktrain.worker.flat import flatten
-    from sparktrain.worker.rounds import _STATES, partition_round
+    from sparktrain.strategies.tree_aggregate.flat import flatten
+    from sparktrain.strategies.tree_aggregate.task import _STATES, partition_round
 
     from .fixtures import rounds_blocks, rounds_cfg, rounds_model, rounds_spec
 

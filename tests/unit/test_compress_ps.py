@@ -17,9 +17,14 @@ from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.ps import protocol
 from sparktrain.ps.client import shard_shapes
-from sparktrain.worker.flat import flatten
-from sparktrain.worker.round_codec import RAW_BYTES, WIRE_BYTES, CompressedCodec, make_codec
-from sparktrain.worker.rounds import _STATES, partition_round
+from sparktrain.strategies.tree_aggregate.codec import (
+    RAW_BYTES,
+    WIRE_BYTES,
+    CompressedCodec,
+    make_codec,
+)
+from sparktrain.strategies.tree_aggregate.flat import flatten
+from sparktrain.strategies.tree_aggregate.task import _STATES, partition_round
 
 from .fixtures import (
     FakeBlocks,
@@ -208,8 +213,8 @@ def test_tree_aggregate_error_feedback_state_survives_a_retry():
 
 @pytest.mark.parametrize("spec", ["fp16", "int8+ef", "topk:0.3+ef", "powersgd:1+ef"])
 def test_tree_aggregate_driver_loop_learns_compressed(spec):
-    from sparktrain.launch.round_runner import ClassicBackend, RoundRunner
-    from sparktrain.launch.rounds import _Loop
+    from sparktrain.strategies.tree_aggregate.driver import _Loop
+    from sparktrain.strategies.tree_aggregate.driver_round import ClassicBackend, RoundRunner
 
     cfg = rounds_cfg(epochs=6, lr=0.2, compression=spec)
     blocks = rounds_blocks((90, 70))

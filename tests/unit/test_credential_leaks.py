@@ -12,8 +12,8 @@ from torch import nn
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.launch.metrics_server import ProgressDisplay
 from sparktrain.loggers import MLflowLogger, TensorBoardLogger, make_listeners
-from sparktrain.metrics import ProgressDisplay
 from sparktrain.redact import redact_text, redact_values
 from sparktrain.result import TrainResult
 

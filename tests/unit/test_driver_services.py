@@ -18,8 +18,8 @@ from sparktrain.comm.listen import ServiceHost, address_of, open_listener, open_
 from sparktrain.config import parse_port_range
 from sparktrain.errors import ConfigError, HandshakeError
 from sparktrain.launch.barrier import without_driver
+from sparktrain.launch.metrics_server import ProgressDisplay
 from sparktrain.launch.rendezvous import DriverUnreachable, RendezvousServer, all_gather
-from sparktrain.metrics import ProgressDisplay
 from sparktrain.worker.context import JobSpec
 
 HOST = "127.0.0.1"

@@ -53,6 +53,33 @@ def test_help_and_import_load_neither_torch_nor_pyspark(argv: list[str] | None) 
     assert heavy_imports(argv) == []
 
 
+# Every built-in strategy looked up, as the config's checks and the executors do, then
+# which heavy modules and which strategy-folder halves that imported.
+PLUG_INS = """
+import json, sys
+from sparktrain.strategies import registry
+for name in registry.names():
+    registry.get(name)
+halves = [m for m in sys.modules if m.startswith("sparktrain.strategies.tree_aggregate.")]
+print(json.dumps({"heavy": [m for m in %r if m in sys.modules], "halves": sorted(halves)}))
+"""
+
+
+def test_looking_up_a_strategy_loads_its_plug_in_alone() -> None:
+    # the registry imports a strategy folder by its name: the package re-exports the plug-in
+    # (strategy.py) and nothing else; the driver and task halves load when a job runs
+    out = subprocess.run(
+        [sys.executable, "-c", PLUG_INS % (HEAVY,)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["halves"] == ["sparktrain.strategies.tree_aggregate.strategy"]
+    assert "pyspark" not in found["heavy"]
+
+
 def test_missing_sklearn_names_the_datasets_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [m for m in sys.modules if m == "sklearn" or m.startswith("sklearn.")]:
         monkeypatch.delitem(sys.modules, name)

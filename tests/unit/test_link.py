@@ -551,10 +551,10 @@ def test_tree_aggregate_tasks_pay_the_link_outside_their_compute_time() -> None:
 
     from sparktrain.models import mlp
     from sparktrain.result import state_to_bytes
+    from sparktrain.strategies.tree_aggregate.codec import COMPUTE_S
+    from sparktrain.strategies.tree_aggregate.flat import flatten
+    from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec, partition_round
     from sparktrain.worker.data import PartitionData
-    from sparktrain.worker.flat import flatten
-    from sparktrain.worker.round_codec import COMPUTE_S
-    from sparktrain.worker.rounds import Block, RoundSpec, partition_round
 
     torch.manual_seed(0)
     model = mlp(6, (5,), 3)

@@ -12,6 +12,7 @@ from torch import nn
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.launch.metrics_server import ProgressDisplay, record_line
 from sparktrain.loggers import (
     Callback,
     MLflowLogger,
@@ -19,7 +20,6 @@ from sparktrain.loggers import (
     make_listeners,
     truncate,
 )
-from sparktrain.metrics import ProgressDisplay, record_line
 
 pytestmark = pytest.mark.timeout(60)
 

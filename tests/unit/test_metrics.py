@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from sparktrain.metrics import MetricsClient, MetricsServer, ProgressDisplay
+from sparktrain.launch.metrics_server import MetricsServer, ProgressDisplay
+from sparktrain.worker.metrics_client import MetricsClient
 
 pytestmark = pytest.mark.timeout(30)
 

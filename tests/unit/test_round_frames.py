@@ -14,9 +14,8 @@ import pyarrow as pa
 import pytest
 
 from sparktrain.compress.base import BucketState
-from sparktrain.worker.data import PartitionData
-from sparktrain.worker.round_codec import make_codec, merge
-from sparktrain.worker.round_frames import (
+from sparktrain.strategies.tree_aggregate.codec import make_codec, merge
+from sparktrain.strategies.tree_aggregate.task_frames import (
     fold_table,
     from_row,
     level_fn,
@@ -24,6 +23,7 @@ from sparktrain.worker.round_frames import (
     to_row,
     tree_levels,
 )
+from sparktrain.worker.data import PartitionData
 
 
 class _ListRDD:
@@ -157,8 +157,8 @@ def _encoded_batch(part: int, data: PartitionData) -> pa.RecordBatch:
 def test_a_partial_row_is_the_seq_op_of_the_partitions_block() -> None:
     """The mapInArrow function rebuilds the block from the encoded batches (in order,
     validation rows split off) and writes exactly what the RDD path's seqOp computes."""
-    from sparktrain.launch.round_runner import block_builder
-    from sparktrain.worker.rounds import _STATES, make_seq_op
+    from sparktrain.strategies.tree_aggregate.driver_round import block_builder
+    from sparktrain.strategies.tree_aggregate.task import _STATES, make_seq_op
 
     from .fixtures import ROUNDS_WIDTH, rounds_blocks, rounds_cfg, rounds_model, rounds_spec
 

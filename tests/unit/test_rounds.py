@@ -13,10 +13,7 @@ import pytest
 import torch
 
 from sparktrain import TrainConfig
-from sparktrain.launch.round_runner import ClassicBackend, RoundRunner
-from sparktrain.launch.rounds import _Loop
-from sparktrain.worker.flat import assign, assign_grads, flatten, flatten_grads
-from sparktrain.worker.round_codec import (
+from sparktrain.strategies.tree_aggregate.codec import (
     COMPUTE_S,
     EVAL_ROWS,
     LOSS_SUM,
@@ -30,7 +27,10 @@ from sparktrain.worker.round_codec import (
     make_codec,
     merge,
 )
-from sparktrain.worker.rounds import _STATES, Block, RoundSpec, partition_round
+from sparktrain.strategies.tree_aggregate.driver import _Loop
+from sparktrain.strategies.tree_aggregate.driver_round import ClassicBackend, RoundRunner
+from sparktrain.strategies.tree_aggregate.flat import assign, assign_grads, flatten, flatten_grads
+from sparktrain.strategies.tree_aggregate.task import _STATES, Block, RoundSpec, partition_round
 
 from .fixtures import (
     ROUNDS_MODEL_FN,
@@ -243,7 +243,7 @@ def test_driver_loop_learns_and_reports(local_steps: int, in_closure: bool) -> N
 def test_delta_powersgd_is_refused_on_the_driver() -> None:
     from sparktrain.errors import ConfigError
     from sparktrain.launch.prepare import PreparedData
-    from sparktrain.launch.rounds import run_rounds
+    from sparktrain.strategies.tree_aggregate.driver import run_rounds
 
     with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):
         rounds_cfg(compression="delta+powersgd:2+ef")
@@ -280,8 +280,8 @@ class _ForgetfulBlocks(FakeBlocks):
 def _delta_run(spec_text: str, forget: int) -> tuple[list[dict[str, Any]], _Loop, Any]:
     import secrets
 
-    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
-    from sparktrain.worker.round_codec import download_compressor
+    from sparktrain.strategies.tree_aggregate.codec import download_compressor
+    from sparktrain.strategies.tree_aggregate.driver_weights import DownloadEncoder, WeightsServer
 
     cfg = rounds_cfg(epochs=5, lr=0.2, compression=spec_text)
     blocks = rounds_blocks((90, 70))
@@ -332,8 +332,8 @@ def test_the_weights_server_serves_only_the_current_mirror_to_the_job() -> None:
 
     from sparktrain.compress.registry import build
     from sparktrain.errors import CommError, HandshakeError
-    from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
-    from sparktrain.worker.weights_mirror import fetch_mirror
+    from sparktrain.strategies.tree_aggregate.driver_weights import DownloadEncoder, WeightsServer
+    from sparktrain.strategies.tree_aggregate.task_weights import fetch_mirror
 
     comp = build("int8")
     assert comp is not None

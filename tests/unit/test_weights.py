@@ -21,11 +21,11 @@ from sparktrain.errors import ConfigError
 from sparktrain.models import mlp
 from sparktrain.result import assemble as _assemble
 from sparktrain.result import state_to_bytes
+from sparktrain.strategies.tree_aggregate.codec import SAMPLES, merge
+from sparktrain.strategies.tree_aggregate.flat import flatten
+from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec, partition_round
 from sparktrain.worker.context import JobSpec
 from sparktrain.worker.data import PartitionData
-from sparktrain.worker.flat import flatten
-from sparktrain.worker.round_codec import SAMPLES, merge
-from sparktrain.worker.rounds import Block, RoundSpec, partition_round
 
 from .fixtures import pipeline_records, train_in_threads
 

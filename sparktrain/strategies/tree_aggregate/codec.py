@@ -1,21 +1,23 @@
 """What a ``strategy="tree_aggregate"`` contribution is, and how it travels and sums.
 
 A partition's contribution to a round is ``(payload, stats)``: ``payload`` the encoded
-flat float32 vector the partition computed (:mod:`sparktrain.worker.rounds`), or
-``None`` when it had nothing to send, and ``stats`` a float64 vector with the slots
-below (all add up but ``COMPUTE_S``, which is a max). ``RDD.treeAggregate`` sums
-contributions with :func:`merge`, its combOp, and the driver decodes the sum.
+flat float32 vector the partition computed (:mod:`.task`), or ``None`` when it had
+nothing to send, and ``stats`` a float64 vector with the slots below (all add up but
+``COMPUTE_S``, which is a max). ``RDD.treeAggregate`` sums contributions with
+:func:`merge`, its combOp, and the driver decodes the sum.
 
-Compression (``config.compression``): the upload codec, :func:`make_codec`, is the
-spec's gradient part. :class:`CompressedCodec` encodes a partition's vector into one
+Compression (``config.compression``): the upload codec, :func:`make_codec`, is the spec's
+gradient part. :class:`CompressedCodec` encodes a partition's vector into one
 :func:`~sparktrain.compress.base.encode_message` buffer (what Spark ships as the task
 result or shuffle block); combOp merges two payloads — part by part, still compressed,
 when the compressor's single-round payloads are summable (fp16, bf16, randomk with the
 round's shared seed), else by decoding into a dense float32 vector (a merged
-int8/top-k/sign/PowerSGD payload is no longer a payload of that compressor). A
-``delta+`` prefix also compresses the weights sent down: :func:`download_compressor`
-(the driver's :mod:`sparktrain.launch.weights_server`, the tasks'
-:mod:`sparktrain.worker.weights_mirror`).
+int8/top-k/sign/PowerSGD payload is no longer a payload of that compressor). A ``delta+``
+prefix also compresses the weights sent down: :func:`download_compressor` (the driver's
+:mod:`.driver_weights`, the tasks' :mod:`.task_weights`).
+
+Both sides use this module (the tasks encode and merge, the driver decodes): nothing here
+imports pyspark.
 """
 
 from __future__ import annotations

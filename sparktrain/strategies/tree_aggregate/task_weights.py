@@ -3,10 +3,10 @@
 With ``compression="delta+X"`` a round's closure carries a :class:`Download` instead of
 the weights: ``C_X(mirror[seq] - mirror[seq - 1])``, the compressed change to the
 ``mirror`` the tasks compute on (the driver's half, with the why, is
-:mod:`sparktrain.launch.weights_server`). A Python worker that holds ``mirror[seq - 1]``
-advances it with :func:`apply_delta`; one that does not fetches ``mirror[seq]`` whole
-from the driver's ``WeightsServer`` with :func:`fetch_mirror`. Sender and receivers apply
-the same decoded bytes with the same ops, so every copy of ``mirror`` is bitwise equal.
+:mod:`.driver_weights`). A Python worker that holds ``mirror[seq - 1]`` advances it with
+:func:`apply_delta`; one that does not fetches ``mirror[seq]`` whole from the driver's
+``WeightsServer`` with :func:`fetch_mirror`. Sender and receivers apply the same decoded
+bytes with the same ops, so every copy of ``mirror`` is bitwise equal.
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """The Spark side of tree_aggregate's driver: the cached data, and one round as one job.
 
 :class:`RoundRunner` runs one round: the weights go out (in the task closure when small,
-as a broadcast, as a ``delta+`` download, or fetched from the driver's weights server),
-a :class:`RoundBackend` sums the partitions' contributions with the executor side's
-seqOp and combOp (:mod:`sparktrain.worker.rounds`, :mod:`sparktrain.worker.round_codec`),
-and the round's broadcast is destroyed. Two backends:
+as a broadcast, as a ``delta+`` download, or fetched from the driver's weights server), a
+:class:`RoundBackend` sums the partitions' contributions with the executor side's seqOp
+and combOp (:mod:`.task`, :mod:`.codec`), and the round's broadcast is destroyed. Two
+backends:
 
 * :class:`ClassicBackend`: :func:`cache_blocks` converts each partition once to a
-  validated numpy :class:`~sparktrain.worker.rounds.Block` (Arrow -> numpy for a
-  DataFrame, tuples -> numpy for an RDD, with the same checks as the barrier path),
-  splits the validation rows off and persists it ``MEMORY_AND_DISK``;
-  ``RDD.treeAggregate`` sums.
-* :class:`~sparktrain.launch.round_frames.ConnectBackend` (Spark Connect: no RDDs, no
-  broadcasts): the Arrow-encoded rows cached as a DataFrame, ``mapInArrow`` and grouped
-  ``applyInArrow`` levels (:mod:`sparktrain.worker.round_frames`).
+  validated numpy :class:`~.task.Block` (Arrow -> numpy for a DataFrame, tuples -> numpy
+  for an RDD, with the same checks as the barrier path), splits the validation rows off
+  and persists it ``MEMORY_AND_DISK``; ``RDD.treeAggregate`` sums.
+* :class:`~.driver_frames.ConnectBackend` (Spark Connect: no RDDs, no broadcasts): the
+  Arrow-encoded rows cached as a DataFrame, ``mapInArrow`` and grouped ``applyInArrow``
+  levels (:mod:`.task_frames`).
 """
 
 from __future__ import annotations
@@ -27,12 +26,17 @@ import pyarrow as pa
 from sparktrain.config import TrainConfig
 from sparktrain.errors import SparkTrainError
 from sparktrain.launch.prepare import PreparedData
-from sparktrain.launch.spark_volume import SparkVolume
-from sparktrain.launch.weights_server import WeightsServer
+from sparktrain.strategies.tree_aggregate.codec import (
+    Contribution,
+    PayloadCodec,
+    make_comb_op,
+    zero_stats,
+)
+from sparktrain.strategies.tree_aggregate.driver_volume import SparkVolume
+from sparktrain.strategies.tree_aggregate.driver_weights import WeightsServer
+from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec, make_seq_op
+from sparktrain.strategies.tree_aggregate.task_frames import decode_parts
 from sparktrain.worker.data import PartitionData, check_labels, from_arrow, from_rows
-from sparktrain.worker.round_codec import Contribution, PayloadCodec, make_comb_op, zero_stats
-from sparktrain.worker.round_frames import decode_parts
-from sparktrain.worker.rounds import Block, RoundSpec, make_seq_op
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext

@@ -10,20 +10,17 @@ the tasks compute on ``mirror``, which trails the driver's weights by the compre
 error that the next delta re-sends (so the error never accumulates). Uploads use ``X``
 with its ``+ef`` as before.
 
-Python workers keep the mirror between rounds (:mod:`sparktrain.worker.rounds`). A
-worker that ran the previous round adds the delta; one that did not (a new executor, a
-worker that sat a round out) fetches the round's full mirror from the driver's
-:class:`WeightsServer` over an authenticated connection (the tasks' half of both,
-:class:`~sparktrain.worker.weights_mirror.Download` included, is
-:mod:`sparktrain.worker.weights_mirror`).
-Only such tasks pay the full weights, and only when they need them: a Spark broadcast
-would ship them to every executor every round. Sender and receivers apply the same
-decoded bytes with the same ops, so every copy of ``mirror`` is bitwise equal and a
-retried task computes the same contribution.
+Python workers keep the mirror between rounds (:mod:`.task`). A worker that ran the
+previous round adds the delta; one that did not (a new executor, a worker that sat a
+round out) fetches the round's full mirror from the driver's :class:`WeightsServer` over
+an authenticated connection (the tasks' half of both, :class:`~.task_weights.Download`
+included, is :mod:`.task_weights`). Only such tasks pay the full weights, and only when
+they need them: a Spark broadcast would ship them to every executor every round. Sender
+and receivers apply the same decoded bytes with the same ops, so every copy of ``mirror``
+is bitwise equal and a retried task computes the same contribution.
 
 ``delta+powersgd`` is refused (its decode depends on the thread count, so copies would
-drift), as for the parameter server: see
-:func:`~sparktrain.worker.round_codec.download_compressor`.
+drift), as for the parameter server: see :func:`~.codec.download_compressor`.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ from sparktrain.comm.security import WireSecurity
 from sparktrain.comm.service import DriverService
 from sparktrain.compress.base import BucketState, Compressor, encode_message
 from sparktrain.errors import CommError
-from sparktrain.worker.weights_mirror import Download
+from sparktrain.strategies.tree_aggregate.task_weights import Download
 
 log = logging.getLogger(__name__)
 

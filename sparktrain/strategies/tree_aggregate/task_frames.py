@@ -2,7 +2,7 @@
 side): the same reduction as ``RDD.treeAggregate``, with the same seqOp and combOp.
 
 A round is ``cached.mapInArrow(partial)``, one *partial row* per partition (its
-contribution, from :func:`~sparktrain.worker.rounds.make_seq_op`), then one
+contribution, from :func:`~.task.make_seq_op`), then one
 ``groupBy(group).applyInArrow(level)`` per tree level, then a fold on the driver.
 :func:`tree_levels` is pyspark's own ``treeAggregate`` arithmetic: the same depth gives
 the same levels, a row with key ``i`` goes to group ``i % n`` of a level of ``n``, and
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from sparktrain.strategies.tree_aggregate.codec import Contribution, PayloadCodec, merge
+from sparktrain.strategies.tree_aggregate.task import Block
 from sparktrain.worker.data import PartitionData
-from sparktrain.worker.round_codec import Contribution, PayloadCodec, merge
-from sparktrain.worker.rounds import Block
 
 PARTIAL_DDL = "key int, payload binary, message boolean, stats binary"
 _PARTIAL_SCHEMA = pa.schema(

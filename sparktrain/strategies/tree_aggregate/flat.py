@@ -4,7 +4,7 @@ tree_aggregate moves weights, gradients and deltas as flat vectors: the driver f
 its model's weights for a round and assigns the summed gradient (or delta) back, every
 task assigns the round's weights to its cached model and flattens what it computed. The
 order is the parameters' order in the list given, which every side takes from
-``model.parameters()``.
+``model.parameters()``. Both sides use this module: nothing here imports pyspark.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Executor side of ``strategy="tree_aggregate"``: what one partition does in one round.
+"""tree_aggregate's task side: what one partition does in one round (runs on the executors).
 
 Nothing here imports pyspark. A task sees a :class:`RoundSpec` (plain values plus two
 broadcast handles, or anything with a ``.value``), its cached :class:`Block` and the
-round number, and returns a *contribution* (:mod:`sparktrain.worker.round_codec`) that
-``RDD.treeAggregate`` sums: ``(payload, stats)`` where ``payload`` is the encoded flat
-float32 vector
+round number, and returns a *contribution* (:mod:`.codec`) that ``RDD.treeAggregate``
+sums: ``(payload, stats)`` where ``payload`` is the encoded flat float32 vector
 
 * ``local_steps == 1``: ``n_p * g_p``, the partition's mean-loss gradient over its
   ``n_p`` samples of the round times ``n_p`` (the ring's rule, see ``worker/buckets.py``):
@@ -56,10 +55,7 @@ from sparktrain.compress.base import BucketState
 from sparktrain.compress.feedback import SCALE, WORLD
 from sparktrain.config import TrainConfig
 from sparktrain.result import state_from_bytes
-from sparktrain.worker.data import PartitionData, epoch_batches
-from sparktrain.worker.evaluate import evaluate, target_like
-from sparktrain.worker.flat import assign, flatten, flatten_grads, num_elements
-from sparktrain.worker.round_codec import (
+from sparktrain.strategies.tree_aggregate.codec import (
     COMPUTE_S,
     DOWN_BYTES,
     EVAL_ROWS,
@@ -76,7 +72,10 @@ from sparktrain.worker.round_codec import (
     merge,
     zero_stats,
 )
-from sparktrain.worker.weights_mirror import Download, apply_delta, fetch_mirror
+from sparktrain.strategies.tree_aggregate.flat import assign, flatten, flatten_grads, num_elements
+from sparktrain.strategies.tree_aggregate.task_weights import Download, apply_delta, fetch_mirror
+from sparktrain.worker.data import PartitionData, epoch_batches
+from sparktrain.worker.evaluate import evaluate, target_like
 
 
 @dataclass
@@ -197,7 +196,7 @@ def worker_state(spec: RoundSpec) -> _WorkerState:
 def receive_weights(spec: RoundSpec, download: Download, partition: int) -> tuple[np.ndarray, int]:
     """A ``delta+`` round's weights in this Python worker, and the bytes the task had to
     receive for them: the delta on the mirror this worker holds from the previous round,
-    else the round's full mirror fetched from the driver (:mod:`.weights_mirror`)."""
+    else the round's full mirror fetched from the driver (:mod:`.task_weights`)."""
     state = worker_state(spec)
     with state.lock:
         held = state.mirror

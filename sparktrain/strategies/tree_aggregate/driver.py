@@ -3,20 +3,19 @@ optimizer; every round is one ordinary Spark job.
 
 This module is the driver's loop (:func:`run_rounds`: size, train epochs of rounds,
 checkpoint, summarise). The Spark mechanics of caching the data and running one round are
-:mod:`sparktrain.launch.round_runner`, Spark's traffic counts
-:mod:`sparktrain.launch.spark_volume`, the ``delta+`` weights mirror
-:mod:`sparktrain.launch.weights_server`; what a partition does in a round is executor
-code, :mod:`sparktrain.worker.rounds`, with the contribution's codecs and combOp in
-:mod:`sparktrain.worker.round_codec`.
+:mod:`.driver_round` (under Spark Connect :mod:`.driver_frames`), Spark's traffic counts
+:mod:`.driver_volume`, the ``delta+`` weights mirror :mod:`.driver_weights`; what a
+partition does in a round is executor code, :mod:`.task`, with the contribution's codecs
+and combOp in :mod:`.codec`.
 
-1. **Cache** (once): each partition is converted to numpy (Arrow -> numpy for a DataFrame,
-   tuples -> numpy for an RDD, with the same checks as the barrier path), validation rows
-   split off, and kept as one :class:`~sparktrain.worker.rounds.Block` per
-   partition with ``persist(MEMORY_AND_DISK)``. No round converts or validates again.
-   There is no job of its own for this: the first round materialises the cache and also
-   reports every partition's row counts (the *sizing round*, ``RoundSpec.size_slots``),
-   from which the driver learns ``rounds_per_epoch``; that round is round 0 of epoch 0
-   whatever ``rounds_per_epoch`` turns out to be. (Resuming from a checkpoint needs
+1. **Cache** (once): each partition is converted to numpy (Arrow -> numpy for a
+   DataFrame, tuples -> numpy for an RDD, with the same checks as the barrier path),
+   validation rows split off, and kept as one :class:`~.task.Block` per partition with
+   ``persist(MEMORY_AND_DISK)``. No round converts or validates again. There is no job of
+   its own for this: the first round materialises the cache and also reports every
+   partition's row counts (the *sizing round*, ``RoundSpec.size_slots``), from which the
+   driver learns ``rounds_per_epoch``; that round is round 0 of epoch 0 whatever
+   ``rounds_per_epoch`` turns out to be. (Resuming from a checkpoint needs
    ``rounds_per_epoch`` before the first training round, so there the sizing round trains
    nothing.)
 2. **Round** (many): the weights travel as one flat float32 numpy buffer — inside the
@@ -57,18 +56,17 @@ Spark's own view of the traffic (shuffle write/read and task result bytes per st
 read from the driver's ``AppStatusStore`` through Py4J; it works with the UI disabled.
 
 Compression (``config.compression``): each partition encodes its contribution
-(``round_codec.CompressedCodec``), combOp merges payloads and the driver decodes the
-sum. A ``delta+`` prefix also compresses the weights sent down, as deltas on a mirror
-the tasks hold (:mod:`sparktrain.launch.weights_server`). ``bytes_sent`` counts both
-directions uncompressed (the partitions' vectors, and one copy of the weights per
-task), ``wire_bytes`` what was encoded and received (merged payloads of a deeper tree
-are in Spark's shuffle figures); ``upload_*`` / ``download_*`` split them, and
-``spark_result_bytes`` / ``spark_shuffle_bytes`` are Spark's own count of what it
-shipped.
+(``codec.CompressedCodec``), combOp merges payloads and the driver decodes the sum. A
+``delta+`` prefix also compresses the weights sent down, as deltas on a mirror the tasks
+hold (:mod:`.driver_weights`). ``bytes_sent`` counts both directions uncompressed (the
+partitions' vectors, and one copy of the weights per task), ``wire_bytes`` what was
+encoded and received (merged payloads of a deeper tree are in Spark's shuffle figures);
+``upload_*`` / ``download_*`` split them, and ``spark_result_bytes`` /
+``spark_shuffle_bytes`` are Spark's own count of what it shipped.
 
 Under Spark Connect (no RDDs, no broadcasts, no status store) the same loop runs over
-:class:`~sparktrain.launch.round_frames.ConnectBackend`: the encoded rows are a cached
-DataFrame, a round is ``mapInArrow`` partials plus ``groupBy().applyInArrow`` levels with
+:class:`~.driver_frames.ConnectBackend`: the encoded rows are a cached DataFrame, a round
+is ``mapInArrow`` partials plus ``groupBy().applyInArrow`` levels with
 ``treeAggregate``'s arithmetic, the model state and small weights travel in the closure,
 larger weights come from the weights server (``served_weight_bytes``), and the
 ``spark_*`` figures are ``None``.
@@ -94,23 +92,15 @@ from sparktrain.checkpoint import Checkpoint, open_for_run
 from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
+from sparktrain.launch.metrics_server import ProgressDisplay
 from sparktrain.launch.pickling import shippable
 from sparktrain.launch.prepare import PreparedData, unscale_result
 from sparktrain.launch.resources import check_transport_security
-from sparktrain.launch.round_frames import ConnectBackend, closure_budget
-from sparktrain.launch.round_runner import ClassicBackend, RoundBackend, RoundRunner, cache_blocks
 from sparktrain.launch.spark_env import ClassicEnv, SparkEnv, spark_env
-from sparktrain.launch.spark_volume import SparkVolume
 from sparktrain.launch.stage import driver_host
-from sparktrain.launch.weights_server import DownloadEncoder, WeightsServer
 from sparktrain.loggers import make_listeners
-from sparktrain.metrics import STEP_REPORT_INTERVAL_S, ProgressDisplay
 from sparktrain.result import TrainResult, state_to_bytes
-from sparktrain.worker.data import steps_for
-from sparktrain.worker.divergence import check_finite_weights, diverged
-from sparktrain.worker.evaluate import finish_metric, metric_name
-from sparktrain.worker.flat import assign, assign_grads, flatten, num_elements
-from sparktrain.worker.round_codec import (
+from sparktrain.strategies.tree_aggregate.codec import (
     COMPUTE_S,
     DOWN_BYTES,
     EVAL_ROWS,
@@ -123,7 +113,21 @@ from sparktrain.worker.round_codec import (
     download_compressor,
     make_codec,
 )
-from sparktrain.worker.rounds import RoundSpec
+from sparktrain.strategies.tree_aggregate.driver_frames import ConnectBackend, closure_budget
+from sparktrain.strategies.tree_aggregate.driver_round import (
+    ClassicBackend,
+    RoundBackend,
+    RoundRunner,
+    cache_blocks,
+)
+from sparktrain.strategies.tree_aggregate.driver_volume import SparkVolume
+from sparktrain.strategies.tree_aggregate.driver_weights import DownloadEncoder, WeightsServer
+from sparktrain.strategies.tree_aggregate.flat import assign, assign_grads, flatten, num_elements
+from sparktrain.strategies.tree_aggregate.task import RoundSpec
+from sparktrain.worker.data import steps_for
+from sparktrain.worker.divergence import check_finite_weights, diverged
+from sparktrain.worker.evaluate import finish_metric, metric_name
+from sparktrain.worker.metrics_client import STEP_REPORT_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +153,7 @@ def run_rounds(
     ``model_kwargs``, which the executors build it from too) with one Spark job per round;
     ``callbacks`` and the config's loggers get every epoch's record on the driver.
     ``env``: the session's Spark (default: the data's); under Spark Connect the rounds
-    are DataFrame operations (:mod:`sparktrain.launch.round_frames`)."""
+    are DataFrame operations (:mod:`.driver_frames`)."""
     listeners = make_listeners(cfg, callbacks)  # a missing logger package fails first
     try:  # fail on the driver, before any Spark job, for a spec the rounds cannot use
         make_codec(cfg.compression)
@@ -331,7 +335,7 @@ def _backend(
     env: SparkEnv, prepared: PreparedData, cfg: TrainConfig, num_outputs: int, state_bytes: int
 ) -> RoundBackend:
     """RDDs, broadcasts and treeAggregate in a classic session; DataFrame operations and
-    closures under Spark Connect (:mod:`sparktrain.launch.round_frames`)."""
+    closures under Spark Connect (:mod:`.driver_frames`)."""
     if env.connect:
         budget = closure_budget(env, state_bytes)
         return ConnectBackend(prepared, cfg, num_outputs, budget)

@@ -1,11 +1,10 @@
 """``strategy="tree_aggregate"``: the MLlib way, one ordinary Spark job per round.
 
 The driver holds the model and the optimizer; each round's tasks compute their
-partitions' contributions and ``RDD.treeAggregate`` sums them
-(:mod:`sparktrain.launch.rounds`; under Spark Connect the same levels as DataFrame
-operations, :mod:`sparktrain.launch.round_frames`). No barrier stage, so no gang
-scheduling and no sockets of its own, except the weights server a ``delta+`` spec starts
-(or, under Connect, weights too large for a round's closure).
+partitions' contributions and ``RDD.treeAggregate`` sums them (:mod:`.driver`; under
+Spark Connect the same levels as DataFrame operations, :mod:`.driver_frames`). No barrier
+stage, so no gang scheduling and no sockets of its own, except the weights server a
+``delta+`` spec starts (or, under Connect, weights too large for a round's closure).
 """
 
 from __future__ import annotations
@@ -41,12 +40,12 @@ class TreeAggregate(Strategy):
 
     @staticmethod
     def _download_compressor(cfg: TrainConfig) -> object:
-        from sparktrain.worker.round_codec import download_compressor
+        from sparktrain.strategies.tree_aggregate.codec import download_compressor
 
         return download_compressor(cfg.compression)
 
     def launch(self, job: FitJob) -> TrainResult:
-        from sparktrain.launch.rounds import run_rounds
+        from sparktrain.strategies.tree_aggregate.driver import run_rounds
 
         return run_rounds(
             job.prepared,

@@ -1,9 +1,8 @@
 """tree_aggregate's rounds under Spark Connect: the :class:`ConnectBackend` of
-:class:`~sparktrain.launch.round_runner.RoundRunner`.
+:class:`~.driver_round.RoundRunner`.
 
 A Connect session has no RDDs and no broadcasts, so the reduction ``RDD.treeAggregate``
-performs is built from DataFrame operations (executor side:
-:mod:`sparktrain.worker.round_frames`):
+performs is built from DataFrame operations (executor side: :mod:`.task_frames`):
 
 * **Cache** (once): the prepared DataFrame's rows, Arrow-encoded per batch into raw
   buffers (the classic path's encoder), are ``cache()``-d on the server, so every round's
@@ -11,16 +10,16 @@ performs is built from DataFrame operations (executor side:
   round's task (they are cheap next to shipping the cached rows to Python, which the RDD
   path's pickled blocks pay too).
 * **Round**: ``mapInArrow`` computes each partition's contribution with the shared seqOp
-  and writes one partial row; each level of
-  :func:`~sparktrain.worker.round_frames.tree_levels` (``treeAggregate``'s levels for
-  the config's ``aggregation_depth``) is a ``groupBy(key % n).applyInArrow`` that merges
-  with the shared combOp; the client folds the last rows in key order. Same codec, same
-  compression, the same sums as the RDD path up to float32 rounding order.
+  and writes one partial row; each level of :func:`~.task_frames.tree_levels`
+  (``treeAggregate``'s levels for the config's ``aggregation_depth``) is a
+  ``groupBy(key % n).applyInArrow`` that merges with the shared combOp; the client folds
+  the last rows in key order. Same codec, same compression, the same sums as the RDD path
+  up to float32 rounding order.
 * **Weights**: every round's closure is part of a request to the server, whose size is
   capped (``spark.connect.grpc.maxInboundMessageSize``, 128 MiB by default). Weights ride
   in the closure up to a quarter of that cap, less the model state that travels with them;
   larger ones are fetched by the tasks from the driver's weights server (the ``delta+``
-  mirror's, see :mod:`sparktrain.launch.weights_server`).
+  mirror's, see :mod:`.driver_weights`).
 """
 
 from __future__ import annotations
@@ -31,18 +30,22 @@ from typing import Any
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
 from sparktrain.launch.prepare import PreparedData
-from sparktrain.launch.round_runner import ENCODED_DDL, arrow_encoder, block_builder
 from sparktrain.launch.spark_env import SparkEnv
-from sparktrain.launch.spark_volume import SparkVolume
-from sparktrain.worker.round_codec import Contribution, PayloadCodec
-from sparktrain.worker.round_frames import (
+from sparktrain.strategies.tree_aggregate.codec import Contribution, PayloadCodec
+from sparktrain.strategies.tree_aggregate.driver_round import (
+    ENCODED_DDL,
+    arrow_encoder,
+    block_builder,
+)
+from sparktrain.strategies.tree_aggregate.driver_volume import SparkVolume
+from sparktrain.strategies.tree_aggregate.task import Block
+from sparktrain.strategies.tree_aggregate.task_frames import (
     PARTIAL_DDL,
     fold_table,
     level_fn,
     partial_fn,
     tree_levels,
 )
-from sparktrain.worker.rounds import Block
 
 # Closures (the round's weights and the model state) stay under this share of the
 # server's request cap: the plan, the codec and pickling overhead need the rest.
