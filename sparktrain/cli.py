@@ -51,12 +51,14 @@ def split_job_keys(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
 
 def cmd_train(args: argparse.Namespace) -> int:
     from sparktrain import datasets
+    from sparktrain.launch.job import check_job
     from sparktrain.session import get_or_create_session
     from sparktrain.trainer import Trainer
 
     values = apply_overrides(load_toml(args.config), args.set or [])
     job, rest = split_job_keys(values)
     config = TrainConfig.from_dict(rest)
+    check_job(config)  # what the strategy makes of the config, before Spark starts
     split = datasets.load(job["dataset"], **job["dataset_kwargs"])
     spark = get_or_create_session(
         args.master or default_master(config.num_workers), app_name=job["app_name"]

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import datetime
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sparktrain.errors import ConfigError, ResourceError
 
@@ -35,12 +34,11 @@ COMM_BACKENDS = ("sparktrain", "torch")
 TORCH_SPECS = ("none", "fp16", "bf16", "powersgd:R", "powersgd:R+ef", "powersgd:R,cold+ef")
 """The compression specs ``comm_backend="torch"`` runs as DDP communication hooks."""
 
-_POWERSGD = re.compile(r"powersgd:(?:rank=)?(\d+)(,cold)?(\+ef)?")
-
 
 @dataclass(frozen=True)
 class HookSpec:
-    """A compression spec as one of torch's DDP communication hooks."""
+    """A compression spec as one of torch's DDP communication hooks (the compressor's
+    own answer: :attr:`~sparktrain.compress.base.BaseCompressor.ddp_hook`)."""
 
     hook: str  # "fp16", "bf16" or "powersgd"
     rank: int = 1
@@ -51,23 +49,25 @@ class HookSpec:
 def hook_spec(spec: str) -> HookSpec | None:
     """The DDP hook for ``spec`` (None: ``"none"``, the plain allreduce); a
     :class:`ConfigError` for a spec torch has no hook for."""
-    if spec == "none":
+    from sparktrain.compress.feedback import ErrorFeedback
+    from sparktrain.compress.registry import build
+
+    comp = build(spec)
+    if comp is None:
         return None
-    if spec in ("fp16", "bf16"):
-        return HookSpec(spec)
-    match = _POWERSGD.fullmatch(spec)
-    if match is not None and int(match.group(1)) >= 1:
-        return HookSpec(
-            "powersgd",
-            rank=int(match.group(1)),
-            warm_start=match.group(2) is None,
-            error_feedback=match.group(3) is not None,
+    ef = comp if isinstance(comp, ErrorFeedback) else None
+    core = comp if ef is None else ef.inner
+    hook = getattr(core, "ddp_hook", None)
+    if ef is not None and not (ef.plain and getattr(core, "ddp_hook_feedback", False)):
+        hook = None
+    if hook is None:
+        raise ConfigError(
+            f"comm_backend='torch' compresses with torch's DDP communication hooks, which "
+            f"have no counterpart for compression={spec!r}: use one of "
+            f"{', '.join(TORCH_SPECS)}, or comm_backend='sparktrain' for every compressor"
         )
-    raise ConfigError(
-        f"comm_backend='torch' compresses with torch's DDP communication hooks, which have "
-        f"no counterpart for compression={spec!r}: use one of {', '.join(TORCH_SPECS)}, or "
-        "comm_backend='sparktrain' for every compressor"
-    )
+    options: dict[str, Any] = getattr(core, "ddp_hook_options", dict)()
+    return HookSpec(hook, error_feedback=ef is not None, **options)
 
 
 def check_comm_backend(cfg: TrainConfig) -> None:
@@ -79,15 +79,6 @@ def check_comm_backend(cfg: TrainConfig) -> None:
         )
     if cfg.comm_backend == "sparktrain":
         return
-    from sparktrain.strategies import registry
-
-    if not registry.get(cfg.strategy).torch_backend or cfg.parallelism_pipeline > 1:
-        raise ConfigError(
-            f"comm_backend='torch' averages the gradients of strategy="
-            f"{registry.spelled(registry.having('torch_backend'))} "
-            f"without a pipeline, not strategy={cfg.strategy!r}"
-            f"{' with parallelism.pipeline > 1' if cfg.parallelism_pipeline > 1 else ''}"
-        )
     if cfg.encryption != "none":
         raise ConfigError(
             "comm_backend='torch' sends through torch.distributed, whose store and "

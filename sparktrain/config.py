@@ -379,11 +379,12 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first key whose value is not allowed.
 
-        Checks the keys this class owns, then asks the strategy registered under
-        ``strategy`` what it makes of them (which compression specs it takes, whether it
-        combines with a pipeline): :meth:`sparktrain.strategies.base.Strategy.validate`.
+        Checks the keys this class owns, alone and together, and that ``strategy`` names
+        a strategy there is. What the strategy makes of them (which compression specs it
+        takes, whether it has a GPU path or combines with a pipeline) is the plug-in's
+        question, asked when a job opens: :func:`sparktrain.launch.job.check_job`.
         """
-        strategy = registry.get(self.strategy)  # an unknown name: the error lists them
+        registry.check_known(self.strategy)  # the error lists them
         _check_compression(self.compression, self.optimizer_kwargs)
         if isinstance(self.loss, str):
             _one_of("loss", self.loss, LOSSES)
@@ -400,15 +401,6 @@ class TrainConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("compression_path", self.compression_path, COMPRESSION_PATHS)
         _at_least("gpus_per_task", self.gpus_per_task, 0)
-        if self.device == "cuda" and (
-            not registry.get(self.strategy).supports_cuda or self.parallelism_pipeline > 1
-        ):
-            cuda = registry.spelled(registry.having("supports_cuda"))
-            raise ConfigError(
-                f"device='cuda' trains with strategy={cuda} without a pipeline; "
-                f"strategy={self.strategy!r} with parallelism.pipeline="
-                f"{self.parallelism_pipeline} trains on the CPU: use device='auto' or 'cpu'"
-            )
         _positive("checkpoint_every", self.checkpoint_every)
         _at_least("keep_checkpoints", self.keep_checkpoints, 1)
         _at_least("max_restarts", self.max_restarts, 0)
@@ -491,7 +483,6 @@ class TrainConfig:
                 f"sparse_density={self.sparse_density!r}: give a finite fraction >= 0 of a "
                 "table's rows (e.g. 0.5)"
             )
-        strategy.validate(self)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -889,12 +880,6 @@ def check_sharding(cfg: TrainConfig) -> None:
         raise ConfigError(f"shard_optimizer={cfg.shard_optimizer!r} must be true or false")
     if not cfg.shard_optimizer:
         return
-    if not registry.get(cfg.strategy).supports_sharding:
-        raise ConfigError(
-            f"shard_optimizer=true needs strategy="
-            f"{registry.spelled(registry.having('supports_sharding'))}, got {cfg.strategy!r} "
-            "('auto' cannot be sharded: choose ring or tree)"
-        )
     if cfg.compression != "none":
         raise ConfigError(
             "shard_optimizer=true reduce-scatters uncompressed gradients: set compression='none'"

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from sparktrain.comm_backend import check_torch_transport
 from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -79,15 +78,9 @@ def torch_run(
     cfg = config or TrainConfig()
     if num_workers is not None:
         cfg = cfg.replace(num_workers=num_workers)
-    from sparktrain.strategies import registry
+    from sparktrain.launch.job import check_job
 
-    # not the ps: it would start a server fn never uses
-    if not registry.get(cfg.strategy).supports_torch_run:
-        raise ConfigError(
-            f"torch_run meets the ranks over strategy="
-            f"{registry.spelled(registry.having('supports_torch_run'))}, not "
-            f"{cfg.strategy!r}: fn does its own communication"
-        )
+    check_job(cfg, "torch_run")  # not the ps: it would start a server fn never uses
     session = spark
     if session is None:
         from sparktrain.session import get_or_create_session

@@ -187,41 +187,24 @@ def stage_summary(
     last = history[-1]
     train_s = max(s["train_s"] for s in stats)
     train_samples = sum(s["train_rows"] for s in stats)
-    comm = [s["comm"] for s in stats]
-    bytes_sent = sum(c["raw_bytes_sent"] for c in comm)
-    wire_bytes = sum(c["wire_bytes_sent"] for c in comm)
     return {
-        "strategy": cfg.strategy,
-        "compression": cfg.compression,
-        "world_size": world_size,
+        **stats_summary(cfg, stats, world_size=world_size, wall_s=wall_s, stage_s=stage_s),
         "epochs": cfg.epochs,
         "epochs_run": len(history),  # fewer when early stopping stopped the run
         "train_samples": train_samples,
-        "train_rows_per_worker": [s["train_rows"] for s in stats],
-        "steps_per_epoch": stats[0]["steps_per_epoch"],
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "final_loss": last["loss"],
         "metric_name": meta["metric_name"],
         "metric_value": last["metric"],
-        "wall_s": wall_s,
-        "stage_s": stage_s,
         "train_s": train_s,
-        "comm_s": max(s["comm_s"] for s in stats),
         "samples_per_s": train_samples * cfg.epochs / train_s if train_s > 0 else 0.0,
-        "bytes_sent": bytes_sent,
-        "wire_bytes": wire_bytes,
-        "compression_ratio": bytes_sent / wire_bytes if wire_bytes else 1.0,
         "restarts": 0,
         "replicas_in_sync": replicas_in_sync,
-        # each rank's process peak (VmHWM; ranks sharing a process report one figure)
-        "peak_rss_bytes_per_worker": [s.get("peak_rss_bytes", 0) for s in stats],
-        **data_summary(stats),
         # each epoch's figures: loss, the metric (also by its name), the config's extra
         # metrics, the learning rate, and where early stopping stopped the run
         "history": [
             {k: v for k, v in h.items() if k not in ("type", "metric_name")} for h in history
         ],
-        "config": cfg.to_dict(),
         **({"early_stopping": meta["early_stopping"]} if "early_stopping" in meta else {}),
         # strategy/compression "auto": what the stage-start probe chose and why
         **({"auto": stats[0]["auto"]} if "auto" in stats[0] else {}),
@@ -231,6 +214,38 @@ def stage_summary(
             if "device" in stats[0]
             else {}
         ),
+    }
+
+
+def stats_summary(
+    cfg: TrainConfig,
+    stats: list[dict[str, Any]],
+    *,
+    world_size: int,
+    wall_s: float,
+    stage_s: float,
+) -> dict[str, Any]:
+    """The keys every barrier stage reports, a fit's or :func:`sparktrain.run`'s, from
+    the per-rank ``stats`` records alone: what ran where, the time and the bytes."""
+    comm = [s["comm"] for s in stats]
+    bytes_sent = sum(c["raw_bytes_sent"] for c in comm)
+    wire_bytes = sum(c["wire_bytes_sent"] for c in comm)
+    return {
+        "strategy": cfg.strategy,
+        "compression": cfg.compression,
+        "world_size": world_size,
+        "train_rows_per_worker": [s["train_rows"] for s in stats],
+        "steps_per_epoch": stats[0]["steps_per_epoch"],
+        "wall_s": wall_s,
+        "stage_s": stage_s,
+        "comm_s": max(s["comm_s"] for s in stats),
+        "bytes_sent": bytes_sent,
+        "wire_bytes": wire_bytes,
+        "compression_ratio": bytes_sent / wire_bytes if wire_bytes else 1.0,
+        # each rank's process peak (VmHWM; ranks sharing a process report one figure)
+        "peak_rss_bytes_per_worker": [s.get("peak_rss_bytes", 0) for s in stats],
+        **data_summary(stats),
+        "config": cfg.to_dict(),
         **sync_summary(stats),
     }
 

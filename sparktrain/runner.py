@@ -30,22 +30,18 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from sparktrain import strategies
 from sparktrain.config import TrainConfig
-from sparktrain.data.columns import ColumnsSpec, parse_columns, parse_labels
+from sparktrain.data.columns import ColumnsSpec
 from sparktrain.errors import ConfigError, WorkerError
-from sparktrain.launch.prepare import ColumnOptions, PreparedData, prepare
-from sparktrain.launch.resources import check_can_launch, check_transport_security
-from sparktrain.launch.spark_env import check_data_kind, session_of, spark_env
+from sparktrain.launch.job import open_job
+from sparktrain.launch.prepare import PreparedData
 from sparktrain.launch.stage import FitJob, train_in_stage
 from sparktrain.result import (
     Record,
     TrainResult,
-    data_summary,
     load_state_records,
-    sparse_summary,
+    stats_summary,
 )
-from sparktrain.strategies import registry
 from sparktrain.worker.faults import FaultPlan
 from sparktrain.worker.run_task import decode_value, run_partition
 
@@ -107,38 +103,25 @@ def run(
     cfg = config or TrainConfig()
     if num_workers is not None:
         cfg = cfg.replace(num_workers=num_workers)
-    _check_run_config(cfg)
-    if data is not None:
-        parse_columns(columns)
-        parse_labels(label_col)
-    elif validation_data is not None or weight_col is not None:
+    if data is None and (validation_data is not None or weight_col is not None):
         raise ConfigError("validation_data and weight_col need data: pass data= as well")
-    session = spark or session_of(data)
-    if session is None:
-        from sparktrain.session import get_or_create_session
-
-        session = get_or_create_session()
-    env = spark_env(session)
-    check_data_kind(env, data, validation_data)
-    cfg = check_transport_security(env, cfg)
-    strategy = strategies.get(cfg.strategy)
-    check_can_launch(env, cfg.num_workers)
+    opened = open_job(
+        cfg,
+        data,
+        validation_data,
+        way="run",
+        spark=spark,
+        columns=None if data is None else columns,
+        label_col=label_col,
+    )
+    cfg = opened.config
     if data is None:
-        prepared = _no_data(session, cfg.num_workers)
+        prepared = _no_data(opened.session, cfg.num_workers)
     else:
-        prepared = prepare(
-            data,
-            validation_data,
-            columns,
-            label_col,
-            cfg.num_workers,
-            weight_col,
-            ColumnOptions.of(cfg),
-            cfg.label_scaling,
-        )
+        prepared = opened.prepare(data, validation_data, columns, label_col, weight_col)
     received: dict[str, Any] = {}
     job = FitJob(
-        spark=env,
+        spark=opened.env,
         prepared=prepared,
         model=_Received(),
         model_fn=None,
@@ -150,7 +133,7 @@ def run(
         callbacks=tuple(callbacks),
         received=received,
     )
-    spec = dataclasses.replace(job.job_spec(strategy), train_fn=train_fn)
+    spec = dataclasses.replace(job.job_spec(opened.strategy), train_fn=train_fn)
     value: list[Any] = []
 
     def finish(records: list[Record], stage_s: float) -> TrainResult:
@@ -158,28 +141,10 @@ def run(
         value.append(returned)
         return result
 
-    result = train_in_stage(job, strategy, entry=run_partition, assemble_result=finish, spec=spec)
+    result = train_in_stage(
+        job, opened.strategy, entry=run_partition, assemble_result=finish, spec=spec
+    )
     return RunResult(value=value[0], history=result.history, summary=result.summary)
-
-
-def _check_run_config(cfg: TrainConfig) -> None:
-    if not registry.get(cfg.strategy).supports_run:
-        can = registry.having("supports_run")
-        others = [n for n in registry.names() if n not in can]
-        raise ConfigError(
-            f"sparktrain.run trains with strategy={registry.spelled(can)}, not "
-            f"{cfg.strategy!r}: {registry.spelled(others)} stay with Trainer.fit"
-        )
-    if cfg.parallelism_pipeline > 1:
-        raise ConfigError(
-            "sparktrain.run is data parallel: pipeline parallelism stays with Trainer.fit "
-            "(set parallelism.pipeline = 1)"
-        )
-    if cfg.compression == "auto":
-        raise ConfigError(
-            "compression='auto' probes a model the driver knows; with sparktrain.run name a "
-            "spec (e.g. 'int8+ef') or 'none'"
-        )
 
 
 def _no_data(session: SparkSession, workers: int) -> PreparedData:
@@ -220,32 +185,18 @@ def _assemble(
     streamed = bool(meta.get("streamed"))
     tensors = (job.received or {}) if streamed else load_state_records(records, 0, meta)
     value = decode_value(meta["value"], tensors)
-    comm = [s["comm"] for s in stats]
-    bytes_sent = sum(c["raw_bytes_sent"] for c in comm)
-    wire_bytes = sum(c["wire_bytes_sent"] for c in comm)
     summary: dict[str, Any] = {
-        "strategy": cfg.strategy,
-        "compression": cfg.compression,
-        "world_size": cfg.num_workers,
+        **stats_summary(
+            cfg,
+            stats,
+            world_size=cfg.num_workers,
+            wall_s=time.perf_counter() - job.started,
+            stage_s=stage_s,
+        ),
         # the epochs the function reported (ctx.report(epoch=...)), as a fit's summary counts
         "epochs_run": len(meta["history"]),
-        "train_rows_per_worker": [s["train_rows"] for s in stats],
-        "steps_per_epoch": stats[0]["steps_per_epoch"],
-        "wall_s": time.perf_counter() - job.started,
-        "stage_s": stage_s,
-        "comm_s": max(s["comm_s"] for s in stats),
-        "bytes_sent": bytes_sent,
-        "wire_bytes": wire_bytes,
-        "compression_ratio": bytes_sent / wire_bytes if wire_bytes else 1.0,
-        "peak_rss_bytes_per_worker": [s.get("peak_rss_bytes", 0) for s in stats],
-        **data_summary(stats),
         "history": meta["history"],
-        "config": cfg.to_dict(),
     }
-    for key in ("precision", "skipped_steps", "overlap", "compression_path"):
-        if key in stats[0]:
-            summary[key] = stats[0][key]
-    summary.update(sparse_summary(stats))
     if meta.get("early_stopping"):
         summary["early_stopping"] = meta["early_stopping"]
     if job.prepared.label_stats is not None:  # the train_fn saw standardised labels

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from sparktrain import strategies
 from sparktrain.builders import (
     ModelFn,
     build_loss,
@@ -29,11 +28,10 @@ from sparktrain.builders import (
 )
 from sparktrain.config import TrainConfig
 from sparktrain.data.batch import forward, forward_params, sample_batch
-from sparktrain.data.columns import RAGGED, ColumnsSpec, Layout, parse_columns, parse_labels
+from sparktrain.data.columns import RAGGED, ColumnsSpec, Layout
 from sparktrain.errors import ConfigError, DataError
-from sparktrain.launch.prepare import ColumnOptions, prepare, unscale_result
-from sparktrain.launch.resources import check_can_launch, check_transport_security
-from sparktrain.launch.spark_env import SparkEnv, check_data_kind, session_of, spark_env
+from sparktrain.launch.job import OpenJob, check_job, open_job
+from sparktrain.launch.prepare import unscale_result
 from sparktrain.launch.stage import FitJob
 from sparktrain.parallel.pipeline import check_param_cap, run_pipeline
 from sparktrain.result import TrainResult
@@ -71,7 +69,8 @@ class Trainer:
     ) -> None:
         self.model_fn = model_fn
         self.config = config or TrainConfig()
-        self.config.validate()  # the config's own keys, then its strategy's view of them
+        self.config.validate()  # the config's own keys (it may have been changed since)
+        check_job(self.config)  # then its strategy's view of them, before Spark starts
         self.model_kwargs = dict(model_kwargs or {})
         self._spark = spark
         self._fault_plan = fault_plan  # test-only: see sparktrain.worker.faults
@@ -106,18 +105,19 @@ class Trainer:
         reported training loss too); validation metrics stay unweighted.
         """
         started = time.perf_counter()
-        env = spark_env(self._session(data))
-        check_data_kind(env, data, validation_data)
-        # The encryption gate, before anything else and for every path (ring, tree, ps,
-        # auto, pipelines, tree_aggregate's delta+ weights server). Under Spark's wire
-        # encryption it may force frame integrity on: the job then runs on a copy of this
-        # trainer holding the adjusted copy of the config (the caller's config is untouched).
-        cfg = check_transport_security(env, self.config)
-        job = self if cfg is self.config else self._with_config(cfg)
-        parse_columns(features_col)  # a malformed spec fails before any Spark job
-        parse_labels(label_col)
+        opened = open_job(
+            self.config,
+            data,
+            validation_data,
+            spark=self._spark,
+            columns=features_col,
+            label_col=label_col,
+        )
+        # the job runs on a copy of this trainer when the encryption gate adjusted the
+        # config (the caller's config is untouched)
+        job = self if opened.config is self.config else self._with_config(opened.config)
         return job._fit(
-            env, started, data, features_col, label_col, validation_data, weight_col, callbacks
+            opened, started, data, features_col, label_col, validation_data, weight_col, callbacks
         )
 
     def _with_config(self, cfg: TrainConfig) -> Trainer:
@@ -127,7 +127,7 @@ class Trainer:
 
     def _fit(
         self,
-        env: SparkEnv,
+        opened: OpenJob,
         started: float,
         data: Any,
         features_col: ColumnsSpec,
@@ -137,9 +137,7 @@ class Trainer:
         callbacks: Sequence[Any] = (),
     ) -> TrainResult:
         cfg = self.config
-        strategy = strategies.get(cfg.strategy)
-        if strategy.launcher == "barrier" or cfg.parallelism_pipeline > 1:
-            check_can_launch(env, cfg.num_workers)
+        strategy = opened.strategy
         if weight_col:  # before any Spark job: can the loss take sample weights?
             check_weighted_loss(cfg.loss, dict(cfg.loss_kwargs))
         # The model, loss and optimizer are built while the driver waits on Spark's
@@ -149,23 +147,14 @@ class Trainer:
         # loss/optimizer settings.
         with ThreadPoolExecutor(1, thread_name_prefix="sparktrain-model") as pool:
             built = pool.submit(self._build_model)
-            prepared = prepare(
-                data,
-                validation_data,
-                features_col,
-                label_col,
-                cfg.num_workers,
-                weight_col,
-                ColumnOptions.of(cfg),
-                cfg.label_scaling,
-            )
+            prepared = opened.prepare(data, validation_data, features_col, label_col, weight_col)
             model, settings_error = built.result()
         layout = prepared.data_layout
         _check_layout_fits(layout, cfg, strategy.launcher)
         model, num_outputs = self.check_model(layout, model, settings_error, prepared.samples)
         check_param_cap(model, cfg)  # no-op for pipelines (each stage is checked instead)
         job = FitJob(
-            spark=env,
+            spark=opened.env,
             prepared=prepared,
             model=model,
             model_fn=self.model_fn,
@@ -185,16 +174,6 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ internals
-    def _session(self, data: Any = None) -> SparkSession:
-        if self._spark is not None:
-            return self._spark
-        owner = session_of(data)
-        if owner is not None:
-            return owner
-        from sparktrain.session import get_or_create_session
-
-        return get_or_create_session()
-
     def _build_model(self) -> tuple[nn.Module, Exception | None]:
         """Build the model once on the driver (seeded as the workers do) and try the loss
         and optimizer settings on it; their error, if any, is returned for

@@ -114,9 +114,19 @@ class BaseCompressor:
     parts_summable: bool = False
     """Do two single-round payloads with equal ctx sum part by part, still compressed
     (fp16, bf16, randomk): tree_aggregate's combOp then merges them without decoding."""
+    ddp_hook: str | None = None
+    """The torch DDP communication hook that compresses as this does, for
+    ``comm_backend="torch"`` (``"fp16"``, ``"bf16"``, ``"powersgd"``; its options from
+    :meth:`ddp_hook_options`); None: torch has none, and that backend refuses the spec."""
+    ddp_hook_feedback: bool = False
+    """Does that hook also have plain ``+ef`` (PowerSGD's error feedback)?"""
     deterministic_decode: bool = True
     """Is decoding bit-identical on every process (thread counts included)? A ``delta+``
     mirror needs it: the sender's and the receiver's copies must not drift."""
+
+    def ddp_hook_options(self) -> dict[str, Any]:
+        """The keyword options of :attr:`ddp_hook` this instance was built with."""
+        return {}
 
     def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
         raise NotImplementedError
@@ -297,14 +307,3 @@ def decode_message(
         parts.append(data[pos : pos + nbytes].view(dt))
         pos += _pad8(nbytes)
     return tuple(parts), Ctx(int(got_numel), meta), float(count)
-
-
-def ability(comp: object, name: str) -> Any:
-    """``comp``'s answer to ability ``name`` (an attribute of :class:`BaseCompressor`),
-    asked of the core compressor under ``+ef``, with the base class's default for a
-    compressor that does not declare it."""
-    from sparktrain.compress.feedback import ErrorFeedback  # it subclasses this module's
-
-    while isinstance(comp, ErrorFeedback):
-        comp = comp.inner
-    return getattr(comp, name, getattr(BaseCompressor, name))

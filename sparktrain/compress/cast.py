@@ -69,6 +69,8 @@ class Half(BaseCompressor):
     summable = True
     parts_summable = True
 
+    ddp_hook = "fp16"
+
     def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
         t = tensor.detach().reshape(-1)
         h = t.to(torch.float16)
@@ -100,6 +102,8 @@ class BFloat16(BaseCompressor):
     spec = "bf16"
     summable = True
     parts_summable = True
+
+    ddp_hook = "bf16"
 
     def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
         t = tensor.detach().reshape(-1)

@@ -84,12 +84,11 @@ from sparktrain.compress.base import (
     BucketState,
     Compressor,
     Ctx,
-    ability,
     decode_message,
     encode_message,
     message_nbytes,
 )
-from sparktrain.compress.feedback import SCALE, WORLD, ErrorFeedback
+from sparktrain.compress.feedback import SCALE, WORLD, ErrorFeedback, ability
 from sparktrain.compress.snapshot import dump_states, load_states
 from sparktrain.compress.topk import index_dtype
 from sparktrain.errors import CommError, ConfigError

@@ -53,10 +53,18 @@ and only when they differ from the default, so a spec round-trips through
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from sparktrain.compress.base import BaseCompressor, BucketState, Compressor, Ctx, Payload, SumFn
+from sparktrain.compress.base import (
+    BaseCompressor,
+    BucketState,
+    Compressor,
+    Ctx,
+    Payload,
+    SumFn,
+)
 from sparktrain.errors import ConfigError
 
 RESIDUAL = "ef.residual"
@@ -199,6 +207,11 @@ class ErrorFeedback(BaseCompressor):
         residual = x.sub_(sent)
         state.slots[RESIDUAL] = residual if s == 1.0 else residual.div_(s)
 
+    @property
+    def plain(self) -> bool:
+        """Plain ``+ef``: no reset, momentum, masking or clipping (what DDP's hooks have)."""
+        return not (self.reset or self.momentum or self.local_clip or self.mask)
+
     def compress(self, tensor: torch.Tensor, state: BucketState) -> tuple[Payload, Ctx]:
         x, s = self._input(tensor, state)
         payload, ctx = self.inner.compress(x, state)
@@ -221,3 +234,12 @@ class ErrorFeedback(BaseCompressor):
         total, local = self.inner.allreduce(x, state, sum_)  # type: ignore[attr-defined]
         self._keep(state, x, local, s)
         return total, local
+
+
+def ability(comp: object, name: str) -> Any:
+    """``comp``'s answer to ability ``name`` (an attribute of :class:`BaseCompressor`),
+    asked of the core compressor under ``+ef``, with the base class's default for a
+    compressor that does not declare it."""
+    while isinstance(comp, ErrorFeedback):
+        comp = comp.inner
+    return getattr(comp, name, getattr(BaseCompressor, name))

@@ -93,6 +93,12 @@ class PowerSGD(BaseCompressor):
     summable = True
     deterministic_decode = False  # a matrix product: its bits depend on the thread count
 
+    ddp_hook = "powersgd"
+    ddp_hook_feedback = True
+
+    def ddp_hook_options(self) -> dict[str, Any]:
+        return {"rank": self.rank, "warm_start": self.warm}
+
     def __init__(self, rank: int, warm: bool = True) -> None:
         self.rank = int(rank)
         self.warm = bool(warm)

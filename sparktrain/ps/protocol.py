@@ -99,10 +99,10 @@ from sparktrain.comm.frames import HEADER_BYTES, KIND_DATA, KIND_USER_MIN
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
-    ability,
     decode_message,
     encode_message,
 )
+from sparktrain.compress.feedback import ability
 from sparktrain.compress.registry import build, split_spec
 from sparktrain.errors import ConfigError, FrameError
 

@@ -149,6 +149,7 @@ class Strategy:
     def validate(self, cfg: TrainConfig) -> None:
         """Refuse options this strategy cannot run with, saying what to do instead.
         The base class checks the compression spec against the class attributes."""
+        self._check_abilities(cfg)
         if cfg.parallelism_pipeline > 1 and cfg.compression == "auto":
             raise ConfigError(
                 "strategy/compression 'auto' do not combine with parallelism.pipeline > 1: "
@@ -200,6 +201,31 @@ class Strategy:
                 loop_knobs(cfg),
                 f"strategy={self.name!r}" if self.launcher == "rounds" else "pipeline parallelism",
                 "use strategy='ring', 'tree' or 'ps' (data parallel) for them",
+            )
+
+    def _check_abilities(self, cfg: TrainConfig) -> None:
+        """Refuse the settings that need an ability this strategy has not declared."""
+        from sparktrain.strategies import registry
+
+        pipeline = cfg.parallelism_pipeline > 1
+        if cfg.device == "cuda" and (not self.supports_cuda or pipeline):
+            raise ConfigError(
+                f"device='cuda' trains with strategy="
+                f"{registry.spelled(registry.having('supports_cuda'))} without a pipeline; "
+                f"strategy={self.name!r} with parallelism.pipeline="
+                f"{cfg.parallelism_pipeline} trains on the CPU: use device='auto' or 'cpu'"
+            )
+        if cfg.shard_optimizer and not self.supports_sharding:
+            raise ConfigError(
+                f"shard_optimizer=true needs strategy="
+                f"{registry.spelled(registry.having('supports_sharding'))}, got {self.name!r}"
+            )
+        if cfg.comm_backend == "torch" and (not self.torch_backend or pipeline):
+            raise ConfigError(
+                f"comm_backend='torch' averages the gradients of strategy="
+                f"{registry.spelled(registry.having('torch_backend'))} "
+                f"without a pipeline, not strategy={self.name!r}"
+                f"{' with parallelism.pipeline > 1' if pipeline else ''}"
             )
 
     def opens_sockets(self, cfg: TrainConfig) -> bool:

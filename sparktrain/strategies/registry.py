@@ -72,6 +72,13 @@ def get(name: str) -> Strategy:
     return found
 
 
+def check_known(name: str) -> None:
+    """Raise the ConfigError :func:`get` would for a name that is neither built in nor
+    registered, without importing any strategy."""
+    if not is_known(canonical(name)):
+        get(name)
+
+
 def canonical(name: str) -> str:
     """``name`` as registered: ``"Ring"`` is ``"ring"``. A name that matches none, or
     several that differ only in case, is returned as given."""

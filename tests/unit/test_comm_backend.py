@@ -8,6 +8,7 @@ import pytest
 from sparktrain import TrainConfig
 from sparktrain.comm_backend import HookSpec, hook_spec
 from sparktrain.errors import ConfigError, ResourceError
+from sparktrain.launch.job import check_job
 from sparktrain.launch.resources import check_transport_security
 from sparktrain.launch.spark_env import ClassicEnv
 
@@ -22,7 +23,7 @@ def test_default_and_unknown() -> None:
 @pytest.mark.parametrize("strategy", ["ps", "tree_aggregate", "auto"])
 def test_torch_only_for_ring_and_tree(strategy: str) -> None:
     with pytest.raises(ConfigError, match="strategy='ring' or 'tree'"):
-        TrainConfig(comm_backend="torch", strategy=strategy)
+        check_job(TrainConfig(comm_backend="torch", strategy=strategy))
 
 
 def test_torch_refuses_tls() -> None:

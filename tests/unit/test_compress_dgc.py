@@ -29,6 +29,7 @@ from sparktrain.compress.snapshot import dump_state, dump_states, load_state, lo
 from sparktrain.compress.topk import TopK, keep_count
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.launch.job import check_job
 
 
 def _x(n: int, seed: int = 0) -> torch.Tensor:
@@ -376,10 +377,10 @@ def test_sign_without_drop_last_warns_what_to_set(caplog: pytest.LogCaptureFixtu
     spec = "sign:chunk=32+ef:momentum=0.9"
     kw = {"compression": spec, "optimizer_kwargs": {"momentum": 0.0}}
     with caplog.at_level("WARNING", logger="sparktrain.strategies.base"):
-        TrainConfig(**kw).validate()
+        check_job(TrainConfig(**kw))
     assert any("drop_last=true" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING", logger="sparktrain.strategies.base"):
-        TrainConfig(**kw, drop_last=True).validate()
-        TrainConfig(compression="topk:0.01+ef").validate()
+        check_job(TrainConfig(**kw, drop_last=True))
+        check_job(TrainConfig(compression="topk:0.01+ef"))
     assert not caplog.records

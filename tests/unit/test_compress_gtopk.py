@@ -21,6 +21,7 @@ from sparktrain.compress.collective import (
 from sparktrain.compress.feedback import MOMENTUM, RESIDUAL
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.launch.job import check_job
 
 from .fixtures import raise_first, run_mesh_ranks
 
@@ -202,14 +203,14 @@ def test_forced_allgather_stays_exact_and_bad_paths_are_refused():
     with pytest.raises(ConfigError, match="allowed values"):
         TrainConfig(compression=SPEC, compression_path="gtopk").validate()
     with pytest.raises(ConfigError, match="does not apply"):
-        TrainConfig(
-            compression="topk:0.01", compression_path="resparsify", num_workers=4
-        ).validate()
+        check_job(
+            TrainConfig(compression="topk:0.01", compression_path="resparsify", num_workers=4)
+        )
     with pytest.raises(ConfigError, match="strategy='ps'"):
-        TrainConfig(strategy="ps", compression=SPEC, compression_path="allgather").validate()
+        check_job(TrainConfig(strategy="ps", compression=SPEC, compression_path="allgather"))
     with pytest.raises(ConfigError, match="needs a compression"):
-        TrainConfig(compression="none", compression_path="allgather").validate()
-    TrainConfig(compression=SPEC, compression_path="resparsify", num_workers=4).validate()
+        check_job(TrainConfig(compression="none", compression_path="allgather"))
+    check_job(TrainConfig(compression=SPEC, compression_path="resparsify", num_workers=4))
 
 
 @pytest.mark.parametrize("algo", ["ring", "tree"])

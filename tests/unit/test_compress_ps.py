@@ -15,6 +15,7 @@ from sparktrain.compress.feedback import MOMENTUM, RESIDUAL, SCALE
 from sparktrain.compress.registry import build
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
+from sparktrain.launch.job import check_job
 from sparktrain.ps import protocol
 from sparktrain.ps.client import shard_shapes
 from sparktrain.strategies.tree_aggregate.codec import (
@@ -110,12 +111,12 @@ def test_a_malformed_compressed_push_is_refused_not_fatal():
 
 def test_ps_compression_specs_are_checked():
     with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):
-        TrainConfig(strategy="ps", compression="delta+powersgd:2")
-    TrainConfig(strategy="ps", compression="delta+int8+ef")  # fine on the PS
+        check_job(TrainConfig(strategy="ps", compression="delta+powersgd:2"))
+    check_job(TrainConfig(strategy="ps", compression="delta+int8+ef"))  # fine on the PS
     for strategy in ("ring", "tree"):
         with pytest.raises(ConfigError, match="drop 'delta\\+'"):
-            TrainConfig(strategy=strategy, compression="delta+int8")
-    TrainConfig(strategy="tree_aggregate", compression="delta+int8+ef")  # weight downloads
+            check_job(TrainConfig(strategy=strategy, compression="delta+int8"))
+    check_job(TrainConfig(strategy="tree_aggregate", compression="delta+int8+ef"))  # downloads
     with pytest.raises(ConfigError, match="optimizer_kwargs.momentum=0"):
         TrainConfig(compression="topk:0.01+ef:momentum=0.9", optimizer_kwargs={"momentum": 0.9})
     TrainConfig(compression="topk:0.01+ef:momentum=0.9", optimizer_kwargs={"momentum": 0.0})

@@ -13,7 +13,9 @@ from sparktrain.comm import make_allreduce
 from sparktrain.comm.ring import ring_raw_bytes_sent
 from sparktrain.compress import build
 from sparktrain.compress.collective import CompressedAllreduce, path_for
+from sparktrain.config import TrainConfig
 from sparktrain.errors import CommError, ConfigError
+from sparktrain.launch.job import check_job
 from sparktrain.result import assemble as _assemble
 
 from .fixtures import (
@@ -158,4 +160,4 @@ def test_malformed_peer_payload_fails_every_rank_without_hanging():
 
 def test_delta_is_refused_on_ring_and_tree():
     with pytest.raises(ConfigError, match="drop 'delta"):
-        loop_spec(compression="delta+int8")
+        check_job(TrainConfig(compression="delta+int8"))

@@ -13,6 +13,7 @@ import torch
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, ResourceError
 from sparktrain.launch.barrier import task_gpus
+from sparktrain.launch.job import check_job
 from sparktrain.launch.spark_env import ClassicEnv
 from sparktrain.worker.device import cuda_index, device_for, place, resolve
 from tests.unit.fixtures import (
@@ -35,7 +36,7 @@ def test_config_checks_device_and_gpus_per_task():
     with pytest.raises(
         ConfigError, match="device='cuda' trains with strategy='ring', 'tree' or 'auto'"
     ):
-        TrainConfig(device="cuda", strategy="ps")
+        check_job(TrainConfig(device="cuda", strategy="ps"))
     assert TrainConfig.from_dict({"device": "cuda", "gpus_per_task": 1}).gpus_per_task == 1
 
 

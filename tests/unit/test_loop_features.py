@@ -11,6 +11,7 @@ import torch
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.launch.job import check_job
 from sparktrain.worker.run_task import run_partition
 from tests.unit.fixtures import (
     assert_close_params,
@@ -118,9 +119,9 @@ def test_extra_metrics_are_reported_every_epoch() -> None:
 
 def test_knobs_a_strategy_cannot_run_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="clip_grad_norm"):
-        TrainConfig(strategy="ps", clip_grad_norm=1.0)
+        check_job(TrainConfig(strategy="ps", clip_grad_norm=1.0))
     with pytest.raises(ConfigError, match="early_stopping"):
-        TrainConfig(strategy="tree_aggregate", early_stopping={"metric": "loss"})
+        check_job(TrainConfig(strategy="tree_aggregate", early_stopping={"metric": "loss"}))
 
 
 def test_the_best_epoch_is_kept_as_a_checkpoint_pruning_never_removes(tmp_path) -> None:  # type: ignore[no-untyped-def]

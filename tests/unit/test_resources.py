@@ -155,6 +155,8 @@ def test_trainer_fit_runs_the_job_with_frame_integrity_forced_on(monkeypatch):
         return "result"
 
     monkeypatch.setattr(Trainer, "_fit", fake_fit)
+    # the fake context has no slots to count
+    monkeypatch.setattr("sparktrain.launch.job.check_can_launch", lambda env, workers: None)
     cfg = TrainConfig(strategy="ring", allow_unencrypted=True, frame_integrity=False)
     trainer = Trainer("sparktrain.models:digits_mlp", cfg, spark=_FakeSession(_encrypted()))  # type: ignore[arg-type]
     assert trainer.fit(None) == "result"

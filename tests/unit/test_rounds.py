@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sparktrain import TrainConfig
+from sparktrain.launch.job import check_job
 from sparktrain.strategies.tree_aggregate.codec import (
     COMPUTE_S,
     EVAL_ROWS,
@@ -246,7 +247,7 @@ def test_delta_powersgd_is_refused_on_the_driver() -> None:
     from sparktrain.strategies.tree_aggregate.driver import run_rounds
 
     with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):
-        rounds_cfg(compression="delta+powersgd:2+ef")
+        check_job(rounds_cfg(compression="delta+powersgd:2+ef"))
     cfg = rounds_cfg()
     cfg.compression = "delta+powersgd:2"  # bypasses validation on purpose
     with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):

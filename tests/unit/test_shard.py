@@ -16,6 +16,7 @@ from sparktrain.checkpoint import CheckpointStore
 from sparktrain.comm.ring import RingAllreduce, ring_segments
 from sparktrain.config import TrainConfig
 from sparktrain.errors import CheckpointError, CommError, ConfigError, PeerLostError
+from sparktrain.launch.job import check_job
 from sparktrain.worker.faults import FaultPlan, InjectedFaultError
 from sparktrain.worker.run_context import RunContext
 
@@ -222,7 +223,7 @@ def test_resume_refuses_another_world_size(tmp_path):
 )
 def test_unsupported_combinations_are_refused(extra, match):
     with pytest.raises(ConfigError, match=match):
-        TrainConfig(**{"shard_optimizer": True, **extra})
+        check_job(TrainConfig(**{"shard_optimizer": True, **extra}))
 
 
 def _adam_train_fn(ctx: RunContext) -> dict[str, Any]:

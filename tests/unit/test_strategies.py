@@ -10,6 +10,7 @@ import pytest
 from sparktrain import costmodel, strategies
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.launch.job import check_job
 from sparktrain.strategies import registry
 from sparktrain.strategies.base import DriverHalf, Strategy
 from sparktrain.strategies.registry import is_known, register
@@ -63,9 +64,9 @@ def test_a_plugin_gets_the_default_halves():
     with pytest.raises(NotImplementedError, match="no cost model"):
         toy.comm_s(1e6, 2, 1e-4, 1e-9)
     with pytest.raises(ConfigError, match="drop 'delta"):
-        TrainConfig(strategy="toy_for_registry_tests", compression="delta+int8")
+        check_job(TrainConfig(strategy="toy_for_registry_tests", compression="delta+int8"))
     with pytest.raises(ConfigError, match="per-layer table"):
-        TrainConfig(strategy="toy_for_registry_tests", compression={"*": "fp16"})
+        check_job(TrainConfig(strategy="toy_for_registry_tests", compression={"*": "fp16"}))
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,7 @@ def test_a_plugin_gets_the_default_halves():
 )
 def test_each_strategy_refuses_what_it_cannot_run(options, needle):
     with pytest.raises(ConfigError, match=needle):
-        TrainConfig(num_workers=2, **options)
+        check_job(TrainConfig(num_workers=2, **options))
 
 
 def test_what_each_strategy_accepts():
@@ -155,23 +156,27 @@ def test_the_builtins_abilities_are_their_class_attributes(ability):
 
 def test_every_check_asks_the_plugin_not_a_list_of_names(monkeypatch):
     """A plug-in's own attributes decide; the errors list the strategies that can."""
-    from sparktrain.runner import _check_run_config
     from sparktrain.worker.device import device_for
 
     # registered for this test only: other tests' error messages list the built-ins
     monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
     register(_CudaToy())
-    cuda = TrainConfig(strategy="toy_with_cuda_only", device="cuda")  # accepted: it can
+    cuda = TrainConfig(strategy="toy_with_cuda_only", device="cuda")
+    check_job(cuda)  # accepted: it can
     assert device_for(cuda) == "cuda"
     assert "'toy_with_cuda_only'" in registry.spelled(registry.having("supports_cuda"))
     with pytest.raises(ConfigError, match=r"strategy='ring', 'tree' or 'ps', not "):
-        _check_run_config(cuda)  # supports_run is False on the plug-in
+        check_job(cuda, "run")  # supports_run is False on the plug-in
     with pytest.raises(ConfigError, match="shard_optimizer=true needs strategy='ring' or 'tree'"):
-        TrainConfig(strategy="toy_with_cuda_only", shard_optimizer=True)
+        check_job(TrainConfig(strategy="toy_with_cuda_only", shard_optimizer=True))
     with pytest.raises(ConfigError, match="comm_backend='torch' averages the gradients of "):
-        TrainConfig(strategy="toy_with_cuda_only", comm_backend="torch")
+        check_job(TrainConfig(strategy="toy_with_cuda_only", comm_backend="torch"))
     with pytest.raises(ConfigError, match="has no such choice"):
-        TrainConfig(strategy="toy_with_cuda_only", compression="fp16", compression_path="allgather")
+        check_job(
+            TrainConfig(
+                strategy="toy_with_cuda_only", compression="fp16", compression_path="allgather"
+            )
+        )
 
 
 def test_an_ability_list_reads_as_an_error_lists_it():

@@ -31,11 +31,11 @@ import torch
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
-    ability,
     add_bf16,
     decode_message,
     encode_message,
 )
+from sparktrain.compress.feedback import ability
 from sparktrain.compress.registry import build, split_spec
 from sparktrain.errors import ConfigError
 
