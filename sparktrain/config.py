@@ -19,7 +19,6 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from sparktrain.comm_backend import check_comm_backend
 from sparktrain.errors import ConfigError
-from sparktrain.strategies import registry
 
 PS_MODES = ("sync", "async", "ssp")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk:R", "randomk:R", "sign", "powersgd:R")
@@ -372,6 +371,9 @@ class TrainConfig:
         ):
             self.frame_integrity = self.frame_integrity.lower() == "true"
         # "Ring" means "ring", as compressor names ignore case
+        # the strategies register as their package is imported: with the first config
+        from sparktrain.strategies import registry
+
         self.strategy = registry.canonical(self.strategy)
         self.validate()
 
@@ -384,6 +386,8 @@ class TrainConfig:
         takes, whether it has a GPU path or combines with a pipeline) is the plug-in's
         question, asked when a job opens: :func:`sparktrain.launch.job.check_job`.
         """
+        from sparktrain.strategies import registry
+
         registry.check_known(self.strategy)  # the error lists them
         _check_compression(self.compression, self.optimizer_kwargs)
         if isinstance(self.loss, str):

@@ -15,9 +15,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from sparktrain import strategies
 from sparktrain.comm_backend import check_torch_transport  # torch's plaintext collectives
 from sparktrain.errors import ResourceError
+from sparktrain.strategies import registry
 
 if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
@@ -81,7 +81,7 @@ def starts_own_sockets(cfg: TrainConfig) -> bool:
     weights server (:mod:`sparktrain.strategies.tree_aggregate.driver_weights`); each
     strategy says which (:meth:`~sparktrain.strategies.base.Strategy.opens_sockets`).
     """
-    return cfg.parallelism_pipeline > 1 or strategies.get(cfg.strategy).opens_sockets(cfg)
+    return cfg.parallelism_pipeline > 1 or registry.get(cfg.strategy).opens_sockets(cfg)
 
 
 def check_transport_security(
@@ -140,7 +140,7 @@ def _delta_note(cfg: TrainConfig, served_weights: bool = False) -> str:
             ": the weights are too large for a Spark Connect round's closure, so the "
             "driver's weights server sends them"
         )
-    if strategies.get(cfg.strategy).launcher == "rounds" and cfg.parallelism_pipeline == 1:
+    if registry.get(cfg.strategy).launcher == "rounds" and cfg.parallelism_pipeline == 1:
         return f", compression={cfg.compression!r}: delta+ starts the driver's weights server"
     return ""
 

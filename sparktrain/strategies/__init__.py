@@ -7,6 +7,10 @@ worker half (the step sync each rank runs). Adding one is one module and one
 docs/architecture.md.
 """
 
+# The built-in strategies register themselves as they are imported, and they are imported
+# here, by the package, whenever any of its modules is: the registry below them imports
+# no plug-in, so no import of it can loop back through a strategy.
+from sparktrain.strategies import allreduce, ps, tree_aggregate
 from sparktrain.strategies.registry import get, names, register
 
-__all__ = ["get", "names", "register"]
+__all__ = ["allreduce", "get", "names", "ps", "register", "tree_aggregate"]

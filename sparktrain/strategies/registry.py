@@ -1,16 +1,16 @@
 """The strategy registry: names to :class:`~sparktrain.strategies.base.Strategy` objects.
 
-It sits at the bottom of the house (it imports only the errors): the config checks a
-strategy's name here, and executors find a strategy's worker half here. The built-in
-strategies are imported on first use by their module path, so naming them costs no
-torch import; a plug-in registers itself when its module is imported (for executors:
-ship that module with ``SparkContext.addPyFile`` or install it, since a job's strategy
-object is unpickled there by reference to its module).
+It sits at the bottom of the house (it imports only the errors and no plug-in): the
+config checks a strategy's name here, and executors find a strategy's worker half here.
+Every strategy registers itself when its module is imported: the built-in ones with their
+package, :mod:`sparktrain.strategies`, which Python imports before this module; a
+plug-in with its own module (for executors: ship that module with
+``SparkContext.addPyFile`` or install it, since a job's strategy object is unpickled
+there by reference to its module).
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 from typing import TYPE_CHECKING
 
@@ -19,13 +19,6 @@ from sparktrain.errors import ConfigError, did_you_mean
 if TYPE_CHECKING:
     from sparktrain.strategies.base import Strategy
 
-_BUILTIN = {
-    "ring": "sparktrain.strategies.allreduce",
-    "tree": "sparktrain.strategies.allreduce",
-    "auto": "sparktrain.strategies.allreduce",
-    "ps": "sparktrain.strategies.ps",
-    "tree_aggregate": "sparktrain.strategies.tree_aggregate",
-}
 _REGISTERED: dict[str, Strategy] = {}
 _LOCK = threading.Lock()
 
@@ -58,9 +51,6 @@ def get(name: str) -> Strategy:
     error lists every name there is and the closest one."""
     name = canonical(name)
     found = _REGISTERED.get(name)
-    if found is None and name in _BUILTIN:
-        importlib.import_module(_BUILTIN[name])  # registers its strategies
-        found = _REGISTERED.get(name)
     if found is None:
         raise ConfigError(
             f"strategy={name!r} is not registered; registered strategies: "
@@ -82,7 +72,7 @@ def check_known(name: str) -> None:
 def canonical(name: str) -> str:
     """``name`` as registered: ``"Ring"`` is ``"ring"``. A name that matches none, or
     several that differ only in case, is returned as given."""
-    if not isinstance(name, str) or name in _BUILTIN or name in _REGISTERED:
+    if not isinstance(name, str) or name in _REGISTERED:
         return name
     folded = [n for n in names() if n.lower() == name.lower()]
     return folded[0] if len(folded) == 1 else name
@@ -90,7 +80,7 @@ def canonical(name: str) -> str:
 
 def names() -> list[str]:
     """Every strategy name there is: the built-ins, then plug-ins in registration order."""
-    return [*_BUILTIN, *(n for n in _REGISTERED if n not in _BUILTIN)]
+    return list(_REGISTERED)
 
 
 def having(ability: str) -> list[str]:
@@ -107,5 +97,5 @@ def spelled(choices: list[str]) -> str:
 
 
 def is_known(name: object) -> bool:
-    """Is ``name`` a built-in or registered strategy (without importing any)?"""
-    return isinstance(name, str) and (name in _BUILTIN or name in _REGISTERED)
+    """Is ``name`` a built-in or registered strategy?"""
+    return isinstance(name, str) and name in _REGISTERED

@@ -182,3 +182,26 @@ def test_every_check_asks_the_plugin_not_a_list_of_names(monkeypatch):
 def test_an_ability_list_reads_as_an_error_lists_it():
     assert registry.spelled(["ring"]) == "'ring'"
     assert registry.spelled(["ring", "tree", "ps"]) == "'ring', 'tree' or 'ps'"
+
+
+def test_the_registry_imports_no_plugin():
+    """The built-ins register as their package imports them; a registry that imported
+    a strategy by name would hide an import loop from the graph check."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(registry.__file__).read_text())
+    tree.body = [  # what runs: not the type checker's imports
+        n
+        for n in tree.body
+        if not (isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test))
+    ]
+    imported = [
+        n.module if isinstance(n, ast.ImportFrom) else a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    ]
+    assert not [m for m in imported if m and m.startswith(("sparktrain.strategies", "importlib"))]
+    assert "import_module" not in Path(registry.__file__).read_text()
+    assert registry.names()[:5] == ["ring", "tree", "auto", "ps", "tree_aggregate"]
