@@ -8,7 +8,7 @@ Records are ``{algo, world, bytes, time_s, algbw, busbw}``; busbw (GB/s) follows
 nccl-tests: ``bytes * 2(n-1)/n / time``. Each figure is the median over timed iterations
 of the slowest rank, after warm-up.
 
-``--algos ps`` adds the parameter server (:mod:`sparktrain.ps`, sync mode, SGD): for
+``--algos ps`` adds the parameter server (:mod:`sparktrain.strategies.ps`, sync mode, SGD): for
 each ``--shards`` count k the driver serves a flat model of ``bytes / 4`` float32
 parameters in k shards, and every barrier task times push + pull rounds (its gradient
 up, the shard's delta back: the whole model each way per rank). Rows are ``ps{k}``
@@ -16,12 +16,12 @@ with ``shards: k``; busbw uses the same formula so the rows compare with the rin
 
 ``--algos torch`` runs ``torch.distributed``'s Gloo allreduce *inside* the same barrier
 tasks, bootstrapped from the rendezvous exactly as ``comm_backend = "torch"`` does
-(:mod:`sparktrain.worker.torch_sync`): the row compares it with our ring in the same
+(:mod:`sparktrain.strategies.allreduce.task_torch`): the row compares it with our ring in the same
 tasks, and with ``gloo`` (the same Gloo between plain processes, ``tcp://`` init) for what
 Spark's Python workers cost it.
 
 ``--security none mac tls`` runs ring/tree once per wire security (plaintext, frame
-MACs, TLS; :mod:`sparktrain.comm.security`) on a mesh each, in the same barrier tasks,
+MACs, TLS; :mod:`sparktrain.wire.security`) on a mesh each, in the same barrier tasks,
 taking turns iteration by iteration: rows ``ring``, ``ring+mac``, ``ring+tls`` with
 ``security`` set (docs/security.md).
 """
@@ -111,9 +111,9 @@ def _spark_task(
     def task(partition: Iterator[Any]) -> Iterator[str]:
         import secrets as _secrets
 
-        from sparktrain.comm import Mesh, address_of, make_allreduce, open_listener
-        from sparktrain.comm.security import WireSecurity
-        from sparktrain.launch.barrier import worker_context
+        from sparktrain.driver.barrier import worker_context
+        from sparktrain.wire import Mesh, address_of, make_allreduce, open_listener
+        from sparktrain.wire.security import WireSecurity
 
         ctx = worker_context(None)
         out: dict[str, list[float]] = {}
@@ -175,7 +175,7 @@ def _spark_task(
 def _torch_allreduce(ctx: Any, timeout: float) -> Any:
     """comm_backend='torch''s plain allreduce, its process group started as there."""
 
-    from sparktrain.worker.torch_sync import TorchSumAllreduce, init_process_group
+    from sparktrain.strategies.allreduce.task_torch import TorchSumAllreduce, init_process_group
 
     # no collective device: Gloo on the host buffers (a device asks for NCCL)
     init_process_group(ctx, None, timeout)
@@ -238,9 +238,9 @@ def _ps_task(
     def task(partition: Iterator[Any]) -> Iterator[str]:
         import concurrent.futures as cf
 
-        from sparktrain.comm.stats import CommStats
-        from sparktrain.launch.barrier import worker_context
-        from sparktrain.ps.client import ShardClient, connect_shards
+        from sparktrain.driver.barrier import worker_context
+        from sparktrain.strategies.ps.client import ShardClient, connect_shards
+        from sparktrain.wire.stats import CommStats
 
         ctx = worker_context(None)
         n = nbytes // 4
@@ -316,7 +316,7 @@ def bench_ps(
     from torch import nn
 
     from sparktrain.config import TrainConfig
-    from sparktrain.ps.server import start_parameter_server
+    from sparktrain.strategies.ps.server import start_parameter_server
 
     host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
     results = []

@@ -448,7 +448,7 @@ def main(
     timed = [Variant("none"), Variant(args.time_to_spec)] if args.time_to is not None else []
     check_variants([*variants, *timed])
     if timed:
-        from sparktrain.comm.link import PROFILES
+        from sparktrain.wire.link import PROFILES
 
         per_worker_batch(args.global_batch, args.time_to_world)
         if args.link not in PROFILES:

@@ -53,7 +53,7 @@ from typing import Any
 
 from benchmarks.plots import save_figure
 from sparktrain.errors import ConfigError
-from sparktrain.worker.memory import anon_rss_bytes
+from sparktrain.task.memory import anon_rss_bytes
 
 WIDTH = 64  # features per row
 CLASSES = 10
@@ -325,8 +325,8 @@ def _train_config(args: argparse.Namespace, memory_mb: float, prefetch: int) -> 
 def leftover_local_files(local_dir: Path) -> list[str]:
     """Spill files left under ``local_dir``: anything inside a ``sparktrain-spill``
     folder (the workers put theirs in the application's folder under ``spark.local.dir``,
-    beside the executors' ``blockmgr-*`` folders; see ``worker.spill.local_root``)."""
-    from sparktrain.worker.spill import SPILL_DIR_NAME
+    beside the executors' ``blockmgr-*`` folders; see ``data.spill.local_root``)."""
+    from sparktrain.data.spill import SPILL_DIR_NAME
 
     if not local_dir.exists():
         return []

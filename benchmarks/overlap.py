@@ -3,7 +3,7 @@
 the ring and the parameter server.
 
     sparktrain bench overlap --out docs/results/ --steps 20 --repeats 5
-    sparktrain bench overlap --link lan        # an emulated slow link (comm/link.py)
+    sparktrain bench overlap --link lan        # an emulated slow link (wire/link.py)
 
 Ranks are separate processes (``spawn``), not threads, so backward and the exchange do
 not share one GIL; they talk over loopback through sparktrain's own transport, and the
@@ -71,10 +71,10 @@ def _rank(rank: int, job: dict[str, Any], strategy: str, to_parent: Any, inbox: 
     try:
         import torch
 
-        from sparktrain.comm import Mesh, address_of, open_listener
-        from sparktrain.comm.link import link_from_config
-        from sparktrain.worker.context import JobSpec, WorkerContext
-        from sparktrain.worker.sync import make_sync
+        from sparktrain.task.context import JobSpec, WorkerContext
+        from sparktrain.task.step_sync import make_sync
+        from sparktrain.wire import Mesh, address_of, open_listener
+        from sparktrain.wire.link import link_from_config
 
         torch.set_num_threads(job["threads"])
         cfg = _train_config(job, strategy, True)
@@ -183,7 +183,7 @@ def run_strategy(job: dict[str, Any], strategy: str) -> list[dict[str, Any]]:
     if strategy == "ps":
         import torch
 
-        from sparktrain.ps.server import start_parameter_server
+        from sparktrain.strategies.ps.server import start_parameter_server
 
         torch.manual_seed(0)
         server = start_parameter_server(
@@ -363,7 +363,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
     parser.add_argument("--repeats", type=int, default=5, help="timed windows")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--link", default="none", help="emulated link profile (comm/link.py)")
+    parser.add_argument("--link", default="none", help="emulated link profile (wire/link.py)")
     parser.add_argument("--budget", type=float, default=600.0, help="seconds per configuration")
 
 

@@ -28,14 +28,14 @@ import numpy as np
 import torch
 
 from sparktrain.config import TrainConfig
+from sparktrain.data.partition_data import PartitionData
 from sparktrain.errors import ConfigError
 from sparktrain.models import mlp
 from sparktrain.parallel.partition import partition
 from sparktrain.parallel.schedule import ideal_bubble
 from sparktrain.parallel.stage import PipelineSpec, train_stage
 from sparktrain.result import Record
-from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import PartitionData
+from sparktrain.task.context import JobSpec, WorkerContext
 
 
 class _Collectives:

@@ -5,9 +5,9 @@
 
 Three parts, written to ``OUT/scaling.json`` and plotted to ``OUT/scaling.png``:
 
-1. **Links**: alpha and beta measured by :func:`sparktrain.worker.probe.probe_links`
+1. **Links**: alpha and beta measured by :func:`sparktrain.task.probe.probe_links`
    between two ranks (threads of this process, one mesh) on loopback and on each
-   emulated ``--links`` profile (:mod:`sparktrain.comm.link`, the shaping training uses),
+   emulated ``--links`` profile (:mod:`sparktrain.wire.link`, the shaping training uses),
    with more repeats and a larger transfer (``--transfer``, default 4 MiB: the ring's
    chunk size) than the stage-start probe, whose 256 KiB transfer underestimates
    loopback bandwidth.
@@ -62,9 +62,9 @@ def measure_link(profile: str, transfer_bytes: int, repeats: int) -> dict[str, A
     """alpha and beta between two thread ranks over one mesh shaped by ``profile``."""
     import threading
 
-    from sparktrain.comm import Mesh, address_of, open_listener
-    from sparktrain.comm.link import link_profile
-    from sparktrain.worker.probe import probe_links
+    from sparktrain.task.probe import probe_links
+    from sparktrain.wire import Mesh, address_of, open_listener
+    from sparktrain.wire.link import link_profile
 
     link = link_profile(profile)
     listeners = [open_listener("127.0.0.1") for _ in range(2)]

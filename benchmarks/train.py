@@ -40,7 +40,7 @@ Four parts, each a fair comparison of its own:
   ``delta+<spec>`` compressions, for ``ps-*`` and ``tree_aggregate`` only, compress the
   weights the driver sends too).
   ``--links`` only sets the ``link`` key (the emulation itself lives in
-  :mod:`sparktrain.comm.link`). Time to target is measured
+  :mod:`sparktrain.wire.link`). Time to target is measured
   from ``fit()`` until the epoch record that first reached the target arrived at the
   driver (its JSON line, polled every ``POLL_S``).
 * **tree_aggregate against MLlib**: :mod:`benchmarks.mllib`'s two systems in the
@@ -500,7 +500,7 @@ def child_main(args: argparse.Namespace) -> int:
         # what sparktrain's session helper does by default (warm_workers=True), after the
         # session is up so that its cost counts in ring's part, not in the shared floor;
         # the TorchDistributor user and the bare-session floor get a plain session
-        from sparktrain.launch import warmup
+        from sparktrain.driver import warmup
 
         warmup.start(spark)
     curve_abs: list[tuple[float, float]] = []
@@ -995,8 +995,8 @@ def _group(
 
 
 def _bandwidth(profile: str) -> float:
-    """Bytes/s of a link profile (comm/link.py's figures)."""
-    from sparktrain.comm.link import PROFILES
+    """Bytes/s of a link profile (wire/link.py's figures)."""
+    from sparktrain.wire.link import PROFILES
 
     return float(PROFILES[profile].bandwidth)
 

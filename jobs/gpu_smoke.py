@@ -5,7 +5,7 @@
 
 1. placement: a Spark task of ``local-cluster[1,1,1024]`` whose worker discovered the
    GPU (``spark.worker.resource.gpu.*``, ``spark.task.resource.gpu.amount=1``) gets its
-   address and pins itself to it (``sparktrain.worker.device.place``);
+   address and pins itself to it (``sparktrain.task.device.place``);
 2. NCCL: ``torch.distributed`` with the ``nccl`` backend (``gloo`` with ``--dry-run``)
    all-reduces a tensor on the device in a world of one, or says why it cannot;
 3. a fit: the digits MLP on one worker with ``device="cuda"`` (``"cpu"`` with
@@ -67,8 +67,8 @@ def _task_placement(requested: str, _: Any) -> Any:
     """In the Spark task: its GPU addresses and where sparktrain places it."""
     from pyspark import TaskContext
 
-    from sparktrain.launch.barrier import task_gpus
-    from sparktrain.worker.device import place
+    from sparktrain.driver.barrier import task_gpus
+    from sparktrain.task.device import place
 
     gpus = task_gpus(TaskContext.get())
     placement = place(requested, gpus)

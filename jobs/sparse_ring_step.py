@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from sparktrain.comm import Mesh, address_of, open_listener
 from sparktrain.config import TrainConfig
-from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.sync import AllreduceSync
+from sparktrain.task.context import JobSpec, WorkerContext
+from sparktrain.task.step_sync import AllreduceSync
+from sparktrain.wire import Mesh, address_of, open_listener
 
 SECRET = bytes(range(32))
 

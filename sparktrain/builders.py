@@ -127,7 +127,7 @@ class Loss:
     over any non-batch dimensions (so with all weights 1 the weighted loss equals the mean
     loss of a named loss without class weights). The divisor is ``n``, not the batch's
     weight sum: the driver has divided the weights by their mean over the training data
-    (``launch/prepare.py``), which makes the gradient of the whole training set exactly
+    (``driver/prepare.py``), which makes the gradient of the whole training set exactly
     that of ``sum w_i l_i / sum w_i`` and keeps the workers' sample-count averaging exact
     (docs/ml.md: "Sample weights"). Loss-specific per-row factors (``CrossEntropyLoss``'s
     class ``weight``, ``BCEWithLogitsLoss``'s ``weight``/``pos_weight``) multiply the

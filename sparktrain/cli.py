@@ -51,7 +51,7 @@ def split_job_keys(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
 
 def cmd_train(args: argparse.Namespace) -> int:
     from sparktrain import datasets
-    from sparktrain.launch.job import check_job
+    from sparktrain.driver.job import check_job
     from sparktrain.session import get_or_create_session
     from sparktrain.trainer import Trainer
 

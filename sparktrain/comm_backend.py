@@ -3,7 +3,7 @@
 ``"sparktrain"`` (the default) is sparktrain's own transport (authenticated, optionally
 TLS). ``"torch"`` runs them through ``torch.distributed`` (Gloo: the buckets are host memory),
 bootstrapped from sparktrain's authenticated rendezvous
-(:mod:`sparktrain.worker.torch_sync`); torch's store and collectives are neither
+(:mod:`sparktrain.strategies.allreduce.task_torch`); torch's store and collectives are neither
 authenticated nor encrypted, so it is opt-in and refused when encryption is required.
 
 Both torch paths (``comm_backend = "torch"`` and ``torch_run``) start rank 0's
@@ -96,8 +96,8 @@ def check_torch_transport(enabled: Sequence[str], cfg: TrainConfig, what: str) -
     required: torch's TCPStore, Gloo and NCCL authenticate and encrypt nothing.
 
     Required means ``encryption = "tls"``, or Spark encrypting its wire (``enabled``:
-    the :data:`~sparktrain.launch.resources.WIRE_ENCRYPTION_KEYS` set, from
-    :func:`~sparktrain.launch.resources.spark_wire_encryption`) without
+    the :data:`~sparktrain.driver.resources.WIRE_ENCRYPTION_KEYS` set, from
+    :func:`~sparktrain.driver.resources.spark_wire_encryption`) without
     ``allow_unencrypted = true``, the same opt-out the encryption gate takes.
     """
     if cfg.encryption != "none":
@@ -131,14 +131,14 @@ def bound_store(host: str, world_size: int, timeout: datetime.timedelta) -> TCPS
     Given a host and port alone, torch's store server binds every interface (``*:port``,
     both its libuv and its classic backend); handed a listening socket
     (``master_listen_fd``) it serves on that one instead. So the socket is opened here,
-    on the task's own address (:func:`~sparktrain.comm.listen.open_listener`, which
+    on the task's own address (:func:`~sparktrain.wire.listen.open_listener`, which
     refuses wildcards), on a port the OS picks: ``store.port``. The store owns the
     descriptor from then on and closes it when it is destroyed.
     ``wait_for_workers=False``: the others connect once the port reaches them.
     """
     import torch.distributed as dist
 
-    from sparktrain.comm.listen import open_listener
+    from sparktrain.wire.listen import open_listener
 
     listener = open_listener(host, 0)
     listener.settimeout(None)  # blocking: torch polls and accepts on it itself

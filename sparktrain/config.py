@@ -26,7 +26,7 @@ COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk:R", "randomk:R", "sign", "
 :mod:`sparktrain.compress.spec` for the grammar."""
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 LINK_PROFILES = ("none", "lan", "5g", "4g", "wan")
-"""Named link-emulation profiles; their figures live in :mod:`sparktrain.comm.link`."""
+"""Named link-emulation profiles; their figures live in :mod:`sparktrain.wire.link`."""
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "sparse_adam")
 ENCRYPTIONS = ("none", "tls")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -36,7 +36,7 @@ COMPRESSION_PATHS = ("auto", "reduce", "allgather", "recompress", "resparsify")
 statistics use (:mod:`sparktrain.compress.collective`), or ``"auto"``."""
 SCHEDULE_INTERVALS = ("step", "epoch")
 METRICS = ("accuracy", "top_k:K", "macro_f1", "auc", "log_loss", "rmse", "mae", "r2")
-"""Validation metrics by name (``top_k:5``: top-5 accuracy); see ``worker/scores.py``."""
+"""Validation metrics by name (``top_k:5``: top-5 accuracy); see ``task/scores.py``."""
 EARLY_STOPPING_KEYS = ("metric", "mode", "patience", "min_delta", "restore_best")
 
 
@@ -384,7 +384,7 @@ class TrainConfig:
         Checks the keys this class owns, alone and together, and that ``strategy`` names
         a strategy there is. What the strategy makes of them (which compression specs it
         takes, whether it has a GPU path or combines with a pipeline) is the plug-in's
-        question, asked when a job opens: :func:`sparktrain.launch.job.check_job`.
+        question, asked when a job opens: :func:`sparktrain.driver.job.check_job`.
         """
         from sparktrain.strategies import registry
 

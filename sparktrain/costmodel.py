@@ -2,16 +2,16 @@
 
 A message of ``m`` bytes between two ranks costs ``alpha + m * beta``: ``alpha`` is the
 per-message latency (one way, software overhead included) and ``beta`` the seconds per
-byte of one link. Both are *measured* (:func:`sparktrain.worker.probe.probe_links` at
+byte of one link. Both are *measured* (:func:`sparktrain.task.probe.probe_links` at
 stage start, ``sparktrain bench scaling`` for the plots); nothing here is a constant
 pretending to be a measurement. ``n`` is the gradient's size in bytes, ``p`` the world.
 
 What each strategy costs per step, derived from what the code does:
 
-- **ring** (:mod:`sparktrain.comm.ring`): reduce-scatter then all-gather, ``p - 1`` steps
+- **ring** (:mod:`sparktrain.wire.ring`): reduce-scatter then all-gather, ``p - 1`` steps
   each, every step one segment of ``n / p`` bytes to the next rank while receiving one
   from the previous: ``2 (p - 1) alpha + 2 (p - 1) / p * n beta``.
-- **tree** (:mod:`sparktrain.comm.tree`, recursive doubling): with ``q`` the largest
+- **tree** (:mod:`sparktrain.wire.tree`, recursive doubling): with ``q`` the largest
   power of two <= p, ``log2 q`` rounds in which partners swap the whole buffer; when
   ``p > q`` the extra ranks fold in first and get the result back last, two more
   whole-buffer messages: ``(log2 q + 2 [p > q]) (alpha + n beta)``.
@@ -23,7 +23,7 @@ What each strategy costs per step, derived from what the code does:
   latency but the same ``(p - 1) n / ratio`` bytes (a folded rank: ``p`` payloads more).
   Their compute is measured too: compress + decode, and for the all-gather one decode
   and add per rank, so it grows with ``p``.
-- **ps** (:mod:`sparktrain.ps`): every worker pushes ``n`` bytes (a request answered by
+- **ps** (:mod:`sparktrain.strategies.ps`): every worker pushes ``n`` bytes (a request answered by
   an ack) and then pulls ``n`` bytes (a request answered by the values): four one-way
   latencies. All shards live in the driver, so the driver's single link carries ``p n``
   bytes in and ``p n`` out per step; sharding spreads the sockets and the optimizer
@@ -71,7 +71,7 @@ DEFAULT_TOLERANCE = 0.10
 @dataclass(frozen=True)
 class CompressorCost:
     """What one compressor costs, measured on this machine (see
-    :func:`sparktrain.worker.probe.measure_compressors`).
+    :func:`sparktrain.task.probe.measure_compressors`).
 
     ``ratio`` is raw fp32 bytes over the bytes it puts in the collective; ``calls`` the
     collective calls per bucket (latency terms); ``fixed_s_per_elem`` the compute per
@@ -93,7 +93,7 @@ class CompressorCost:
 
 @dataclass(frozen=True)
 class LinkEstimate:
-    """One measured estimate every rank agrees on (see :mod:`sparktrain.worker.probe`).
+    """One measured estimate every rank agrees on (see :mod:`sparktrain.task.probe`).
 
     ``alpha_s``: one-way latency of one small message; ``beta_s_per_byte``: seconds per
     byte of one link; ``compute_s``: one batch's forward and backward (slowest rank);
@@ -260,7 +260,7 @@ def comm_s(
 def zero1_comm_s(
     nbytes: float, p: int, alpha: float, beta: float, *, buckets: int = 1, clip: bool = False
 ) -> tuple[float, float]:
-    """``shard_optimizer`` (:mod:`sparktrain.worker.sharded`): ``(reduce-scatter,
+    """``shard_optimizer`` (:mod:`sparktrain.task.sharded`): ``(reduce-scatter,
     after the step)`` seconds. The ring's two halves send the allreduce's bytes,
     ``(p - 1) alpha + (p - 1) / p * n beta`` each per bucket; the reduce-scatter may
     overlap backward, the all-gather of the parameters follows the optimizer step. The

@@ -37,7 +37,7 @@ from sparktrain.config import TrainConfig
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from sparktrain.worker.run_context import RunContext
+    from sparktrain.task.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def torch_run(
     cfg = config or TrainConfig()
     if num_workers is not None:
         cfg = cfg.replace(num_workers=num_workers)
-    from sparktrain.launch.job import check_job
+    from sparktrain.driver.job import check_job
 
     check_job(cfg, "torch_run")  # not the ps: it would start a server fn never uses
     session = spark
@@ -86,8 +86,8 @@ def torch_run(
         from sparktrain.session import get_or_create_session
 
         session = get_or_create_session()
-    from sparktrain.launch.resources import spark_wire_encryption
-    from sparktrain.launch.spark_env import spark_env
+    from sparktrain.driver.resources import spark_wire_encryption
+    from sparktrain.driver.spark_env import spark_env
 
     check_torch_transport(spark_wire_encryption(spark_env(session)), cfg, "torch_run")
     return run(TorchEntry(fn, tuple(args)), config=cfg, spark=session).value

@@ -93,7 +93,7 @@ class WorkerError(SparkTrainError):
         """Turn a Spark/Py4J exception into the sparktrain error a task raised, if any."""
         text = str(exc)
         # the tasks' tracebacks and the JVM's stack: for DEBUG only, the console gets
-        # the one line the error says (sparktrain.launch.console keeps Spark's copies off)
+        # the one line the error says (sparktrain.driver.console keeps Spark's copies off)
         log.debug("the Spark error behind this failure:\n%s", text)
         found = None
         for line in text.splitlines():

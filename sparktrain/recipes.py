@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sparktrain.models import mlp, sequence_transformer
-from sparktrain.worker.run_context import RunContext
+from sparktrain.task.run_context import RunContext
 
 
 def digits_train_fn(ctx: RunContext) -> dict[str, Any]:

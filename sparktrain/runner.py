@@ -15,8 +15,8 @@
 >>> model.load_state_dict(result.value)  # doctest: +SKIP
 
 The stage runner, the checkpoint store, the progress channel, the callbacks and loggers
-are the built-in trainer's own (:mod:`sparktrain.launch.stage`); what each task sees is
-:class:`~sparktrain.worker.run_context.RunContext`.
+are the built-in trainer's own (:mod:`sparktrain.driver.stage_runner`); what each task sees is
+:class:`~sparktrain.task.run_context.RunContext`.
 """
 
 from __future__ import annotations
@@ -32,23 +32,23 @@ from torch import nn
 
 from sparktrain.config import TrainConfig
 from sparktrain.data.columns import ColumnsSpec
+from sparktrain.driver.job import open_job
+from sparktrain.driver.prepare import PreparedData
+from sparktrain.driver.stage_runner import FitJob, train_in_stage
 from sparktrain.errors import ConfigError, WorkerError
-from sparktrain.launch.job import open_job
-from sparktrain.launch.prepare import PreparedData
-from sparktrain.launch.stage import FitJob, train_in_stage
 from sparktrain.result import (
     Record,
     TrainResult,
     load_state_records,
     stats_summary,
 )
-from sparktrain.worker.faults import FaultPlan
-from sparktrain.worker.run_task import decode_value, run_partition
+from sparktrain.task.faults import FaultPlan
+from sparktrain.task.run_task import decode_value, run_partition
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from sparktrain.worker.run_context import RunContext
+    from sparktrain.task.run_context import RunContext
 
 
 @dataclass
@@ -86,8 +86,8 @@ def run(
 
     ``train_fn`` is a callable or ``"package.module:function"``: a function of your script
     or notebook travels by value with the globals it names
-    (:mod:`sparktrain.launch.pickling`); ``ctx`` is a
-    :class:`~sparktrain.worker.run_context.RunContext`. ``data`` (a DataFrame, or under a
+    (:mod:`sparktrain.driver.pickling`); ``ctx`` is a
+    :class:`~sparktrain.task.run_context.RunContext`. ``data`` (a DataFrame, or under a
     classic session an RDD of ``(features, label)`` pairs; optional) is split over the
     tasks and read with
     ``ctx.batches(epoch)``; ``columns``, ``label_col``, ``validation_data`` and

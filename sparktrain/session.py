@@ -13,7 +13,7 @@ import threading
 from importlib import resources
 from typing import TYPE_CHECKING
 
-from sparktrain.launch.spark_env import UNIX_SOCKETS
+from sparktrain.driver.spark_env import UNIX_SOCKETS
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -30,8 +30,8 @@ DEFAULTS: dict[str, str] = {
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.sql.shuffle.partitions": "4",
     "spark.python.worker.reuse": "true",
-    # Python workers fork from a daemon that has torch loaded (launch/daemon.py)
-    "spark.python.daemon.module": "sparktrain.launch.daemon",
+    # Python workers fork from a daemon that has torch loaded (driver/daemon.py)
+    "spark.python.daemon.module": "sparktrain.driver.daemon",
 }
 if hasattr(socket, "AF_UNIX"):
     # PySpark's accumulator server on a Unix socket, not a loopback TCP port: the TCP one
@@ -74,8 +74,8 @@ def _preload(modules: tuple[str, ...]) -> None:
 def _quiet_submitted_driver(builder: SparkSession.Builder) -> SparkSession.Builder:
     """Under spark-submit the driver JVM runs already (our log4j2 file cannot apply):
     a quiet start for the SparkContext all the same (see
-    :func:`sparktrain.launch.console.submitted_driver_conf`); unchanged otherwise."""
-    from sparktrain.launch.console import submitted_driver_conf
+    :func:`sparktrain.driver.console.submitted_driver_conf`); unchanged otherwise."""
+    from sparktrain.driver.console import submitted_driver_conf
 
     for key, value in submitted_driver_conf().items():
         builder = builder.config(key, value)
@@ -95,7 +95,7 @@ def get_or_create_session(
     pyspark.ml), so the two overlap; the session is returned once that thread is done
     (at most ``PRELOAD_WAIT_S`` later), so no import runs concurrently with the caller's.
     With ``warm_workers``, a new session then starts its executors' Python daemon in
-    the background (:mod:`sparktrain.launch.warmup`), while the caller loads its data.
+    the background (:mod:`sparktrain.driver.warmup`), while the caller loads its data.
     """
     from pyspark.sql import SparkSession
 
@@ -124,13 +124,13 @@ def get_or_create_session(
     spark = builder.getOrCreate()
     if preloading is not None:
         preloading.join(timeout=PRELOAD_WAIT_S)
-    from sparktrain.launch.spark_env import is_connect
+    from sparktrain.driver.spark_env import is_connect
 
     if is_connect(spark):  # SPARK_REMOTE set: a Connect client has no context to tune
         return spark
     spark.sparkContext.setLogLevel("WARN")
     if warm_workers:
-        from sparktrain.launch import warmup
+        from sparktrain.driver import warmup
 
         warmup.start(spark)
     return spark

@@ -29,13 +29,13 @@ from sparktrain.builders import (
 from sparktrain.config import TrainConfig
 from sparktrain.data.batch import forward, forward_params, sample_batch
 from sparktrain.data.columns import RAGGED, ColumnsSpec, Layout
+from sparktrain.driver.job import OpenJob, check_job, open_job
+from sparktrain.driver.prepare import unscale_result
+from sparktrain.driver.stage_runner import FitJob
 from sparktrain.errors import ConfigError, DataError
-from sparktrain.launch.job import OpenJob, check_job, open_job
-from sparktrain.launch.prepare import unscale_result
-from sparktrain.launch.stage import FitJob
 from sparktrain.parallel.pipeline import check_param_cap, run_pipeline
 from sparktrain.result import TrainResult
-from sparktrain.worker.faults import FaultPlan
+from sparktrain.task.faults import FaultPlan
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -73,7 +73,7 @@ class Trainer:
         check_job(self.config)  # then its strategy's view of them, before Spark starts
         self.model_kwargs = dict(model_kwargs or {})
         self._spark = spark
-        self._fault_plan = fault_plan  # test-only: see sparktrain.worker.faults
+        self._fault_plan = fault_plan  # test-only: see sparktrain.task.faults
 
     def fit(
         self,

@@ -44,7 +44,7 @@ class _Sessions:
             )
             sc = self.session.sparkContext
             sc.parallelize(range(4), 2).count()  # warm-up
-            # sparktrain's own warm-up job (launch/warmup.py) runs unawaited: let it end
+            # sparktrain's own warm-up job (driver/warmup.py) runs unawaited: let it end
             # here, where a loaded machine's slow start counts against no test's leftovers
             for _ in range(3000):  # at most ~10 min, as setup.cfg's timeout
                 if not sc.statusTracker().getActiveJobsIds():
@@ -167,7 +167,7 @@ def _timeout_of(item: pytest.Item) -> tuple[float, bool]:
 def _say_what_runs(nodeid: str) -> None:
     """Written past pytest's capture (the thread method of pytest-timeout exits the
     process): the jobs and tasks Spark runs as the test is about to time out."""
-    from sparktrain.launch.occupancy import active_jobs, describe, running_tasks
+    from sparktrain.driver.occupancy import active_jobs, describe, running_tasks
 
     try:
         sc = _SESSIONS.session.sparkContext  # type: ignore[union-attr]
@@ -179,7 +179,7 @@ def _say_what_runs(nodeid: str) -> None:
 
 def _leftovers(sc) -> str:  # type: ignore[no-untyped-def]
     """What of ``sc`` still runs after :data:`LEAK_GRACE_S` ('' when nothing does)."""
-    from sparktrain.launch.occupancy import active_jobs, describe, running_tasks
+    from sparktrain.driver.occupancy import active_jobs, describe, running_tasks
 
     deadline = time.monotonic() + LEAK_GRACE_S
     while True:

@@ -26,7 +26,7 @@ as torch's ``PowerSGDState`` keeps state apart from hyper-parameters.
 
 :func:`encode_message` / :func:`decode_message` frame ``(payload, ctx, count)`` as one
 ``uint8`` buffer with a fixed binary header; the sample count travels here, uncompressed,
-so the weighting rule (``worker/buckets.py``) survives any compressor.
+so the weighting rule (``task/buckets.py``) survives any compressor.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compressed gradient reduction on the ring and tree (one bucket at a time).
 
-:class:`CompressedAllreduce` is what :class:`~sparktrain.worker.buckets.GradientBuckets`
+:class:`CompressedAllreduce` is what :class:`~sparktrain.task.buckets.GradientBuckets`
 calls instead of a plain SUM allreduce when ``config.compression`` is not ``none``. It
 keeps one :class:`~sparktrain.compress.base.BucketState` per bucket and picks a path:
 
@@ -72,14 +72,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparktrain.comm.frames import HEADER_BYTES, KIND_PAYLOAD
-from sparktrain.comm.ring import (
-    RingAllreduce,
-    ring_allgather,
-    ring_raw_bytes_sent,
-    ring_segments,
-)
-from sparktrain.comm.tree import TreeAllreduce, tree_raw_bytes_sent
 from sparktrain.compress.base import (
     BucketState,
     Compressor,
@@ -92,6 +84,14 @@ from sparktrain.compress.feedback import SCALE, WORLD, ErrorFeedback, ability
 from sparktrain.compress.snapshot import dump_states, load_states
 from sparktrain.compress.topk import index_dtype
 from sparktrain.errors import CommError, ConfigError
+from sparktrain.wire.frames import HEADER_BYTES, KIND_PAYLOAD
+from sparktrain.wire.ring import (
+    RingAllreduce,
+    ring_allgather,
+    ring_raw_bytes_sent,
+    ring_segments,
+)
+from sparktrain.wire.tree import TreeAllreduce, tree_raw_bytes_sent
 
 PATHS = ("reduce", "allgather", "recompress", "resparsify")
 """Every path's name, in the order ties are broken (the exact all-gather first among the

@@ -16,7 +16,7 @@ model keeps the trained :class:`~sparktrain.data.columns.Layout` (``model.layout
 
 ``weightCol`` (optional) names a numeric column of sample weights ``>= 0``: the training
 objective is then the weighted mean loss ``sum w_i l_i / sum w_i``, as in MLlib's weighted
-estimators (see :class:`sparktrain.builders.Loss` and ``launch/prepare.py`` for how the
+estimators (see :class:`sparktrain.builders.Loss` and ``driver/prepare.py`` for how the
 workers compute it exactly). The reported training loss is weighted too; the validation
 metric (``validationFraction``) and the model's outputs are not affected by weights.
 """
@@ -33,8 +33,9 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable
 
 from sparktrain.data.columns import Layout, parse_columns
+from sparktrain.driver.job import check_job
+from sparktrain.driver.prepare import ColumnOptions, prepare
 from sparktrain.errors import ConfigError, DataError
-from sparktrain.launch.prepare import ColumnOptions, prepare
 from sparktrain.ml.model import (
     TorchClassificationModel,
     TorchModel,
@@ -191,7 +192,9 @@ class TorchEstimator(
                 f"{type(self).__name__} does not train with loss={self.getLoss()!r}; allowed: "
                 f"{', '.join(self._allowed_losses)}"
             )
-        return self._train_config(), self.getModelFn(), self.getModelKwargsDict()
+        cfg = self._train_config()
+        check_job(cfg)  # what the strategy makes of the params, before any Spark job
+        return cfg, self.getModelFn(), self.getModelKwargsDict()
 
     def _check_targets(self, stats: Row, num_outputs: int) -> None:
         """Labels against the model's outputs (classifiers and regressors differ)."""

@@ -4,7 +4,7 @@
 executors with ``weights_only=True``; under Spark Connect, which has no broadcasts, they
 travel in the UDF's closure up to half the server's request cap, and beyond it each
 Python worker fetches them from this client's payload service,
-:mod:`sparktrain.launch.payload_server`), rebuilds the module
+:mod:`sparktrain.driver.services.payload_server`), rebuilds the module
 from ``modelFn`` once per
 Python worker (kept for every later task and transform with the same weights), and runs
 an iterator Arrow UDF over the features column: every Arrow batch (Spark's
@@ -21,7 +21,7 @@ scores predictions alone (its classes then come from the logits, no probabilitie
 A model trained on several or typed columns (``featuresCols``, ``featureShapes``...) keeps
 the trained :class:`~sparktrain.data.columns.Layout`, saved in its metadata as
 ``inputs``. Its ``transform`` ships the same columns as one struct
-(:func:`sparktrain.launch.prepare.input_columns`: the types and casts of training), turns
+(:func:`sparktrain.driver.prepare.input_columns`: the types and casts of training), turns
 each Arrow batch's columns into rows as the training workers do (dense: one reshape;
 variable-length and binary: per-row arrays or bytes), batches them with the layout's
 :class:`~sparktrain.data.batch.Collator` (padding and masks, ``decode``, ``collate``) and
@@ -61,9 +61,9 @@ from sparktrain.config import parse_port_range
 from sparktrain.data.batch import Collator, forward
 from sparktrain.data.columns import BINARY, DENSE, RAGGED, Layout, parse_columns
 from sparktrain.data.columns import Column as InputColumn
+from sparktrain.driver.services.payload_server import discard_shared, fits_in_closure, serve_shared
+from sparktrain.driver.spark_env import CONNECT_MAX_MESSAGE, spark_env
 from sparktrain.errors import ConfigError, DataError, not_a_spark_frame
-from sparktrain.launch.payload_server import discard_shared, fits_in_closure, serve_shared
-from sparktrain.launch.spark_env import CONNECT_MAX_MESSAGE, spark_env
 from sparktrain.ml.params import (
     ML_DEFAULTS,
     _TorchClassifierParams,
@@ -72,12 +72,12 @@ from sparktrain.ml.params import (
 )
 from sparktrain.ml.persistence import TorchModelReader, TorchModelWriter
 from sparktrain.result import state_from_bytes
-from sparktrain.worker.payload import ServedBytes
+from sparktrain.task.payload_client import ServedBytes
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
-    from sparktrain.launch.spark_env import SparkEnv
+    from sparktrain.driver.spark_env import SparkEnv
 
 __all__ = ["TorchClassificationModel", "TorchModel", "TorchRegressionModel"]
 
@@ -344,7 +344,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
 
         from pyspark.sql import functions as F
 
-        from sparktrain.launch.prepare import input_columns
+        from sparktrain.driver.prepare import input_columns
 
         param = "featuresCols" if self.getFeaturesCols() else "featuresCol"
         for source in sources:
@@ -526,14 +526,14 @@ def ship_weights(
     (``spark.connect.grpc.maxInboundMessageSize``, :func:`fits_in_closure`), else from
     this process's payload service (:func:`serve_shared` on ``host``, default the
     address the driver services use, within ``ports``): a
-    :class:`~sparktrain.worker.payload.ServedBytes` whose ``value`` each Python worker
+    :class:`~sparktrain.task.payload_client.ServedBytes` whose ``value`` each Python worker
     fetches once. The service keeps the weights until :func:`unship_weights`."""
     if not env.connect:
         return env.spark_context("transform").broadcast(blob)
     cap = env.max_request_bytes() or CONNECT_MAX_MESSAGE
     if fits_in_closure(len(blob), cap):
         return InlineWeights(blob)
-    from sparktrain.launch.resources import spark_wire_encryption
+    from sparktrain.driver.resources import spark_wire_encryption
 
     where = host or env.driver_host()
     # Spark encrypts its own wire: the weights must not leave this process in plaintext
@@ -735,13 +735,13 @@ def _classes(out: torch.Tensor) -> torch.Tensor:
 def inference_device(requested: str) -> torch.device:
     """Where this task scores: the task's GPU when ``device`` (the model's Param) is
     ``"auto"`` or ``"cuda"``, Spark gave the task a GPU and CUDA works in this Python
-    worker (:func:`sparktrain.worker.device.resolve`, as training places itself), else
+    worker (:func:`sparktrain.task.device.resolve`, as training places itself), else
     the CPU. Unlike training, ``"cuda"`` without a GPU scores on the CPU (with a warning):
     a model fitted on GPUs keeps working on a CPU-only cluster."""
     from pyspark import TaskContext
 
     from sparktrain.errors import ResourceError
-    from sparktrain.worker.device import place
+    from sparktrain.task.device import place
 
     if requested == "cpu":
         return torch.device("cpu")
@@ -759,10 +759,10 @@ def inference_device(requested: str) -> torch.device:
 
 def _rows(column: InputColumn, values: pa.Array, n: int) -> Any:
     """One input column of an Arrow batch as the Collator takes it (as the training
-    workers' ingest reads it, ``sparktrain.worker.data``): ``(n, width)`` values of the
+    workers' ingest reads it, ``sparktrain.data.partition_data``): ``(n, width)`` values of the
     stored dtype for a dense column, per-row arrays or ``bytes`` for a variable-length or
     binary one."""
-    from sparktrain.worker.ragged import Ragged, chunk_of_arrow
+    from sparktrain.data.ragged import Ragged, chunk_of_arrow
 
     where = f"column {column.source!r}"
     if values.null_count:

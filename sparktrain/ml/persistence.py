@@ -54,8 +54,8 @@ from urllib.parse import urlparse
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
 from sparktrain.data.columns import Layout
+from sparktrain.driver.spark_env import is_connect
 from sparktrain.errors import ConfigError, DataError
-from sparktrain.launch.spark_env import is_connect
 from sparktrain.ml.allowlist import (
     ALLOWED_MODULES_CONF,
     SavedName,

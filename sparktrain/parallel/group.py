@@ -1,10 +1,10 @@
 """Collectives over a sub-group of a mesh's ranks (e.g. the D replicas of one stage).
 
-:class:`GroupMesh` is a thin view of a :class:`~sparktrain.comm.mesh.Mesh`: group rank
+:class:`GroupMesh` is a thin view of a :class:`~sparktrain.wire.mesh.Mesh`: group rank
 ``g`` is world rank ``members[g]``. It offers exactly what the ring and tree allreduces
 and the compressed collectives use (``rank``, ``world_size``, ``stats``,
 ``max_frame_bytes``, ``connection``, ``connect_all``, ``sender``, ``abort``), so
-:class:`~sparktrain.comm.ring.RingAllreduce` and the chunked broadcast run on the group
+:class:`~sparktrain.wire.ring.RingAllreduce` and the chunked broadcast run on the group
 unchanged. Connections are the mesh's own (opened lazily per pair);
 a failure aborts the whole mesh, as it should: one lost rank stops the job.
 """
@@ -16,15 +16,15 @@ from typing import Any, cast
 
 from torch import nn
 
-from sparktrain.comm import Mesh, RingAllreduce
-from sparktrain.comm.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for
-from sparktrain.comm.connection import Connection
-from sparktrain.comm.mesh import AsyncSender
-from sparktrain.comm.stats import CommStats
 from sparktrain.compress.collective import CompressedAllreduce
 from sparktrain.compress.registry import build as build_compressor
 from sparktrain.errors import CommError, ConfigError
-from sparktrain.worker.buckets import GradientBuckets
+from sparktrain.task.buckets import GradientBuckets
+from sparktrain.wire import Mesh, RingAllreduce
+from sparktrain.wire.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for
+from sparktrain.wire.connection import Connection
+from sparktrain.wire.mesh import AsyncSender
+from sparktrain.wire.stats import CommStats
 
 
 class GroupMesh:
@@ -76,7 +76,7 @@ def group_allreduce(mesh: Mesh, members: Sequence[int]) -> RingAllreduce:
 
 
 class GroupGradientSync:
-    """Sample-weighted gradient averaging over a group (``worker/buckets.py`` rule), with
+    """Sample-weighted gradient averaging over a group (``task/buckets.py`` rule), with
     ``compression`` (any spec the data-parallel ring accepts) or without."""
 
     def __init__(

@@ -5,7 +5,7 @@
 1. resolve the layout: P stages x D replicas = ``num_workers`` tasks;
 2. split the driver's seeded model into P stages (:mod:`partition`: measured forward +
    backward time, else parameter count; every stage under ``max_param_mb``);
-3. run one barrier stage through the stage runner (:mod:`sparktrain.launch.stage`:
+3. run one barrier stage through the stage runner (:mod:`sparktrain.driver.stage_runner`:
    restarts, resume from the stages' checkpoints, job group, slot watchdog) whose tasks
    run :func:`~sparktrain.parallel.stage.train_stage` (the partition travels in a
    picklable :class:`PipelineSpec`, so every task agrees; a resumed run keeps its
@@ -33,13 +33,13 @@ from torch import nn
 
 from sparktrain.checkpoint import PIPELINE_LAYOUT, CheckpointStore
 from sparktrain.config import TrainConfig
+from sparktrain.driver.stage_runner import FitJob, train_in_stage
 from sparktrain.errors import ConfigError, WorkerError
-from sparktrain.launch.stage import FitJob, train_in_stage
 from sparktrain.parallel.partition import Partition, partition
 from sparktrain.parallel.schedule import SCHEDULES, ideal_bubble
 from sparktrain.parallel.stage import WIRE_DTYPES, PipelineSpec, stage_entry, state_senders
 from sparktrain.result import Record, TrainResult, load_state_records, stage_summary
-from sparktrain.worker.context import JobSpec
+from sparktrain.task.context import JobSpec
 
 if TYPE_CHECKING:
     from sparktrain.strategies.base import Strategy

@@ -19,14 +19,14 @@ are dropped), and runs the micro-batches through the stages in the configured sc
 Micro-batch ``i`` contributes ``loss_fn(out_i, y_i) * n_i / n`` so that the accumulated
 gradient is that of the mean loss over the row's ``n`` rows of the step. With ``D > 1``
 the replicas of each stage then average their gradients sample-weighted over the stage's
-group (``worker/buckets.py`` rule): the step's gradient is exactly that of the mean loss
+group (``task/buckets.py`` rule): the step's gradient is exactly that of the mean loss
 over the concatenation of every row's batch. Every stage steps its own optimizer on its
 own parameters (element-wise optimizers: the same as one optimizer on the whole model).
 A row whose data ran out contributes 0 samples to the group, as in data parallel.
 
 Start. With ``D > 1`` every replica of a stage takes its replica 0's parameters and
 buffers, bitwise, right after building its stage (a chunked broadcast over the stage's
-group, :func:`~sparktrain.worker.state.start_from_rank0`), as data parallel does.
+group, :func:`~sparktrain.task.state_sender.start_from_rank0`), as data parallel does.
 
 Checkpoints (``checkpoint_dir``; every ``checkpoint_every`` epochs, rounded to whole
 steps as in data parallel): every rank writes a shard, the last stage's replica 0 the
@@ -53,28 +53,28 @@ from torch import nn
 from sparktrain import errors
 from sparktrain.builders import build_loss, build_optimizer, label_dtype, resolve_model_fn
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.comm import KIND_USER_MIN, Mesh, RingAllreduce
-from sparktrain.comm.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
-from sparktrain.comm.frames import KIND_DATA
 from sparktrain.config import single_spec
-from sparktrain.parallel.checkpoints import StageCheckpoints, StagePart, stage_state
-from sparktrain.parallel.group import GroupGradientSync, GroupMesh, group_allreduce
-from sparktrain.parallel.partition import Partition, as_sequential
-from sparktrain.parallel.schedule import make_schedule
-from sparktrain.result import Record
-from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import (
+from sparktrain.data.partition_data import (
     PartitionData,
     epoch_batches,
     split_labels_weights,
     steps_for,
     weights_at,
 )
-from sparktrain.worker.divergence import check_finite_weights
-from sparktrain.worker.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
-from sparktrain.worker.meet import SEEDED_INIT, rendezvous
-from sparktrain.worker.metrics_client import MetricsClient, start_reporter
-from sparktrain.worker.state import digest, return_state, start_from_rank0
+from sparktrain.parallel.checkpoints import StageCheckpoints, StagePart, stage_state
+from sparktrain.parallel.group import GroupGradientSync, GroupMesh, group_allreduce
+from sparktrain.parallel.partition import Partition, as_sequential
+from sparktrain.parallel.schedule import make_schedule
+from sparktrain.result import Record
+from sparktrain.task.context import JobSpec, WorkerContext
+from sparktrain.task.divergence import check_finite_weights
+from sparktrain.task.evaluate import EVAL_SLICE, finish_metric, metric_name, target_like
+from sparktrain.task.meet import SEEDED_INIT, rendezvous
+from sparktrain.task.metrics_client import MetricsClient, start_reporter
+from sparktrain.task.state_sender import digest, return_state, start_from_rank0
+from sparktrain.wire import KIND_USER_MIN, Mesh, RingAllreduce
+from sparktrain.wire.chunked import chunk_bytes_for, put_chunked, recv_chunked_into
+from sparktrain.wire.frames import KIND_DATA
 
 KIND_ROWS = KIND_USER_MIN + 1
 """Frames of the one-off row gather (features to the first stage, labels to the last)."""
@@ -110,7 +110,7 @@ class PipelineSpec:
 
 
 def state_senders(spec: PipelineSpec, model: nn.Module) -> dict[int, list[str]]:
-    """For the driver's :class:`~sparktrain.launch.state_server.StateReceiver`: which
+    """For the driver's :class:`~sparktrain.driver.services.state_receiver.StateReceiver`: which
     world rank streams which keys of ``model`` (the driver's whole model). Each stage's
     replica 0 sends its stage's keys; a stage without state sends an empty part."""
     full = as_sequential(model)

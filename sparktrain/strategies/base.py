@@ -5,11 +5,11 @@ strategy's own options, says how the strategy launches (:attr:`Strategy.launcher
 starts and stops its driver-side services and says where a restarted stage resumes
 (:meth:`Strategy.driver` returns a :class:`DriverHalf`). The **worker half** runs in
 every task: :meth:`Strategy.worker_sync` builds the rank's
-:class:`~sparktrain.worker.sync.StepSync`. :meth:`Strategy.comm_s` gives the cost model
+:class:`~sparktrain.task.step_sync.StepSync`. :meth:`Strategy.comm_s` gives the cost model
 its per-step term.
 
 A strategy object travels to the executors inside the job's
-:class:`~sparktrain.worker.context.JobSpec`, pickled by reference to its class: it
+:class:`~sparktrain.task.context.JobSpec`, pickled by reference to its class: it
 holds no state, and its module imports no pyspark at module level.
 """
 
@@ -28,13 +28,13 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from torch import nn
 
-    from sparktrain.comm import Mesh
     from sparktrain.config import TrainConfig
     from sparktrain.costmodel import CompressorCost
-    from sparktrain.launch.stage import DriverJob, FitJob
+    from sparktrain.driver.stage_runner import DriverJob, FitJob
     from sparktrain.result import TrainResult
-    from sparktrain.worker.context import JobSpec, WorkerContext
-    from sparktrain.worker.sync import StepSync
+    from sparktrain.task.context import JobSpec, WorkerContext
+    from sparktrain.task.step_sync import StepSync
+    from sparktrain.wire import Mesh
 
 
 def loop_knobs(cfg: TrainConfig) -> dict[str, Any]:
@@ -76,7 +76,7 @@ class DriverHalf:
 
     def first_resume(self) -> tuple[int | None, tuple[dict[str, Any], ...]]:
         """(step, history) the first attempt resumes from; (None, ()) = from scratch."""
-        from sparktrain.launch.stage import resume_step
+        from sparktrain.driver.stage_runner import resume_step
 
         return resume_step(self.job.store, self.job.config.resume), ()
 
@@ -85,7 +85,7 @@ class DriverHalf:
 
     def resume_after_failure(self) -> tuple[int | None, tuple[dict[str, Any], ...]]:
         """(step, history) the next attempt resumes from after a failed one."""
-        from sparktrain.launch.stage import resume_step
+        from sparktrain.driver.stage_runner import resume_step
 
         return resume_step(self.job.store, True), ()
 
@@ -110,7 +110,7 @@ class Strategy:
 
     name: ClassVar[str]
     launcher: ClassVar[Literal["barrier", "rounds"]] = "barrier"
-    """``barrier``: one barrier stage run by :mod:`sparktrain.launch.stage` (needs a free
+    """``barrier``: one barrier stage run by :mod:`sparktrain.driver.stage_runner` (needs a free
     slot per worker); ``rounds``: ordinary Spark jobs, see :meth:`launch`."""
     per_layer_compression: ClassVar[bool] = False
     """Does ``compression`` take a per-layer table (gradients bucketed by layer)?"""
@@ -239,7 +239,7 @@ class Strategy:
 
     def launch(self, job: FitJob) -> TrainResult:
         """Train: for a barrier strategy, one barrier stage through the stage runner."""
-        from sparktrain.launch.stage import train_data_parallel
+        from sparktrain.driver.stage_runner import train_data_parallel
 
         return train_data_parallel(job, self)
 

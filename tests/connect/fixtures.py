@@ -55,7 +55,7 @@ SERVER_CONF: dict[str, str] = {
     "spark.default.parallelism": "2",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.python.worker.reuse": "true",
-    "spark.python.daemon.module": "sparktrain.launch.daemon",
+    "spark.python.daemon.module": "sparktrain.driver.daemon",
 }
 
 

@@ -2,7 +2,7 @@
 cap is set low (``spark.connect.grpc.maxInboundMessageSize=4m``): a fit whose task closes
 over a 9.9 MB pretrained MLP, and the ml transform of that model. Both would be refused
 by the server if the weights went in the plan; they go through the driver's payload
-service instead (:mod:`sparktrain.launch.payload_server`), and the test checks that they
+service instead (:mod:`sparktrain.driver.services.payload_server`), and the test checks that they
 did."""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from sparktrain import Trainer
-from sparktrain.launch import payload_server
-from sparktrain.launch.spark_env import spark_env
+from sparktrain.driver.services import payload_server
+from sparktrain.driver.spark_env import spark_env
 from sparktrain.ml import TorchClassificationModel
 from sparktrain.models import mlp
 from sparktrain.result import state_to_bytes
-from sparktrain.worker.payload import ServedBytes
+from sparktrain.task.payload_client import ServedBytes
 
 from .fixtures import (
     ConnectServer,

@@ -14,7 +14,7 @@ from sparktrain import Trainer
 from sparktrain.checkpoint import CheckpointStore
 from sparktrain.errors import CommError, DataError, WorkerError
 from sparktrain.models import mlp
-from sparktrain.worker.faults import FaultPlan
+from sparktrain.task.faults import FaultPlan
 
 from .fixtures import DIGITS_MODEL, SUMMARY_KEYS, accuracy, digits, digits_frames, fast_config
 

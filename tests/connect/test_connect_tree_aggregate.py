@@ -13,8 +13,8 @@ import pyarrow as pa
 import pytest
 
 from sparktrain import Trainer
+from sparktrain.driver.spark_env import ConnectEnv
 from sparktrain.errors import ConfigError
-from sparktrain.launch.spark_env import ConnectEnv
 from sparktrain.result import state_to_bytes
 from sparktrain.strategies.tree_aggregate.driver_frames import CLOSURE_SHARE
 

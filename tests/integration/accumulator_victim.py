@@ -22,7 +22,7 @@ import socket
 import sys
 
 from sparktrain import Trainer
-from sparktrain.launch.spark_env import UNIX_SOCKETS, tcp_accumulator_address
+from sparktrain.driver.spark_env import UNIX_SOCKETS, tcp_accumulator_address
 from sparktrain.session import get_or_create_session
 from tests.integration.fixtures import DIGITS_MODEL, child_pids, cmdline, digits_frames, fast_config
 from tests.proc_net import listeners

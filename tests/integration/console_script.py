@@ -14,7 +14,7 @@ from pyspark.sql import functions as F
 
 from sparktrain import TrainConfig, Trainer, datasets
 from sparktrain.errors import DataError
-from sparktrain.worker.faults import FaultPlan
+from sparktrain.task.faults import FaultPlan
 
 MODEL = "sparktrain.models:digits_mlp"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sparktrain.launch.spark_env import UNIX_SOCKETS
+from sparktrain.driver.spark_env import UNIX_SOCKETS
 
 pytestmark = [pytest.mark.spark, pytest.mark.attack, pytest.mark.timeout(1000)]
 

@@ -3,7 +3,7 @@
 An attacker in a process of its own (:mod:`tests.integration.attacker`) holds 50 silent
 connections and 50 that send random bytes, from 127.0.0.2 and up, against every
 listener of the fit: the driver's services and parameter-server shards as they start
-(learned through the test-only hook :func:`sparktrain.comm.preauth.set_test_observer`)
+(learned through the test-only hook :func:`sparktrain.wire.preauth.set_test_observer`)
 and the workers' mesh listeners while the mesh forms (the hook reports each rank's
 rendezvous message, before the ranks get the answer, and waits until the flood is
 under way; that wait is the harness's, not the system's, and is left out of the
@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from sparktrain import Trainer
-from sparktrain.comm import preauth
-from sparktrain.comm.handshake import HELLO_PREFIX
+from sparktrain.wire import preauth
+from sparktrain.wire.handshake import HELLO_PREFIX
 
 from . import attacker
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparktrain import TrainConfig, Trainer, datasets
-from sparktrain.worker.memory import reset_peak_rss
+from sparktrain.task.memory import reset_peak_rss
 
 pytestmark = [pytest.mark.spark, pytest.mark.scale, pytest.mark.timeout(600)]
 

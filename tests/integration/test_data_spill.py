@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sparktrain import Trainer
-from sparktrain.worker.faults import FaultPlan
-from sparktrain.worker.spill import SPILL_DIR_NAME, local_root
+from sparktrain.data.spill import SPILL_DIR_NAME, local_root
+from sparktrain.task.faults import FaultPlan
 
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 

@@ -15,7 +15,7 @@ import pytest
 import sparktrain
 from sparktrain import Trainer
 from sparktrain.errors import ConfigError
-from sparktrain.worker.faults import FaultPlan
+from sparktrain.task.faults import FaultPlan
 
 from .fixtures import DIGITS_MODEL, accuracy, digits, digits_frames, fast_config
 

@@ -9,7 +9,7 @@ import pytest
 
 from sparktrain import Trainer
 from sparktrain.errors import CommError, WorkerError
-from sparktrain.worker.faults import FaultPlan
+from sparktrain.task.faults import FaultPlan
 
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 

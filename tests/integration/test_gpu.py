@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from sparktrain import Trainer
+from sparktrain.driver import gpu
+from sparktrain.driver.resources import max_concurrent_tasks
+from sparktrain.driver.spark_env import ClassicEnv
 from sparktrain.errors import ResourceError
-from sparktrain.launch import gpu
-from sparktrain.launch.resources import max_concurrent_tasks
-from sparktrain.launch.spark_env import ClassicEnv
 
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from sparktrain import Trainer
+from sparktrain.driver.services.loggers import Callback
 from sparktrain.errors import ConfigError
-from sparktrain.loggers import Callback
 from sparktrain.models import digits_mlp
 
 from .fixtures import DIGITS_MODEL, accuracy, digits, digits_frames, fast_config

@@ -15,7 +15,7 @@ from sparktrain import Trainer, datasets
 from sparktrain.cli import split_job_keys
 from sparktrain.config import TrainConfig, apply_overrides, load_toml
 from sparktrain.errors import DivergedError
-from sparktrain.worker.divergence import loss_blowup
+from sparktrain.task.divergence import loss_blowup
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 

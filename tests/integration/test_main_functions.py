@@ -29,10 +29,10 @@ SCRIPT = textwrap.dedent(
 
     import sparktrain
     from sparktrain import Trainer, TrainConfig, datasets
-    from sparktrain.loggers import Callback
+    from sparktrain.driver.services.loggers import Callback
     from sparktrain.models import mlp
     from sparktrain.session import get_or_create_session
-    from sparktrain.worker.run_context import RunContext
+    from sparktrain.task.run_context import RunContext
 
 
     def digits_train_fn(ctx: RunContext) -> dict[str, Any]:  # docs/run.md's, verbatim

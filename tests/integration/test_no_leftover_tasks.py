@@ -19,8 +19,8 @@ import pytest
 
 import sparktrain
 from sparktrain import TrainConfig
+from sparktrain.driver import occupancy
 from sparktrain.errors import ResourceError, SparkTrainError
-from sparktrain.launch import occupancy
 
 pytestmark = pytest.mark.timeout(180, func_only=True)
 

@@ -76,7 +76,7 @@ def test_layout_must_match_num_workers(spark):
 def test_a_killed_pipeline_stage_resubmits_and_resumes_from_its_checkpoint(spark, tmp_path, caplog):
     import logging
 
-    from sparktrain.worker.faults import FaultPlan
+    from sparktrain.task.faults import FaultPlan
 
     caplog.set_level(logging.INFO, logger="sparktrain")
     train, test = digits_frames(spark)

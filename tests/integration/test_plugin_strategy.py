@@ -27,7 +27,7 @@ TOY_MODULE = textwrap.dedent(
     import numpy as np
     import torch
 
-    from sparktrain.comm.ring import ring_allgather
+    from sparktrain.wire.ring import ring_allgather
     from sparktrain.builders import build_optimizer
     from sparktrain.strategies import register
     from sparktrain.strategies.base import Strategy

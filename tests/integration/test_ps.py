@@ -16,7 +16,7 @@ import pytest
 
 from sparktrain import Trainer
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.ps import persist
+from sparktrain.strategies.ps import server_persist as persist
 
 from .fixtures import DIGITS_MODEL, accuracy, digits, digits_frames, fast_config
 

@@ -16,7 +16,7 @@ import torch
 import sparktrain
 from sparktrain import TrainConfig, Trainer, datasets
 from sparktrain.models import mlp
-from sparktrain.worker.faults import FaultPlan
+from sparktrain.task.faults import FaultPlan
 from tests.integration.fixtures import accuracy, digits, digits_frames
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sparktrain import Trainer
-from sparktrain.worker.faults import FaultPlan
+from sparktrain.task.faults import FaultPlan
 
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import sparktrain
 from sparktrain import TrainConfig, Trainer
-from sparktrain.worker.run_context import RunContext
+from sparktrain.task.run_context import RunContext
 
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 

@@ -12,8 +12,8 @@ import torch
 
 import sparktrain
 from sparktrain import TrainConfig
+from sparktrain.driver import occupancy
 from sparktrain.errors import SparkTrainError
-from sparktrain.launch import occupancy
 
 # a 2-task barrier stage on local[2] that cannot start waits for its slots without end:
 # fail long before setup.cfg's 600 s (the test function only: starting the shared session

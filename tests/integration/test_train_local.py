@@ -180,8 +180,8 @@ def test_session_is_still_usable_after_failures(spark):
 
 
 def test_the_stage_meets_in_the_drivers_rendezvous_once(spark, monkeypatch):
-    import sparktrain.launch.stage as stage_module
-    from sparktrain.launch.rendezvous import RendezvousServer
+    import sparktrain.driver.stage_runner as stage_module
+    from sparktrain.driver.services.rendezvous import RendezvousServer
 
     servers: list[RendezvousServer] = []
 
@@ -210,5 +210,5 @@ def test_python_workers_fork_from_the_daemon_that_preloaded_torch(spark):
         yield parent, "torch" in sys.modules, "torch._dynamo" in sys.modules
 
     seen = spark.sparkContext.parallelize(range(2), 2).mapPartitions(inspect).collect()
-    assert all("sparktrain.launch.daemon" in parent for parent, _, _ in seen), seen
+    assert all("sparktrain.driver.daemon" in parent for parent, _, _ in seen), seen
     assert all(torch and dynamo for _, torch, dynamo in seen), seen

@@ -16,8 +16,8 @@ import torch
 from sparktrain import Trainer
 from sparktrain.builders import build_model, resolve_model_fn
 from sparktrain.cli import main as cli_main
+from sparktrain.driver.prepare import prepare
 from sparktrain.errors import DataError
-from sparktrain.launch.prepare import prepare
 from sparktrain.result import state_to_bytes
 from sparktrain.strategies.tree_aggregate.driver import run_rounds
 from sparktrain.strategies.tree_aggregate.driver_round import (

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sparktrain.launch.spark_env import UNIX_SOCKETS, tcp_accumulator_address
+from sparktrain.driver.spark_env import UNIX_SOCKETS, tcp_accumulator_address
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(400)]
 

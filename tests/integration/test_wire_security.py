@@ -12,7 +12,7 @@ import json
 import pytest
 
 from sparktrain import Trainer
-from sparktrain.comm.security import WireSecurity
+from sparktrain.wire.security import WireSecurity
 
 from .fixtures import DIGITS_MODEL, digits_frames, fast_config
 

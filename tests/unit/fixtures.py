@@ -4,7 +4,7 @@ each other.
 No Spark anywhere: a "world" is N threads (or processes) on loopback. Sections:
 
 - ranks as threads, with Spark-like allGather/barrier (:func:`run_ranks`);
-- meshes and connections: one :class:`~sparktrain.comm.mesh.Mesh` per rank thread
+- meshes and connections: one :class:`~sparktrain.wire.mesh.Mesh` per rank thread
   (:func:`run_mesh_ranks`), a connected pair (:func:`pair`), a rank in its own process
   (:func:`process_rank`, which multiprocessing's spawn imports by name);
 - the worker loop in threads: random partitions, a train run, the single-process
@@ -27,7 +27,20 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from sparktrain.comm import (
+from sparktrain.config import TrainConfig
+from sparktrain.data.partition_data import PartitionData
+from sparktrain.models import mlp
+from sparktrain.parallel.partition import partition
+from sparktrain.parallel.pipeline import assemble as assemble_pipeline
+from sparktrain.parallel.stage import PipelineSpec, train_stage
+from sparktrain.result import TrainResult, assemble, load_state_records, state_to_bytes
+from sparktrain.strategies.ps import protocol
+from sparktrain.strategies.ps.client import ShardClient, connect_shards
+from sparktrain.strategies.ps.server import ParameterServer, start_parameter_server
+from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec
+from sparktrain.task.context import JobSpec, WorkerContext
+from sparktrain.task.run_task import decode_value, run_partition
+from sparktrain.wire import (
     CommStats,
     Connection,
     Mesh,
@@ -37,19 +50,6 @@ from sparktrain.comm import (
     make_allreduce,
     open_listener,
 )
-from sparktrain.config import TrainConfig
-from sparktrain.models import mlp
-from sparktrain.parallel.partition import partition
-from sparktrain.parallel.pipeline import assemble as assemble_pipeline
-from sparktrain.parallel.stage import PipelineSpec, train_stage
-from sparktrain.ps import protocol
-from sparktrain.ps.client import ShardClient, connect_shards
-from sparktrain.ps.server import ParameterServer, start_parameter_server
-from sparktrain.result import TrainResult, assemble, load_state_records, state_to_bytes
-from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec
-from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import PartitionData
-from sparktrain.worker.run_task import decode_value, run_partition
 
 T = TypeVar("T")
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from sparktrain.config import TrainConfig
-from sparktrain.worker.context import JobSpec
-from sparktrain.worker.data import PartitionData
+from sparktrain.data.partition_data import PartitionData
+from sparktrain.task.context import JobSpec
 
 from .fixtures import SECRET
 

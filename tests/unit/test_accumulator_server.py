@@ -20,8 +20,8 @@ import pytest
 from pyspark.accumulators import AccumulatorTCPServer, AccumulatorUnixServer, UpdateRequestHandler
 
 from sparktrain import session as session_module
-from sparktrain.launch import spark_env as spark_env_module
-from sparktrain.launch.spark_env import (
+from sparktrain.driver import spark_env as spark_env_module
+from sparktrain.driver.spark_env import (
     UNIX_SOCKETS,
     spark_env,
     tcp_accumulator_address,
@@ -136,7 +136,7 @@ def test_a_tcp_accumulator_server_gets_one_warning_that_names_the_setting(
     tcp_server: AccumulatorTCPServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     session = _Session(_Context(tcp_server))
-    with caplog.at_level(logging.WARNING, logger="sparktrain.launch.spark_env"):
+    with caplog.at_level(logging.WARNING, logger="sparktrain.driver.spark_env"):
         spark_env(session)  # what every fit asks for first
         spark_env(session)
         assert warn_tcp_accumulator(session.sparkContext) is False
@@ -150,7 +150,7 @@ def test_a_tcp_accumulator_server_gets_one_warning_that_names_the_setting(
 def test_a_unix_accumulator_server_gets_no_warning(
     unix_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="sparktrain.launch.spark_env"):
+    with caplog.at_level(logging.WARNING, logger="sparktrain.driver.spark_env"):
         spark_env(_Session(_Context(unix_server)))
         assert warn_tcp_accumulator(_Context(unix_server)) is False
     assert not caplog.records

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparktrain.comm import ALLREDUCE_ALGOS, CommStats, Mesh, make_allreduce, open_listener
-from sparktrain.comm.ring import RingAllreduce, ring_raw_bytes_sent, ring_segments
-from sparktrain.comm.tree import TreeAllreduce
 from sparktrain.errors import CommError, ConfigError, PeerLostError
+from sparktrain.wire import ALLREDUCE_ALGOS, CommStats, Mesh, make_allreduce, open_listener
+from sparktrain.wire.ring import RingAllreduce, ring_raw_bytes_sent, ring_segments
+from sparktrain.wire.tree import TreeAllreduce
 
 from . import fixtures
 

@@ -19,7 +19,7 @@ from benchmarks.cli import build_parser
 from sparktrain import datasets
 from sparktrain.errors import ConfigError
 from sparktrain.models import two_tower
-from sparktrain.worker.sparse_rows import rows_of, sparse_parameters
+from sparktrain.sparse.rows import rows_of, sparse_parameters
 
 
 # ---------------------------------------------------------------------- data

@@ -19,13 +19,13 @@ import torch
 from benchmarks import report as rep
 from benchmarks import train as bt
 from sparktrain import TrainConfig
+from sparktrain.data.partition_data import PartitionData
 from sparktrain.errors import SparkTrainError
 from sparktrain.models import mlp
 from sparktrain.result import state_to_bytes
 from sparktrain.strategies.tree_aggregate.codec import NUM_STATS
 from sparktrain.strategies.tree_aggregate.flat import flatten
 from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec, partition_round
-from sparktrain.worker.data import PartitionData
 
 
 # ------------------------------------------------------------------ bench train

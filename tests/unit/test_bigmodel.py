@@ -16,8 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-from sparktrain.comm import Mesh, make_allreduce
-from sparktrain.comm.chunked import (
+from sparktrain.driver.services.state_receiver import StateReceiver
+from sparktrain.errors import FrameError, WorkerError
+from sparktrain.models import embedding_regressor, mlp
+from sparktrain.result import assemble as _assemble
+from sparktrain.task.memory import peak_rss_bytes, reset_peak_rss
+from sparktrain.task.state_sender import send_state, start_from_rank0, tensor_layout
+from sparktrain.wire import Mesh, make_allreduce
+from sparktrain.wire.chunked import (
     PiecewiseAllreduce,
     broadcast_,
     pieces,
@@ -26,12 +32,6 @@ from sparktrain.comm.chunked import (
     tree_children,
     tree_parent,
 )
-from sparktrain.errors import FrameError, WorkerError
-from sparktrain.launch.state_server import StateReceiver
-from sparktrain.models import embedding_regressor, mlp
-from sparktrain.result import assemble as _assemble
-from sparktrain.worker.memory import peak_rss_bytes, reset_peak_rss
-from sparktrain.worker.state import send_state, start_from_rank0, tensor_layout
 
 from .fixtures import (
     assert_close_params,
@@ -258,9 +258,9 @@ def test_state_of_every_dtype_arrives_bitwise_and_a_wrong_model_is_refused():
 
 
 def test_only_rank0_may_return_the_state():
-    from sparktrain.comm.frames import KIND_CONTROL
-    from sparktrain.comm.handshake import DRIVER_RANK, connect
-    from sparktrain.comm.stats import CommStats
+    from sparktrain.wire.frames import KIND_CONTROL
+    from sparktrain.wire.handshake import DRIVER_RANK, connect
+    from sparktrain.wire.stats import CommStats
 
     secret = secrets.token_bytes(32)
     driver = _Mixed(1)
@@ -405,7 +405,7 @@ def test_embedding_regressor_and_peak_rss():
 def test_gradients_live_in_the_buckets_no_second_copy():
     """Before: the buckets were a full copy of the gradients (a model's worth of memory)
     and every step copied the gradients in and the averages back out."""
-    from sparktrain.worker.buckets import GradientBuckets
+    from sparktrain.task.buckets import GradientBuckets
 
     class _Sum:  # one rank: the sum is the buffer itself
         def allreduce_(self, buf: np.ndarray) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from sparktrain.checkpoint import Checkpoint, CheckpointStore
 from sparktrain.errors import CheckpointError, PeerLostError
-from sparktrain.worker.faults import FaultPlan, InjectedFaultError
+from sparktrain.task.faults import FaultPlan, InjectedFaultError
 
 from .fixtures import loop_spec, random_parts, spec_with, state_bytes, train_in_threads
 

@@ -24,7 +24,7 @@ from sparktrain.compress.base import BucketState
 from sparktrain.compress.int8 import GEN_SLOT, SCRATCH_SLOT
 from sparktrain.compress.snapshot import dump_states, load_states
 from sparktrain.errors import CheckpointError, ConfigError, PeerLostError
-from sparktrain.worker.faults import FaultPlan, InjectedFaultError
+from sparktrain.task.faults import FaultPlan, InjectedFaultError
 
 from .fixtures import loop_spec, random_parts, spec_with, state_bytes, train_in_threads
 
@@ -64,7 +64,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_p
 
 
 def test_the_driver_resumes_from_the_newest_intact_checkpoint(tmp_path, caplog):
-    from sparktrain.launch.stage import resume_step as _resume_step
+    from sparktrain.driver.stage_runner import resume_step as _resume_step
 
     store = CheckpointStore(str(tmp_path), keep=3)
     for step in (5, 10):
@@ -159,7 +159,7 @@ def test_a_plain_path_is_fine_on_one_host(tmp_path, master):
 
 def test_the_trainer_refuses_a_plain_path_on_a_cluster_before_any_job(tmp_path):
     from sparktrain.config import TrainConfig
-    from sparktrain.launch.stage import open_store
+    from sparktrain.driver.stage_runner import open_store
 
     cfg = TrainConfig(checkpoint_dir=str(tmp_path), num_workers=2)
     with pytest.raises(ConfigError, match="local path"):

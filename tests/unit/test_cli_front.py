@@ -86,8 +86,8 @@ def test_a_pandas_frame_is_refused_with_the_call_that_converts_it(kind: str) -> 
     import numpy as np
     import pandas as pd
 
+    from sparktrain.driver.prepare import prepare
     from sparktrain.errors import DataError
-    from sparktrain.launch.prepare import prepare
     from sparktrain.ml.model import require_spark_frame
 
     data = {"pandas": pd.DataFrame({"x": [1.0]}), "numpy": np.zeros(2), "list": [1]}[kind]

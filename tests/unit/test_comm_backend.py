@@ -7,10 +7,10 @@ import pytest
 
 from sparktrain import TrainConfig
 from sparktrain.comm_backend import HookSpec, hook_spec
+from sparktrain.driver.job import check_job
+from sparktrain.driver.resources import check_transport_security
+from sparktrain.driver.spark_env import ClassicEnv
 from sparktrain.errors import ConfigError, ResourceError
-from sparktrain.launch.job import check_job
-from sparktrain.launch.resources import check_transport_security
-from sparktrain.launch.spark_env import ClassicEnv
 
 
 def test_default_and_unknown() -> None:

@@ -404,9 +404,9 @@ def test_path_choice_moves_the_fewest_bytes():
 def _ring_reduce(world: int, spec: str, inputs: list[np.ndarray], steps: int = 1):
     """Reduce ``inputs[r]`` (the same each step) ``steps`` times on a world-sized ring in
     threads; per rank: outputs, final residual, count, path and byte deltas."""
-    from sparktrain.comm import make_allreduce
     from sparktrain.compress.collective import CompressedAllreduce
     from sparktrain.compress.feedback import RESIDUAL
+    from sparktrain.wire import make_allreduce
 
     from .fixtures import raise_first, run_mesh_ranks
 

@@ -28,8 +28,8 @@ from sparktrain.compress.registry import build
 from sparktrain.compress.snapshot import dump_state, dump_states, load_state, load_states
 from sparktrain.compress.topk import TopK, keep_count
 from sparktrain.config import TrainConfig
+from sparktrain.driver.job import check_job
 from sparktrain.errors import ConfigError
-from sparktrain.launch.job import check_job
 
 
 def _x(n: int, seed: int = 0) -> torch.Tensor:
@@ -130,8 +130,8 @@ def test_local_clip_is_inactive_under_the_threshold():
 def test_ring_reducer_tells_the_compressor_its_world():
     """CompressedAllreduce sets ``ef.world`` next to ``ef.scale``: at world 2 the clip
     bound is C / sqrt(2), so a gradient of norm C/1.2 is clipped there."""
-    from sparktrain.comm import make_allreduce
     from sparktrain.compress.collective import CompressedAllreduce
+    from sparktrain.wire import make_allreduce
 
     from .fixtures import raise_first, run_mesh_ranks
 
@@ -309,8 +309,8 @@ def test_resume_mid_warmup_is_bitwise_exact(sampled):
 def test_resume_through_the_reducer_states_at_world_2():
     """The collective's per-bucket states (with ``ef.world`` and the clip counters)
     saved mid-warm-up and loaded into a second reducer continue bit for bit."""
-    from sparktrain.comm import make_allreduce
     from sparktrain.compress.collective import CompressedAllreduce
+    from sparktrain.wire import make_allreduce
 
     from .fixtures import raise_first, run_mesh_ranks
 

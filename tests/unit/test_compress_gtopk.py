@@ -20,8 +20,8 @@ from sparktrain.compress.collective import (
 )
 from sparktrain.compress.feedback import MOMENTUM, RESIDUAL
 from sparktrain.config import TrainConfig
+from sparktrain.driver.job import check_job
 from sparktrain.errors import ConfigError
-from sparktrain.launch.job import check_job
 
 from .fixtures import raise_first, run_mesh_ranks
 
@@ -53,7 +53,7 @@ def _run(
     """``steps`` reductions of :func:`_grad` per rank on a ring of threads and sockets
     (count ``rank + 1`` each step). With ``resume_at``, the reducer's state is saved after
     that many steps and a fresh reducer loads it and carries on."""
-    from sparktrain.comm import make_allreduce
+    from sparktrain.wire import make_allreduce
 
     def body(rank: int, mesh) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         algo = make_allreduce(algo_name, mesh)

@@ -14,10 +14,10 @@ from sparktrain.compress.base import BucketState
 from sparktrain.compress.feedback import MOMENTUM, RESIDUAL, SCALE
 from sparktrain.compress.registry import build
 from sparktrain.config import TrainConfig
+from sparktrain.driver.job import check_job
 from sparktrain.errors import CommError, ConfigError
-from sparktrain.launch.job import check_job
-from sparktrain.ps import protocol
-from sparktrain.ps.client import shard_shapes
+from sparktrain.strategies.ps import protocol
+from sparktrain.strategies.ps.client import shard_shapes
 from sparktrain.strategies.tree_aggregate.codec import (
     RAW_BYTES,
     WIRE_BYTES,

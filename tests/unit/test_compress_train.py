@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from sparktrain.comm import make_allreduce
-from sparktrain.comm.ring import ring_raw_bytes_sent
 from sparktrain.compress import build
 from sparktrain.compress.collective import CompressedAllreduce, path_for
 from sparktrain.config import TrainConfig
+from sparktrain.driver.job import check_job
 from sparktrain.errors import CommError, ConfigError
-from sparktrain.launch.job import check_job
 from sparktrain.result import assemble as _assemble
+from sparktrain.wire import make_allreduce
+from sparktrain.wire.ring import ring_raw_bytes_sent
 
 from .fixtures import (
     assert_close_params,

@@ -3,8 +3,8 @@ rest in a subprocess)."""
 
 from __future__ import annotations
 
-from sparktrain.launch import console
-from sparktrain.launch.prepare import _PYTHON_PLAN, _first_of_partition
+from sparktrain.driver import console
+from sparktrain.driver.prepare import _PYTHON_PLAN, _first_of_partition
 
 
 def test_outside_spark_submit_the_session_gets_no_extra_setting(monkeypatch) -> None:  # type: ignore[no-untyped-def]

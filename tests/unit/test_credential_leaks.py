@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from sparktrain.config import TrainConfig
+from sparktrain.driver.services.loggers import MLflowLogger, TensorBoardLogger, make_listeners
+from sparktrain.driver.services.metrics_server import ProgressDisplay
 from sparktrain.errors import ConfigError
-from sparktrain.launch.metrics_server import ProgressDisplay
-from sparktrain.loggers import MLflowLogger, TensorBoardLogger, make_listeners
 from sparktrain.redact import redact_text, redact_values
 from sparktrain.result import TrainResult
 
@@ -167,7 +167,7 @@ def test_log_lines_and_tracebacks_hold_no_credentials(monkeypatch, caplog):
     uri = f"http://me:s3cret@127.0.0.1:{_closed_port()}"
     logger = MLflowLogger(uri, "leaks-log")
     display = ProgressDisplay(False, "", [logger])
-    with caplog.at_level(logging.DEBUG, logger="sparktrain.loggers"):
+    with caplog.at_level(logging.DEBUG, logger="sparktrain.driver.services.loggers"):
         display(START)  # on_start cannot reach the server: logged, training goes on
         display.close()
         display.finish({}, None)

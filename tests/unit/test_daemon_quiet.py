@@ -1,5 +1,5 @@
 """A forked Python worker whose task socket the JVM already closed ends without printing
-pyspark's ``BrokenPipeError`` trace on the user's terminal (sparktrain.launch.daemon)."""
+pyspark's ``BrokenPipeError`` trace on the user's terminal (sparktrain.driver.daemon)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 CHILD = """
 import sys
-from sparktrain.launch.daemon import _quiet_on_a_closed_socket
+from sparktrain.driver.daemon import _quiet_on_a_closed_socket
 
 def worker(sock, authenticated):
     if sock == "closed":

@@ -2,8 +2,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sparktrain.errors import DataError
-from sparktrain.worker.data import (
+from sparktrain.data.partition_data import (
     FEATURES,
     IS_VALIDATION,
     LABEL,
@@ -14,6 +13,7 @@ from sparktrain.worker.data import (
     from_arrow,
     from_rows,
 )
+from sparktrain.errors import DataError
 
 
 def _batch(rows, labels, val=None, weight=None):
@@ -117,7 +117,7 @@ def test_bad_weights_are_refused_on_the_worker(weight, needle):
 
 
 def test_drop_last_leaves_out_the_short_batch_and_keeps_every_full_one():
-    from sparktrain.worker.data import epoch_batches, steps_for
+    from sparktrain.data.partition_data import epoch_batches, steps_for
 
     assert steps_for(673, 32) == 22 and steps_for(673, 32, drop_last=True) == 21
     assert steps_for(31, 32, drop_last=True) == 0 and steps_for(0, 32) == 0
@@ -130,7 +130,7 @@ def test_drop_last_leaves_out_the_short_batch_and_keeps_every_full_one():
 
 
 def test_the_windowed_shuffle_is_a_permutation_read_one_window_at_a_time():
-    from sparktrain.worker.data import epoch_order
+    from sparktrain.data.partition_data import epoch_order
 
     n, window = 1003, 100
     order = epoch_order(n, np.random.default_rng([0, 1, 2]), window)

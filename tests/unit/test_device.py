@@ -1,4 +1,4 @@
-"""Placement: the config's ``device`` and the GPUs Spark gave a task (worker/device.py),
+"""Placement: the config's ``device`` and the GPUs Spark gave a task (task/device.py),
 every branch without a GPU; the task side records it, and ``device="cuda"`` without a
 GPU fails on every rank alike before any socket."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from sparktrain.config import TrainConfig
+from sparktrain.driver.barrier import task_gpus
+from sparktrain.driver.job import check_job
+from sparktrain.driver.spark_env import ClassicEnv
 from sparktrain.errors import ConfigError, ResourceError
-from sparktrain.launch.barrier import task_gpus
-from sparktrain.launch.job import check_job
-from sparktrain.launch.spark_env import ClassicEnv
-from sparktrain.worker.device import cuda_index, device_for, place, resolve
+from sparktrain.task.device import cuda_index, device_for, place, resolve
 from tests.unit.fixtures import (
     assert_close_params,
     loop_spec,
@@ -126,7 +126,7 @@ def test_the_summary_records_each_ranks_gpu_and_device(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
 def test_cuda_without_cuda_fails_on_every_rank_before_any_socket(monkeypatch):
-    import sparktrain.worker.run_task as run_task
+    import sparktrain.task.run_task as run_task
 
     _with_gpus(monkeypatch, [("0",), ("1",)])
 
@@ -161,10 +161,10 @@ class _FakeContext:
 
 
 def test_local_mode_has_no_stage_level_scheduling(caplog):
-    from sparktrain.launch import gpu
+    from sparktrain.driver import gpu
 
     assert gpu.training_profile(ClassicEnv(_FakeContext()), TrainConfig(gpus_per_task=0)) is None
-    with caplog.at_level("WARNING", logger="sparktrain.launch.gpu"):
+    with caplog.at_level("WARNING", logger="sparktrain.driver.gpu"):
         assert (
             gpu.training_profile(ClassicEnv(_FakeContext()), TrainConfig(gpus_per_task=1)) is None
         )
@@ -173,7 +173,7 @@ def test_local_mode_has_no_stage_level_scheduling(caplog):
 
 
 def test_too_few_gpu_slots_names_the_gpus():
-    from sparktrain.launch.resources import too_few_slots
+    from sparktrain.driver.resources import too_few_slots
 
     msg = too_few_slots(ClassicEnv(_FakeContext()), 3, 2, profile_id=1)  # type: ignore[arg-type]
     assert "resource profile 1" in msg and "spark.executor.resource.gpu.amount" in msg
@@ -189,8 +189,8 @@ class _ConnectSession:
 
 
 def test_gpus_per_task_under_connect_says_how_to_give_tasks_gpus():
-    from sparktrain.launch import gpu
-    from sparktrain.launch.spark_env import ConnectEnv
+    from sparktrain.driver import gpu
+    from sparktrain.driver.spark_env import ConnectEnv
 
     env = ConnectEnv(_ConnectSession())
     assert env.slots(profile_id=3) is None  # a Connect client cannot count a profile's slots

@@ -14,8 +14,8 @@ import torch
 
 from sparktrain.errors import CommError, DivergedError
 from sparktrain.models import mlp
-from sparktrain.worker.divergence import check_finite_weights
-from sparktrain.worker.run_task import run_partition
+from sparktrain.task.divergence import check_finite_weights
+from sparktrain.task.run_task import run_partition
 
 from .fixtures import loop_spec, random_parts, run_ranks, spec_with, worker_context
 
@@ -88,7 +88,7 @@ def test_a_diverged_run_is_final_on_the_driver():
 
 
 def test_weights_are_checked_slice_by_slice_to_the_last_value():
-    from sparktrain.worker import divergence
+    from sparktrain.task import divergence
 
     big = torch.zeros(3 * divergence._CHECK_SLICE + 5)
     check_finite_weights([big], 0, 0.1)

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 from sparktrain import TrainConfig
-from sparktrain.comm.listen import ServiceHost, address_of, open_listener, open_service_listener
 from sparktrain.config import parse_port_range
+from sparktrain.driver.barrier import without_driver
+from sparktrain.driver.services.metrics_server import ProgressDisplay
+from sparktrain.driver.services.rendezvous import DriverUnreachable, RendezvousServer, all_gather
 from sparktrain.errors import ConfigError, HandshakeError
-from sparktrain.launch.barrier import without_driver
-from sparktrain.launch.metrics_server import ProgressDisplay
-from sparktrain.launch.rendezvous import DriverUnreachable, RendezvousServer, all_gather
-from sparktrain.worker.context import JobSpec
+from sparktrain.task.context import JobSpec
+from sparktrain.wire.listen import ServiceHost, address_of, open_listener, open_service_listener
 
 HOST = "127.0.0.1"
 
@@ -172,6 +172,6 @@ def test_replayed_history_reaches_listeners_and_jsonl_once(tmp_path: Any) -> Non
 
 
 def _adapt(listener: Any) -> Any:
-    from sparktrain.loggers import make_listeners
+    from sparktrain.driver.services.loggers import make_listeners
 
     return make_listeners(TrainConfig(progress=False), [listener.on_epoch_end])[0]

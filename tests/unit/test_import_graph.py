@@ -44,32 +44,33 @@ SPARK = ("pyspark", "py4j")
 # neither it nor anything it imports at module level may import pyspark (function-level
 # imports in these modules count too: they run on the executors).
 EXECUTOR_CODE = (
-    "sparktrain.worker",
+    "sparktrain.task",
     "sparktrain.data",
-    "sparktrain.comm",
+    "sparktrain.sparse",
+    "sparktrain.wire",
     "sparktrain.compress",
     "sparktrain.result",
     "sparktrain.parallel.stage",
     "sparktrain.parallel.group",
     "sparktrain.parallel.partition",
     "sparktrain.parallel.schedule",
-    "sparktrain.ps.client",
-    "sparktrain.ps.protocol",
-    "sparktrain.ps.layout",
-    # a strategy's task half, and what both its halves share
-    "sparktrain.strategies.tree_aggregate.task",
-    "sparktrain.strategies.tree_aggregate.task_frames",
-    "sparktrain.strategies.tree_aggregate.task_weights",
+    # what both halves of a strategy folder share (its task half: TASK_HALF below)
     "sparktrain.strategies.tree_aggregate.codec",
     "sparktrain.strategies.tree_aggregate.flat",
+    "sparktrain.strategies.ps.protocol",
+    "sparktrain.strategies.ps.layout",
+    "sparktrain.strategies.ps.bootstrap",
 )
 # Executors unpickle strategy objects, so these modules must import without pyspark; their
 # driver halves may import it inside functions.
 EXECUTOR_IMPORTED = ("sparktrain.strategies",)
-# ...except a strategy folder's driver half: its modules are named ``driver`` or
-# ``driver_*`` (sparktrain/strategies/tree_aggregate/driver_round.py) and, like
-# sparktrain/launch/, run on the driver only.
-DRIVER_HALF = ("driver", "driver_")
+# A strategy folder's modules say by their name which side they run on: ``driver``,
+# ``driver_*``, ``server``, ``server_*`` (sparktrain/strategies/tree_aggregate/driver_round.py,
+# sparktrain/strategies/ps/server_tables.py) run on the driver only, like
+# sparktrain/driver/, and may import pyspark; ``task``, ``task_*``, ``client``,
+# ``client_*`` (sparktrain/strategies/ps/client.py) run in the tasks and are executor code.
+DRIVER_HALF = ("driver", "server")
+TASK_HALF = ("task", "client")
 # the benchmark suite and the tests: top-level packages of the checkout, not installed
 BENCH = "benchmarks"
 TESTS = "tests"
@@ -340,11 +341,12 @@ def _under(module: str, prefixes: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
-def _driver_half(module: str) -> bool:
-    """A strategy folder's driver-side module (see :data:`DRIVER_HALF`)."""
+def _half(module: str, stems: tuple[str, ...]) -> bool:
+    """A strategy folder's module whose name says it is of this half (``stem`` or
+    ``stem_*``, see :data:`DRIVER_HALF` and :data:`TASK_HALF`)."""
     package, _, name = module.rpartition(".")
-    return _under(package, EXECUTOR_IMPORTED) and (
-        name == DRIVER_HALF[0] or name.startswith(DRIVER_HALF[1])
+    return _under(package, EXECUTOR_IMPORTED) and any(
+        name == stem or name.startswith(stem + "_") for stem in stems
     )
 
 
@@ -384,9 +386,9 @@ def spark_violations(graph: Graph) -> list[str]:
     """Executor code that imports pyspark, directly or through what it imports."""
     out = []
     for module in sorted(graph.modules):
-        if _under(module, EXECUTOR_CODE):
+        if _under(module, EXECUTOR_CODE) or _half(module, TASK_HALF):
             chain = _spark_chain(graph, module, first_hop_module_level=False)
-        elif _under(module, EXECUTOR_IMPORTED) and not _driver_half(module):
+        elif _under(module, EXECUTOR_IMPORTED) and not _half(module, DRIVER_HALF):
             chain = _spark_chain(graph, module, first_hop_module_level=True)
         else:
             continue
@@ -483,9 +485,7 @@ def test_core_never_imports_the_benchmarks_or_the_tests(real: Report) -> None:
 
 def test_the_benchmarks_have_no_import_cycles() -> None:
     report = check(REPO, BENCH)
-    assert {"benchmarks.cli", "benchmarks.train", "benchmarks.report"} <= set(
-        report.graph.modules
-    )
+    assert {"benchmarks.cli", "benchmarks.train", "benchmarks.report"} <= set(report.graph.modules)
     assert not report.cycles, report.explain_cycles()
 
 
@@ -517,7 +517,7 @@ def test_test_files_never_import_each_other() -> None:
 
 def test_the_check_sees_the_real_package(real: Report) -> None:
     # a wrong root or package name would make every other test here pass vacuously
-    assert {"sparktrain.cli", "sparktrain.worker.loop", "sparktrain.comm.ring"} <= set(
+    assert {"sparktrain.cli", "sparktrain.task.loop", "sparktrain.wire.ring"} <= set(
         real.graph.modules
     )
     assert any(i.target == "pyspark" for i in real.graph.external)
@@ -525,6 +525,16 @@ def test_the_check_sees_the_real_package(real: Report) -> None:
     # a moved module must take its rule along: every name the rules list is still there
     for name in (*EXECUTOR_CODE, *EXECUTOR_IMPORTED, BENCH_LOADER):
         assert name in real.graph.modules, f"{name} is gone: update the rules above"
+    # the strategy folders' halves the naming rule sees
+    task_halves = {m for m in real.graph.modules if _half(m, TASK_HALF)}
+    assert {
+        "sparktrain.strategies.tree_aggregate.task",
+        "sparktrain.strategies.ps.client",
+        "sparktrain.strategies.allreduce.task_torch",
+    } <= task_halves
+    assert "sparktrain.strategies.ps.server" in {
+        m for m in real.graph.modules if _half(m, DRIVER_HALF)
+    }
 
 
 # --- the check itself, on synthetic trees -----------------------------------------------
@@ -611,13 +621,14 @@ def test_pyspark_in_executor_code_is_caught(tmp_path: Path) -> None:
         tmp_path,
         {
             "sparktrain/__init__.py": "",
-            "sparktrain/worker/__init__.py": "",
-            "sparktrain/worker/loop.py": "def f():\n    from pyspark import TaskContext\n",
-            "sparktrain/worker/data.py": "from sparktrain.launch import spark_side\n",
-            "sparktrain/launch/__init__.py": "",
-            "sparktrain/launch/spark_side.py": "import pyspark.sql\n",
-            "sparktrain/launch/lazy.py": "def f():\n    import pyspark\n",
-            "sparktrain/worker/ok.py": "from sparktrain.launch import lazy\n",
+            "sparktrain/task/__init__.py": "",
+            "sparktrain/task/loop.py": "def f():\n    from pyspark import TaskContext\n",
+            "sparktrain/data/__init__.py": "",
+            "sparktrain/data/rows.py": "from sparktrain.driver import spark_side\n",
+            "sparktrain/driver/__init__.py": "",
+            "sparktrain/driver/spark_side.py": "import pyspark.sql\n",
+            "sparktrain/driver/lazy.py": "def f():\n    import pyspark\n",
+            "sparktrain/task/ok.py": "from sparktrain.driver import lazy\n",
             "sparktrain/strategies/__init__.py": "",
             "sparktrain/strategies/ring.py": "def driver():\n    import pyspark\n",
             "sparktrain/strategies/bad.py": "from pyspark.sql import DataFrame\n",
@@ -625,10 +636,10 @@ def test_pyspark_in_executor_code_is_caught(tmp_path: Path) -> None:
     )
     spark = check(root).spark
     assert len(spark) == 3, spark
-    assert spark[0].startswith("sparktrain.strategies.bad imports pyspark at")
-    assert "sparktrain.worker.data imports sparktrain.launch.spark_side" in spark[1]
+    assert "sparktrain.data.rows imports sparktrain.driver.spark_side" in spark[0]
+    assert spark[1].startswith("sparktrain.strategies.bad imports pyspark at")
     assert spark[2] == (
-        "sparktrain.worker.loop imports pyspark at sparktrain/worker/loop.py:2 (in a function)"
+        "sparktrain.task.loop imports pyspark at sparktrain/task/loop.py:2 (in a function)"
     )
 
 
@@ -649,15 +660,24 @@ def test_a_strategy_folder_keeps_pyspark_in_its_driver_half(tmp_path: Path) -> N
             f"{folder}/task.py": "def f():\n    from pyspark import TaskContext\n",
             # nor what both halves share, through a driver module
             f"{folder}/codec.py": "from .driver_round import RDD\n",
+            # server* and client* name the halves too (the parameter server's folder)
+            "sparktrain/strategies/ps/__init__.py": "",
+            "sparktrain/strategies/ps/server_stats.py": "import pyspark\n",
+            "sparktrain/strategies/ps/client.py": "def f():\n    import pyspark\n",
+            "sparktrain/strategies/ps/clients.py": "def f():\n    import pyspark\n",
         },
     )
     spark = check(root).spark
-    assert len(spark) == 2, spark
-    assert spark[0].startswith(
+    assert len(spark) == 3, spark
+    assert spark[0] == (
+        "sparktrain.strategies.ps.client imports pyspark at "
+        "sparktrain/strategies/ps/client.py:2 (in a function)"
+    )
+    assert spark[1].startswith(
         "sparktrain.strategies.tree_aggregate.codec imports "
         "sparktrain.strategies.tree_aggregate.driver_round at"
     )
-    assert spark[1].startswith(
+    assert spark[2].startswith(
         "sparktrain.strategies.tree_aggregate.task imports pyspark at "
         f"{folder}/task.py:2 (in a function)"
     )

@@ -13,7 +13,7 @@ from sparktrain.builders import LabelScaled
 from sparktrain.data.batch import forward_params
 from sparktrain.errors import ConfigError
 from sparktrain.models import mlp, token_bag
-from sparktrain.worker.evaluate import finish_metric
+from sparktrain.task.evaluate import finish_metric
 
 
 def test_label_scaling_is_for_regression_losses():

@@ -53,14 +53,17 @@ def test_help_and_import_load_neither_torch_nor_pyspark(argv: list[str] | None) 
     assert heavy_imports(argv) == []
 
 
+FOLDERS = ("allreduce", "ps", "tree_aggregate")
+
 # Every built-in strategy looked up, as the config's checks and the executors do, then
-# which heavy modules and which strategy-folder halves that imported.
+# which heavy modules and which modules of the strategy folders that imported.
 PLUG_INS = """
 import json, sys
 from sparktrain.strategies import registry
 for name in registry.names():
     registry.get(name)
-halves = [m for m in sys.modules if m.startswith("sparktrain.strategies.tree_aggregate.")]
+folders = tuple(f"sparktrain.strategies.{f}." for f in %r)
+halves = [m for m in sys.modules if m.startswith(folders)]
 print(json.dumps({"heavy": [m for m in %r if m in sys.modules], "halves": sorted(halves)}))
 """
 
@@ -69,14 +72,14 @@ def test_looking_up_a_strategy_loads_its_plug_in_alone() -> None:
     # the registry imports a strategy folder by its name: the package re-exports the plug-in
     # (strategy.py) and nothing else; the driver and task halves load when a job runs
     out = subprocess.run(
-        [sys.executable, "-c", PLUG_INS % (HEAVY,)],
+        [sys.executable, "-c", PLUG_INS % (FOLDERS, HEAVY)],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout
     found = json.loads(out.strip().splitlines()[-1])
-    assert found["halves"] == ["sparktrain.strategies.tree_aggregate.strategy"]
+    assert found["halves"] == [f"sparktrain.strategies.{f}.strategy" for f in FOLDERS]
     assert "pyspark" not in found["heavy"]
 
 

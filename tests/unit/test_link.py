@@ -1,4 +1,4 @@
-"""Link emulation (comm/link.py): the model on a fake clock, then real loopback timing.
+"""Link emulation (wire/link.py): the model on a fake clock, then real loopback timing.
 
 Timing tests run on a shared, loaded machine: tolerances are generous but each one
 still separates the right model from the wrong ones (e.g. an overlapped delay from a
@@ -19,15 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparktrain.comm import (
+from sparktrain.config import LINK_PROFILES, TrainConfig
+from sparktrain.errors import ConfigError, PeerLostError
+from sparktrain.wire import (
     KIND_CONTROL,
     CommStats,
     Connection,
     Mesh,
     RingAllreduce,
 )
-from sparktrain.comm.frames import HEADER_BYTES
-from sparktrain.comm.link import (
+from sparktrain.wire.frames import HEADER_BYTES
+from sparktrain.wire.link import (
     DEFAULT_BURST_BYTES,
     MBIT,
     PACKET_BYTES,
@@ -39,8 +41,6 @@ from sparktrain.comm.link import (
     link_from_config,
     link_profile,
 )
-from sparktrain.config import LINK_PROFILES, TrainConfig
-from sparktrain.errors import ConfigError, PeerLostError
 
 from . import fixtures
 
@@ -549,12 +549,12 @@ def test_tree_aggregate_tasks_pay_the_link_outside_their_compute_time() -> None:
 
     import torch
 
+    from sparktrain.data.partition_data import PartitionData
     from sparktrain.models import mlp
     from sparktrain.result import state_to_bytes
     from sparktrain.strategies.tree_aggregate.codec import COMPUTE_S
     from sparktrain.strategies.tree_aggregate.flat import flatten
     from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec, partition_round
-    from sparktrain.worker.data import PartitionData
 
     torch.manual_seed(0)
     model = mlp(6, (5,), 3)

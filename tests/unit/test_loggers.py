@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError
-from sparktrain.launch.metrics_server import ProgressDisplay, record_line
-from sparktrain.loggers import (
+from sparktrain.driver.services.loggers import (
     Callback,
     MLflowLogger,
     TensorBoardLogger,
     make_listeners,
     truncate,
 )
+from sparktrain.driver.services.metrics_server import ProgressDisplay, record_line
+from sparktrain.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,7 +100,7 @@ def test_a_raising_callback_is_logged_once_and_the_others_go_on(caplog):
     display = ProgressDisplay(
         False, "", make_listeners(TrainConfig(), [broken, lambda r, h: seen.append(r)])
     )
-    with caplog.at_level(logging.DEBUG, logger="sparktrain.loggers"):
+    with caplog.at_level(logging.DEBUG, logger="sparktrain.driver.services.loggers"):
         _run(display, [START, *EPOCHS])
     assert seen == EPOCHS
     tracebacks = [r for r in caplog.records if r.exc_info]
@@ -147,7 +147,7 @@ def test_make_listeners_orders_loggers_first_and_refuses_a_non_callback(tmp_path
     assert isinstance(listeners[0], TensorBoardLogger)
     assert listeners[1] is own
     assert make_listeners(TrainConfig()) == []
-    with pytest.raises(ConfigError, match="neither a sparktrain.loggers.Callback"):
+    with pytest.raises(ConfigError, match="neither a sparktrain.driver.services.loggers.Callback"):
         make_listeners(TrainConfig(), [42])
 
 
@@ -170,7 +170,9 @@ def test_truncate_stays_within_the_limit():
 # ---------------------------------------------------------------------- TensorBoard
 def _no_listener_failed(caplog):
     # a listener's failure is only logged: the read-back alone could miss a lost hparams
-    assert not [r.getMessage() for r in caplog.records if r.name == "sparktrain.loggers"]
+    assert not [
+        r.getMessage() for r in caplog.records if r.name == "sparktrain.driver.services.loggers"
+    ]
 
 
 def test_tensorboard_event_files_hold_every_figure_per_epoch(tmp_path, caplog):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from sparktrain.config import TrainConfig
+from sparktrain.driver.job import check_job
 from sparktrain.errors import ConfigError
-from sparktrain.launch.job import check_job
-from sparktrain.worker.run_task import run_partition
+from sparktrain.task.run_task import run_partition
 from tests.unit.fixtures import (
     assert_close_params,
     loop_spec,

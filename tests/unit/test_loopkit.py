@@ -16,9 +16,9 @@ from torch import nn
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
-from sparktrain.worker.early_stop import EarlyStopping, default_mode
-from sparktrain.worker.precision import Precision
-from sparktrain.worker.schedule import LrSchedule
+from sparktrain.task.early_stop import EarlyStopping, default_mode
+from sparktrain.task.lr_schedule import LrSchedule
+from sparktrain.task.precision import Precision
 
 LR = 0.1
 CPU = torch.device("cpu")

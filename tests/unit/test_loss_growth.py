@@ -10,8 +10,8 @@ import pytest
 
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError, DivergedError
-from sparktrain.worker.divergence import check_loss_growth, loss_blowup
-from sparktrain.worker.run_task import run_partition
+from sparktrain.task.divergence import check_loss_growth, loss_blowup
+from sparktrain.task.run_task import run_partition
 
 from .fixtures import loop_spec, random_parts, run_ranks, train_and_assemble, worker_context
 

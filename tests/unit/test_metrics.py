@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from sparktrain.launch.metrics_server import MetricsServer, ProgressDisplay
-from sparktrain.worker.metrics_client import MetricsClient
+from sparktrain.driver.services.metrics_server import MetricsServer, ProgressDisplay
+from sparktrain.task.metrics_client import MetricsClient
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,7 +9,9 @@ import ast
 import importlib
 import pickle
 import re
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,12 +25,25 @@ SCANNED = ("sparktrain", "benchmarks", "jobs", "tests")
 THIS = Path(__file__).resolve()
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
+def _is_package(name: str) -> bool:
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.submodule_search_locations is not None
+
+
+OLD_PACKAGES = sorted(old for old, new in MOVED.items() if _is_package(new))
+
+
+@pytest.mark.parametrize("old", sorted(set(MOVED) - set(OLD_PACKAGES)))
 def test_an_old_name_is_the_new_module_with_a_warning(
     old: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     new = MOVED[old]
     monkeypatch.delitem(sys.modules, old, raising=False)  # imported by an earlier test
+    parent = old.rpartition(".")[0]
+    if parent in MOVED:  # an old package: its own warning is its own test's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            importlib.import_module(parent)
     with pytest.warns(DeprecationWarning, match=re.escape(message(old))) as caught:
         module = importlib.import_module(old)
     assert module is importlib.import_module(new)
@@ -41,6 +56,31 @@ def test_an_old_name_is_the_new_module_with_a_warning(
     assert {w.filename for w in caught if str(w.message) == message(old)} == {__file__}
 
 
+@pytest.mark.parametrize("old", OLD_PACKAGES)
+def test_an_old_package_forwards_to_the_new_one(old: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    new = importlib.import_module(MOVED[old])
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=re.escape(message(old))):
+        package = importlib.import_module(old)
+    # a package of its own (`from old import module` looks modules up by its name) ...
+    assert package.__name__ == old and package is not new
+    # ... whose old modules are the new modules, each through its own row
+    children = [o for o in MOVED if o.rpartition(".")[0] == old]
+    assert children
+    for child in children:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            module = getattr(package, child.rpartition(".")[2])
+        assert module is importlib.import_module(MOVED[child])
+    # ... and whose other names are the new package's
+    for name in getattr(new, "__all__", []):
+        assert getattr(package, name) is getattr(new, name)
+    # a name without a row is no module, not a second copy of a new one
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"{old}.never_was")
+    assert not hasattr(new, "never_was")
+
+
 def test_the_warning_says_where_the_module_went() -> None:
     assert message("sparktrain.launch.rounds") == (
         "sparktrain.launch.rounds moved to sparktrain.strategies.tree_aggregate.driver; "
@@ -48,24 +88,45 @@ def test_the_warning_says_where_the_module_went() -> None:
     )
     # the metrics module was split: its old name answers with the driver's half, and the
     # warning names the executor's half too
-    assert "sparktrain.worker.metrics_client" in message("sparktrain.metrics")
+    assert "sparktrain.task.metrics_client" in message("sparktrain.metrics")
+    # an old package that was split names where its modules went
+    assert "sparktrain.data" in message("sparktrain.worker")
 
 
 def test_from_imports_of_an_old_name_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    for old in ("sparktrain.worker.round_codec", "sparktrain.metrics"):
+    for old in ("sparktrain.worker", "sparktrain.worker.round_codec", "sparktrain.metrics"):
         monkeypatch.delitem(sys.modules, old, raising=False)
-    parent = sys.modules["sparktrain.worker"]
-    monkeypatch.delattr(parent, "round_codec", raising=False)
     with pytest.warns(DeprecationWarning):
+        from sparktrain.comm import Mesh
         from sparktrain.metrics import MetricsClient, MetricsServer
-
         from sparktrain.worker import round_codec
-    from sparktrain.launch.metrics_server import MetricsServer as Server
+    from sparktrain.driver.services.metrics_server import MetricsServer as Server
     from sparktrain.strategies.tree_aggregate import codec
-    from sparktrain.worker.metrics_client import MetricsClient as Client
+    from sparktrain.task.metrics_client import MetricsClient as Client
+    from sparktrain.wire.mesh import Mesh as NewMesh
 
     assert round_codec is codec
     assert (MetricsClient, MetricsServer) == (Client, Server)
+    assert Mesh is NewMesh  # an old package's re-exports are the new package's
+
+
+def test_an_old_daemon_module_still_runs_with_dash_m() -> None:
+    # Spark runs spark.python.daemon.module as `python -m NAME`; a spark-defaults.conf may
+    # still name the old module. Without a JVM on stdin the daemon prints its port (4
+    # bytes) and exits as soon as stdin closes, as pyspark's own does.
+    def run(module: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", module],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+
+    old, new = run("sparktrain.launch.daemon"), run(MOVED["sparktrain.launch.daemon"])
+    assert b"No module named" not in old.stderr and b"Traceback" not in old.stderr, old.stderr
+    assert old.returncode == new.returncode
+    assert len(old.stdout) == len(new.stdout) == 4  # the port
 
 
 def test_a_pickle_made_under_an_old_name_loads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,9 +193,16 @@ def old_imports(root: Path) -> list[str]:
             tree = ast.parse(path.read_text(), str(path))
             hits = set()
             for name, line in _imported_names(tree, module, is_package):
-                old = next((o for o in MOVED if name == o or name.startswith(o + ".")), None)
-                if old is not None:
-                    hits.add((line, old))
+                # the most specific old name: sparktrain.worker.rounds, not sparktrain.worker
+                olds = [o for o in MOVED if name == o or name.startswith(o + ".")]
+                if olds:
+                    hits.add((line, max(olds, key=len)))
+            # `from old_package import old_module` names both: keep the module
+            hits = {
+                (line, old)
+                for line, old in hits
+                if not any(o.startswith(old + ".") for n, o in hits if n == line)
+            }
             rel = path.relative_to(root)
             found += [f"{rel}:{line} imports {old}" for line, old in sorted(hits)]
     return found
@@ -158,6 +226,8 @@ def test_the_scan_sees_old_imports(tmp_path: Path) -> None:
         "    return importlib.import_module('sparktrain.worker.flat')\n"
         "from sparktrain.worker.rounds import Block\n"
         "from sparktrain.strategies.tree_aggregate import task\n"
+        "from sparktrain.comm import Mesh\n"
+        "import sparktrain.wire\n"
     )
     assert old_imports(tmp_path) == [
         "sparktrain/worker/x.py:1 imports sparktrain.worker.rounds",
@@ -165,4 +235,5 @@ def test_the_scan_sees_old_imports(tmp_path: Path) -> None:
         "sparktrain/worker/x.py:4 imports sparktrain.metrics",
         "sparktrain/worker/x.py:5 imports sparktrain.worker.flat",
         "sparktrain/worker/x.py:6 imports sparktrain.worker.rounds",
+        "sparktrain/worker/x.py:8 imports sparktrain.comm",
     ]

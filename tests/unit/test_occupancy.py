@@ -1,4 +1,4 @@
-"""``launch/occupancy.py`` without Spark: a stage's launcher cancels its job group on
+"""``driver/occupancy.py`` without Spark: a stage's launcher cancels its job group on
 every way out but success (an error, KeyboardInterrupt), and what holds the slots reads
 as the jobs that hold them."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparktrain.launch import occupancy
+from sparktrain.driver import occupancy
 
 
 class FakeEnv:

@@ -18,18 +18,18 @@ import pytest
 import torch
 from torch import nn
 
-from sparktrain.comm.ring import ring_raw_bytes_sent
 from sparktrain.config import TrainConfig
+from sparktrain.data.partition_data import PartitionData
 from sparktrain.errors import CommError, ConfigError, PeerLostError
-from sparktrain.ps.client import check_compression_table
-from sparktrain.ps.server import start_parameter_server
 from sparktrain.result import assemble as _assemble
-from sparktrain.worker.buckets import GradientBuckets, GradientReadiness
-from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.data import PartitionData
-from sparktrain.worker.faults import FaultPlan
-from sparktrain.worker.run_task import run_partition
-from sparktrain.worker.sync import OrderedWorker, by_spec
+from sparktrain.strategies.ps.client import check_compression_table
+from sparktrain.strategies.ps.server import start_parameter_server
+from sparktrain.task.buckets import GradientBuckets, GradientReadiness
+from sparktrain.task.context import JobSpec, WorkerContext
+from sparktrain.task.faults import FaultPlan
+from sparktrain.task.run_task import run_partition
+from sparktrain.task.step_sync import OrderedWorker, by_spec
+from sparktrain.wire.ring import ring_raw_bytes_sent
 
 from .fixtures import ThreadCollectives, in_threads, random_parts
 

@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from sparktrain.comm.security import WireSecurity
-from sparktrain.errors import CommError, ConfigError, HandshakeError
-from sparktrain.launch.payload_server import (
+from sparktrain.driver.services.payload_server import (
     STAGE_REMEDY,
     ClosureShipper,
     PayloadServer,
     fits_in_closure,
 )
-from sparktrain.worker.payload import ServedBytes, ServedTask, fetch_payload
+from sparktrain.errors import CommError, ConfigError, HandshakeError
+from sparktrain.task.payload_client import ServedBytes, ServedTask, fetch_payload
+from sparktrain.wire.security import WireSecurity
 
 HOST = "127.0.0.1"
 AUTH: dict[str, Any] = {"secret": secrets.token_bytes(32), "job_id": "payload-test"}
@@ -141,7 +141,7 @@ _ConnectSession.__module__ = "pyspark.sql.connect.session"
 
 
 def test_transform_weights_stay_served_while_their_model_lives() -> None:
-    from sparktrain.launch.spark_env import ConnectEnv
+    from sparktrain.driver.spark_env import ConnectEnv
     from sparktrain.ml import TorchClassificationModel
 
     env = ConnectEnv(_ConnectSession({"spark.connect.grpc.maxInboundMessageSize": "1k"}))
@@ -160,7 +160,7 @@ def test_transform_weights_stay_served_while_their_model_lives() -> None:
 
 
 def test_the_shared_server_serves_over_tls_when_asked() -> None:
-    from sparktrain.launch.payload_server import _SHARED, discard_shared, serve_shared
+    from sparktrain.driver.services.payload_server import _SHARED, discard_shared, serve_shared
 
     def serve(blob: bytes) -> ServedBytes:
         return serve_shared(

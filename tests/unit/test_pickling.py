@@ -1,4 +1,4 @@
-"""How a job's spec travels to its tasks (:mod:`sparktrain.launch.pickling`): functions
+"""How a job's spec travels to its tasks (:mod:`sparktrain.driver.pickling`): functions
 of a script or notebook (pickled by value) whose names reach a module of a ``ModuleType``
 subclass (``torch.distributed.config``, ``torch.backends.cudnn``), and the error that
 names an unpicklable part."""
@@ -17,9 +17,9 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.serializers import CloudPickleSerializer
 
+from sparktrain.driver.pickling import dumps, shippable
 from sparktrain.errors import ConfigError
-from sparktrain.launch.pickling import dumps, shippable
-from sparktrain.worker.context import JobSpec
+from sparktrain.task.context import JobSpec
 from tests.unit.fixtures import loop_spec
 
 # a user's script, as cloudpickle sees one: a module it cannot import, so its functions

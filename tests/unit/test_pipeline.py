@@ -14,14 +14,14 @@ import torch
 
 from sparktrain.checkpoint import RANK_SHARDS, CheckpointStore
 from sparktrain.config import TrainConfig
+from sparktrain.driver.services.state_receiver import StateReceiver
 from sparktrain.errors import CheckpointError, ConfigError, DataError, PeerLostError
-from sparktrain.launch.state_server import StateReceiver
 from sparktrain.parallel.partition import partition, split_costs
 from sparktrain.parallel.pipeline import assemble, check_param_cap, layout
 from sparktrain.parallel.schedule import gpipe, max_in_flight, one_f_one_b
 from sparktrain.parallel.stage import micro_batches, state_senders
-from sparktrain.worker.faults import FaultPlan, InjectedFaultError
-from sparktrain.worker.run_task import run_partition
+from sparktrain.task.faults import FaultPlan, InjectedFaultError
+from sparktrain.task.run_task import run_partition
 
 from .fixtures import (
     PIPE_CLASSES,

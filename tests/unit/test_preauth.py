@@ -21,7 +21,11 @@ from typing import Any
 
 import pytest
 
-from sparktrain.comm import (
+from sparktrain.config import TrainConfig
+from sparktrain.errors import ConfigError, HandshakeError
+from sparktrain.models import mlp
+from sparktrain.strategies.ps.server import start_parameter_server
+from sparktrain.wire import (
     DRIVER_RANK,
     KIND_CONTROL,
     CommStats,
@@ -34,12 +38,8 @@ from sparktrain.comm import (
     parse_address,
     preauth,
 )
-from sparktrain.comm.handshake import HELLO_PREFIX
-from sparktrain.comm.service import DriverService
-from sparktrain.config import TrainConfig
-from sparktrain.errors import ConfigError, HandshakeError
-from sparktrain.models import mlp
-from sparktrain.ps.server import start_parameter_server
+from sparktrain.wire.handshake import HELLO_PREFIX
+from sparktrain.wire.service import DriverService
 
 HOST = "127.0.0.1"
 SECRET = secrets.token_bytes(32)

@@ -1,6 +1,6 @@
 """Issue 31: a half-open flood from many addresses must not evict real handshakes.
 
-The pure eviction policy (:class:`sparktrain.comm.preauth.PendingTable`), then the
+The pure eviction policy (:class:`sparktrain.wire.preauth.PendingTable`), then the
 flood itself: a process of its own (:mod:`tests.unit.flooder`) holding 256 half-open
 connections from 64 loopback addresses, each on a /16 of its own, and dialing again
 whatever the gate closes, while real clients dial a driver service once each (about
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from sparktrain.comm import DRIVER_RANK, KIND_CONTROL, CommStats, Connection, connect, preauth
-from sparktrain.comm.handshake import _HELLO, HELLO_PREFIX, PROTOCOL_VERSION, first_size
-from sparktrain.comm.preauth import ARRIVED, HELLO, SPOKE, PendingTable, Slot, address_prefix
-from sparktrain.comm.security import WireSecurity
-from sparktrain.comm.service import DriverService
+from sparktrain.wire import DRIVER_RANK, KIND_CONTROL, CommStats, Connection, connect, preauth
+from sparktrain.wire.handshake import _HELLO, HELLO_PREFIX, PROTOCOL_VERSION, first_size
+from sparktrain.wire.preauth import ARRIVED, HELLO, SPOKE, PendingTable, Slot, address_prefix
+from sparktrain.wire.security import WireSecurity
+from sparktrain.wire.service import DriverService
 
 HOST = "127.0.0.1"
 SECRET = secrets.token_bytes(32)

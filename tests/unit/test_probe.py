@@ -13,8 +13,8 @@ from torch import nn
 from sparktrain.builders import build_loss
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
-from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.probe import (
+from sparktrain.task.context import JobSpec, WorkerContext
+from sparktrain.task.probe import (
     measure_compressors,
     probe_links,
     resolve_auto,

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from sparktrain.comm.frames import HEADER_BYTES
-from sparktrain.comm.handshake import DRIVER_RANK, connect
-from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError, ConfigError, HandshakeError, PeerLostError
-from sparktrain.ps import protocol
-from sparktrain.ps.client import ParameterServerSync, ShardClient, connect_shards
-from sparktrain.ps.layout import shard_ranges
-from sparktrain.ps.server import ParameterServer
+from sparktrain.strategies.ps import protocol
+from sparktrain.strategies.ps.client import ParameterServerSync, ShardClient, connect_shards
+from sparktrain.strategies.ps.layout import shard_ranges
+from sparktrain.strategies.ps.server import ParameterServer
+from sparktrain.wire.frames import HEADER_BYTES
+from sparktrain.wire.handshake import DRIVER_RANK, connect
+from sparktrain.wire.stats import CommStats
 
 from .fixtures import (
     SECRET,

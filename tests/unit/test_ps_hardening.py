@@ -17,17 +17,18 @@ import pytest
 import torch
 
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.comm.frames import HEADER_BYTES
-from sparktrain.comm.stats import CommStats
 from sparktrain.config import TrainConfig
 from sparktrain.errors import FrameError
 from sparktrain.models import mlp
-from sparktrain.ps import persist, protocol
-from sparktrain.ps.client import connect_shards
-from sparktrain.ps.server import ParameterServer, start_parameter_server
 from sparktrain.result import assemble as _assemble
-from sparktrain.worker.context import JobSpec, WorkerContext
-from sparktrain.worker.run_task import run_partition
+from sparktrain.strategies.ps import protocol
+from sparktrain.strategies.ps import server_persist as persist
+from sparktrain.strategies.ps.client import connect_shards
+from sparktrain.strategies.ps.server import ParameterServer, start_parameter_server
+from sparktrain.task.context import JobSpec, WorkerContext
+from sparktrain.task.run_task import run_partition
+from sparktrain.wire.frames import HEADER_BYTES
+from sparktrain.wire.stats import CommStats
 
 from .fixtures import HOST, SECRET, ps_cfg, ps_clients, random_parts, run_ranks
 

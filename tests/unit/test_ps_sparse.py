@@ -14,12 +14,13 @@ from torch import nn
 
 from sparktrain.checkpoint import CheckpointStore
 from sparktrain.config import TrainConfig
+from sparktrain.data.partition_data import PartitionData
 from sparktrain.errors import CommError, ConfigError
-from sparktrain.ps import persist, protocol
-from sparktrain.ps.layout import dense_ranges
-from sparktrain.ps.server import ParameterServer, start_parameter_server
 from sparktrain.result import TrainResult, assemble
-from sparktrain.worker.data import PartitionData
+from sparktrain.strategies.ps import protocol
+from sparktrain.strategies.ps import server_persist as persist
+from sparktrain.strategies.ps.layout import dense_ranges
+from sparktrain.strategies.ps.server import ParameterServer, start_parameter_server
 
 from .fixtures import HOST, SECRET, ps_clients, train_in_threads
 from .sparse_ps_fixtures import build, cfg, parts, spec, torch_reference

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from sparktrain.comm.frames import KIND_CONTROL
-from sparktrain.comm.handshake import DRIVER_RANK, connect
-from sparktrain.comm.stats import CommStats
+from sparktrain.driver.services.rendezvous import RendezvousServer, all_gather
 from sparktrain.errors import CommError, HandshakeError
-from sparktrain.launch.rendezvous import RendezvousServer, all_gather
+from sparktrain.wire.frames import KIND_CONTROL
+from sparktrain.wire.handshake import DRIVER_RANK, connect
+from sparktrain.wire.stats import CommStats
 
 from .fixtures import run_ranks
 

@@ -3,9 +3,9 @@ import dataclasses
 import pytest
 
 from sparktrain.config import TrainConfig
+from sparktrain.driver.resources import check_can_launch, check_transport_security
+from sparktrain.driver.spark_env import ClassicEnv
 from sparktrain.errors import ResourceError
-from sparktrain.launch.resources import check_can_launch, check_transport_security
-from sparktrain.launch.spark_env import ClassicEnv
 from sparktrain.trainer import Trainer
 
 
@@ -104,7 +104,7 @@ def test_conf_booleans_are_case_insensitive_as_in_spark():
 def test_tree_aggregate_without_delta_uses_only_sparks_transport(compression, caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="sparktrain.launch.resources")
+    caplog.set_level(logging.INFO, logger="sparktrain.driver.resources")
     cfg = TrainConfig(strategy="tree_aggregate", compression=compression)
     out = check_transport_security(_encrypted(), cfg)
     assert out == cfg
@@ -156,7 +156,7 @@ def test_trainer_fit_runs_the_job_with_frame_integrity_forced_on(monkeypatch):
 
     monkeypatch.setattr(Trainer, "_fit", fake_fit)
     # the fake context has no slots to count
-    monkeypatch.setattr("sparktrain.launch.job.check_can_launch", lambda env, workers: None)
+    monkeypatch.setattr("sparktrain.driver.job.check_can_launch", lambda env, workers: None)
     cfg = TrainConfig(strategy="ring", allow_unencrypted=True, frame_integrity=False)
     trainer = Trainer("sparktrain.models:digits_mlp", cfg, spark=_FakeSession(_encrypted()))  # type: ignore[arg-type]
     assert trainer.fit(None) == "result"
@@ -183,7 +183,7 @@ class _Cancellable:
 def test_the_watchdog_cancels_a_stage_that_lost_its_slots(monkeypatch):
     import time
 
-    from sparktrain.launch import resources
+    from sparktrain.driver import resources
 
     monkeypatch.setattr(resources, "max_concurrent_tasks", lambda env, profile_id=0: 1)
     sc = _Cancellable()
@@ -200,7 +200,7 @@ def test_the_watchdog_cancels_a_stage_that_lost_its_slots(monkeypatch):
 def test_the_watchdog_waits_out_a_short_loss_and_leaves_a_full_cluster_alone(monkeypatch):
     import time
 
-    from sparktrain.launch import resources
+    from sparktrain.driver import resources
 
     seen = iter([1, 1, 2] + [2] * 1000)  # one executor briefly gone, then replaced
     monkeypatch.setattr(resources, "max_concurrent_tasks", lambda env, profile_id=0: next(seen))

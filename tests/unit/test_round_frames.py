@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from sparktrain.compress.base import BucketState
+from sparktrain.data.partition_data import PartitionData
 from sparktrain.strategies.tree_aggregate.codec import make_codec, merge
 from sparktrain.strategies.tree_aggregate.task_frames import (
     fold_table,
@@ -23,7 +24,6 @@ from sparktrain.strategies.tree_aggregate.task_frames import (
     to_row,
     tree_levels,
 )
-from sparktrain.worker.data import PartitionData
 
 
 class _ListRDD:

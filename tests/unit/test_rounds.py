@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sparktrain import TrainConfig
-from sparktrain.launch.job import check_job
+from sparktrain.driver.job import check_job
 from sparktrain.strategies.tree_aggregate.codec import (
     COMPUTE_S,
     EVAL_ROWS,
@@ -242,8 +242,8 @@ def test_driver_loop_learns_and_reports(local_steps: int, in_closure: bool) -> N
 
 
 def test_delta_powersgd_is_refused_on_the_driver() -> None:
+    from sparktrain.driver.prepare import PreparedData
     from sparktrain.errors import ConfigError
-    from sparktrain.launch.prepare import PreparedData
     from sparktrain.strategies.tree_aggregate.driver import run_rounds
 
     with pytest.raises(ConfigError, match="delta\\+powersgd cannot compress"):

@@ -19,9 +19,9 @@ from sparktrain.checkpoint import CheckpointStore
 from sparktrain.errors import CommError, ConfigError
 from sparktrain.models import mlp
 from sparktrain.result import load_state_records
-from sparktrain.worker.faults import FaultPlan, InjectedFaultError
-from sparktrain.worker.run_context import RunContext
-from sparktrain.worker.run_task import decode_value, encode_value
+from sparktrain.task.faults import FaultPlan, InjectedFaultError
+from sparktrain.task.run_context import RunContext
+from sparktrain.task.run_task import decode_value, encode_value
 from tests.unit.fixtures import (
     SEEDED_BUILD,
     loop_spec,
@@ -208,8 +208,8 @@ def test_return_values_travel_as_json_and_tensors() -> None:
 
 
 def test_a_train_fn_under_ps_starts_the_server_from_rank_0_and_matches_the_ring() -> None:
-    from sparktrain.ps.bootstrap import Bootstrap
-    from sparktrain.ps.server import ParameterServer
+    from sparktrain.strategies.ps.bootstrap import Bootstrap
+    from sparktrain.strategies.ps.server import ParameterServer
 
     common = dict(batch_size=16, shuffle=True, epochs=2, lr=0.2, lr_schedule="StepLR")
     common["lr_schedule_kwargs"] = {"step_size": 3, "gamma": 0.5}
@@ -370,7 +370,7 @@ def test_progress_reaches_the_driver_from_rank_0_with_the_step_of_the_epoch(
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr("sparktrain.worker.run_task.start_reporter", lambda *a, **k: Reporter())
+    monkeypatch.setattr("sparktrain.task.run_task.start_reporter", lambda *a, **k: Reporter())
 
     def train_fn(ctx: RunContext) -> None:
         for epoch in range(2):

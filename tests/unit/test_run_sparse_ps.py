@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from sparktrain.config import TrainConfig
-from sparktrain.ps.bootstrap import Bootstrap
-from sparktrain.ps.server import ParameterServer
-from sparktrain.worker.run_context import RunContext
+from sparktrain.strategies.ps.bootstrap import Bootstrap
+from sparktrain.strategies.ps.server import ParameterServer
+from sparktrain.task.run_context import RunContext
 
 from .fixtures import HOST, SECRET, SEEDED_BUILD, rank0_value, run_in_threads
 from .sparse_ps_fixtures import build, cfg, parts, spec, torch_reference

@@ -1,4 +1,4 @@
-"""Exact validation metrics across ranks (worker/scores.py) against scikit-learn.
+"""Exact validation metrics across ranks (task/scores.py) against scikit-learn.
 
 Ranks run in threads; a barrier-based fake collective plays reduce_sum and gather, so each
 rank makes the real calls in the real order. Every case splits the rows unevenly over
@@ -21,7 +21,7 @@ from sklearn.linear_model import Ridge, RidgeClassifier
 from sklearn.preprocessing import StandardScaler
 
 from sparktrain.errors import ConfigError, DataError
-from sparktrain.worker.scores import Scores, metric_key
+from sparktrain.task.scores import Scores, metric_key
 
 TOL = 1e-9
 

@@ -16,14 +16,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparktrain.comm.frames import KIND_METRICS
-from sparktrain.comm.handshake import accept
-from sparktrain.comm.listen import address_of, open_listener, parse_address
-from sparktrain.comm.stats import CommStats
 from sparktrain.errors import CommError
-from sparktrain.worker import sync as sync_module
-from sparktrain.worker.context import WorkerContext
-from sparktrain.worker.run_task import run_partition
+from sparktrain.task import step_sync as sync_module
+from sparktrain.task.context import WorkerContext
+from sparktrain.task.run_task import run_partition
+from sparktrain.wire.frames import KIND_METRICS
+from sparktrain.wire.handshake import accept
+from sparktrain.wire.listen import address_of, open_listener, parse_address
+from sparktrain.wire.stats import CommStats
 
 from . import fixtures
 from .fixtures import loop_spec, random_parts, run_ranks

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 from sparktrain.builders import build_optimizer
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.comm.ring import RingAllreduce, ring_segments
 from sparktrain.config import TrainConfig
+from sparktrain.driver.job import check_job
 from sparktrain.errors import CheckpointError, CommError, ConfigError, PeerLostError
-from sparktrain.launch.job import check_job
-from sparktrain.worker.faults import FaultPlan, InjectedFaultError
-from sparktrain.worker.run_context import RunContext
+from sparktrain.task.faults import FaultPlan, InjectedFaultError
+from sparktrain.task.run_context import RunContext
+from sparktrain.wire.ring import RingAllreduce, ring_segments
 
 from .fixtures import (
     loop_spec,
@@ -286,7 +286,7 @@ def test_the_ml_param_maps_onto_train_config() -> None:
 def _sync_steps(shard: bool, data: list[torch.Tensor]) -> list[torch.Tensor]:
     """Three ``sync.step(count)`` calls (the bench's path, no DistributedStep) of the
     loop MLP on each rank's rows; every rank's flat parameters afterwards."""
-    from sparktrain.worker.sync import make_sync
+    from sparktrain.task.step_sync import make_sync
 
     from .fixtures import ThreadCollectives, worker_context
 

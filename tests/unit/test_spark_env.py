@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 
 from sparktrain.config import TrainConfig
-from sparktrain.errors import CommError, ConfigError, DataError, ResourceError
-from sparktrain.launch.resources import check_can_launch, check_transport_security
-from sparktrain.launch.spark_env import (
+from sparktrain.driver.resources import check_can_launch, check_transport_security
+from sparktrain.driver.spark_env import (
     CONNECT_MAX_MESSAGE,
     ClassicEnv,
     ConnectEnv,
@@ -27,9 +26,10 @@ from sparktrain.launch.spark_env import (
     slots_from_conf,
     spark_env,
 )
+from sparktrain.errors import CommError, ConfigError, DataError, ResourceError
 from sparktrain.ml.model import InlineWeights, ship_weights, unship_weights
 from sparktrain.ml.persistence import _write_local, connect_local_path
-from sparktrain.worker.payload import ServedBytes
+from sparktrain.task.payload_client import ServedBytes
 
 
 class _Conf:
@@ -171,7 +171,7 @@ def test_connect_has_no_spark_context_and_says_what_works():
 
 
 def test_slots_a_connect_client_cannot_count_are_logged_as_not_checked(caplog):  # type: ignore[no-untyped-def]
-    caplog.set_level(logging.INFO, logger="sparktrain.launch.resources")
+    caplog.set_level(logging.INFO, logger="sparktrain.driver.resources")
     check_can_launch(ConnectEnv(_Session({"spark.master": "yarn"})), 2)
     assert "cannot count the task slots of master 'yarn'" in caplog.text
 
@@ -288,7 +288,7 @@ class _Client:
 
 
 def test_driver_services_listen_where_the_executors_can_reach_this_client(monkeypatch):  # type: ignore[no-untyped-def]
-    from sparktrain.launch import spark_env as module
+    from sparktrain.driver import spark_env as module
 
     monkeypatch.setattr(module, "address_towards", lambda host, port: "10.9.9.9")
     session = _Session({"spark.driver.host": "10.0.0.5"})

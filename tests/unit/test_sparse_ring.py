@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparktrain.checkpoint import CheckpointStore
+from sparktrain.data.partition_data import PartitionData
 from sparktrain.errors import ConfigError, PeerLostError
-from sparktrain.worker.data import PartitionData
-from sparktrain.worker.faults import FaultPlan, InjectedFaultError
-from sparktrain.worker.run_context import RunContext
-from sparktrain.worker.sparse_rows import decode_rows, encode_rows, sum_rows
+from sparktrain.sparse.rows import decode_rows, encode_rows, sum_rows
+from sparktrain.task.faults import FaultPlan, InjectedFaultError
+from sparktrain.task.run_context import RunContext
 
 from .fixtures import (
     loop_spec,
@@ -316,7 +316,7 @@ def _rows_equal_dense(parts, extra):
 
 def test_compression_reaches_the_rows():
     """One spec compresses the dense head's buckets and the table's rows alike
-    (sparktrain/worker/sparse_codec.py; tests/unit/test_sparse_rows_compress.py)."""
+    (sparktrain/sparse/row_codec.py; tests/unit/test_sparse_rows_compress.py)."""
     parts = id_parts([9, 4])
     cfg = {"compression": "int8", "lr": 0.1}
     got = train_and_assemble(spec_for(**cfg), parts)

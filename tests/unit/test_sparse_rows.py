@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparktrain.worker.sparse_rows import rows_of, sparse_parameters
+from sparktrain.sparse.rows import rows_of, sparse_parameters
 
 
 class Towers(nn.Module):

@@ -1,5 +1,5 @@
 """Compressed sparse rows: delta-coded ids, values through the job's compressor, a sparse
-error-feedback residual, and its checkpoint (sparktrain/worker/sparse_codec.py)."""
+error-feedback residual, and its checkpoint (sparktrain/sparse/row_codec.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import torch
 from torch import nn
 
 from sparktrain.checkpoint import CheckpointStore
-from sparktrain.comm.ring import RingAllreduce
+from sparktrain.data.partition_data import PartitionData
 from sparktrain.errors import ConfigError, FrameError, PeerLostError
-from sparktrain.worker.data import PartitionData
-from sparktrain.worker.faults import FaultPlan, InjectedFaultError
-from sparktrain.worker.sparse_codec import (
+from sparktrain.sparse.exchange import SparseRowExchange
+from sparktrain.sparse.row_codec import (
     RESIDUAL_IDS,
     RESIDUAL_ROWS,
     RESIDUAL_SLOT,
@@ -28,7 +27,8 @@ from sparktrain.worker.sparse_codec import (
     row_specs,
     unpack_tables,
 )
-from sparktrain.worker.sparse_exchange import SparseRowExchange
+from sparktrain.task.faults import FaultPlan, InjectedFaultError
+from sparktrain.wire.ring import RingAllreduce
 
 from .fixtures import loop_spec, run_mesh_ranks, spec_with, train_and_assemble, train_in_threads
 

@@ -15,13 +15,13 @@ import pyarrow as pa
 import pytest
 
 from sparktrain.config import TrainConfig
+from sparktrain.data.features import Features
+from sparktrain.data.partition_data import FEATURES, LABEL, WEIGHT, SpillPlan, from_arrow
+from sparktrain.data.prefetch import Prefetcher
+from sparktrain.data.spill import SPILL_DIR_NAME, local_root, spill_path, sweep_orphans
 from sparktrain.errors import ConfigError, DataError
 from sparktrain.result import data_summary
-from sparktrain.worker.data import FEATURES, LABEL, WEIGHT, SpillPlan, from_arrow
-from sparktrain.worker.features import Features
-from sparktrain.worker.memory import anon_rss_bytes, peak_anon_bytes, reset_peak_anon
-from sparktrain.worker.prefetch import Prefetcher
-from sparktrain.worker.spill import SPILL_DIR_NAME, local_root, spill_path, sweep_orphans
+from sparktrain.task.memory import anon_rss_bytes, peak_anon_bytes, reset_peak_anon
 
 from .fixtures import loop_spec, spec_with, state_bytes, train_in_threads
 

@@ -1,4 +1,4 @@
-"""Device staging (worker/staging.py) with a fake device: its "device" tensors are CPU
+"""Device staging (task/staging.py) with a fake device: its "device" tensors are CPU
 tensors and its copies to the host run on a thread, so the CPU checks that staged
 training gives the bits of the plain path and that the copies overlap the backward."""
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-import sparktrain.worker.sync as sync_module
-from sparktrain.worker.staging import DeviceStaging, staging_device
+import sparktrain.task.step_sync as sync_module
+from sparktrain.task.staging import DeviceStaging, staging_device
 from tests.unit.fixtures import loop_spec, random_parts, train_in_threads
 
 
 class FakeDevice:
-    """A :class:`~sparktrain.worker.staging.StagingDevice` whose copies to the host run
+    """A :class:`~sparktrain.task.staging.StagingDevice` whose copies to the host run
     on a thread of their own (a side stream's stand-in), each recorded with its times."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
@@ -147,7 +147,7 @@ def test_copies_to_the_host_overlap_the_backward():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.is_available() is False")
 def test_cuda_staging_round_trip():
-    from sparktrain.worker.staging import CudaStaging
+    from sparktrain.task.staging import CudaStaging
 
     model = nn.Linear(64, 8).cuda()
     model(torch.randn(16, 64, device="cuda")).sum().backward()

@@ -9,8 +9,8 @@ import pytest
 
 from sparktrain import costmodel, strategies
 from sparktrain.config import TrainConfig
+from sparktrain.driver.job import check_job
 from sparktrain.errors import ConfigError
-from sparktrain.launch.job import check_job
 from sparktrain.strategies import registry
 from sparktrain.strategies.base import DriverHalf, Strategy
 from sparktrain.strategies.registry import is_known, register
@@ -156,7 +156,7 @@ def test_the_builtins_abilities_are_their_class_attributes(ability):
 
 def test_every_check_asks_the_plugin_not_a_list_of_names(monkeypatch):
     """A plug-in's own attributes decide; the errors list the strategies that can."""
-    from sparktrain.worker.device import device_for
+    from sparktrain.task.device import device_for
 
     # registered for this test only: other tests' error messages list the built-ins
     monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from sparktrain.comm_backend import bound_store
 from sparktrain.distributor import AGENT_STORE, TorchEntry
-from sparktrain.worker.torch_sync import init_process_group
+from sparktrain.strategies.allreduce.task_torch import init_process_group
 from tests.proc_net import bound_to
 
 HOST = "127.0.0.1"

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparktrain.comm_backend import hook_spec
-from sparktrain.worker.torch_sync import (
+from sparktrain.strategies.allreduce.task_torch import (
     HookReducer,
     TorchSumAllreduce,
     _HookBucket,

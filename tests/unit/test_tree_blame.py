@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparktrain.comm import Mesh, make_allreduce
-from sparktrain.comm.tree import TreeAllreduce
 from sparktrain.errors import PeerLostError
+from sparktrain.wire import Mesh, make_allreduce
+from sparktrain.wire.tree import TreeAllreduce
 
 from . import fixtures
 

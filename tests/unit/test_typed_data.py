@@ -15,12 +15,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-import sparktrain.worker.data as worker_data
+import sparktrain.data.partition_data as worker_data
 from sparktrain.data.batch import Batch, Collator
 from sparktrain.data.columns import Column, Layout
-from sparktrain.errors import DataError
-from sparktrain.result import assemble
-from sparktrain.worker.data import (
+from sparktrain.data.partition_data import (
     IS_VALIDATION,
     LABEL,
     WEIGHT,
@@ -28,7 +26,9 @@ from sparktrain.worker.data import (
     SpillPlan,
     from_arrow,
 )
-from sparktrain.worker.spill import SPILL_DIR_NAME, spill_path, sweep_orphans
+from sparktrain.data.spill import SPILL_DIR_NAME, spill_path, sweep_orphans
+from sparktrain.errors import DataError
+from sparktrain.result import assemble
 
 from .fixtures import loop_spec, spec_with, state_bytes, train_in_threads
 from .typed_hooks import typed_net

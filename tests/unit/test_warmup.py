@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparktrain.launch import warmup
+from sparktrain.driver import warmup
 
 
 class _Session:

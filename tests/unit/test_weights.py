@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from sparktrain.builders import build_loss, check_weighted_loss
 from sparktrain.config import TrainConfig
+from sparktrain.data.partition_data import PartitionData
 from sparktrain.errors import ConfigError
 from sparktrain.models import mlp
 from sparktrain.result import assemble as _assemble
@@ -24,8 +25,7 @@ from sparktrain.result import state_to_bytes
 from sparktrain.strategies.tree_aggregate.codec import SAMPLES, merge
 from sparktrain.strategies.tree_aggregate.flat import flatten
 from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec, partition_round
-from sparktrain.worker.context import JobSpec
-from sparktrain.worker.data import PartitionData
+from sparktrain.task.context import JobSpec
 
 from .fixtures import pipeline_records, train_in_threads
 

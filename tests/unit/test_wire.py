@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparktrain.comm import (
+from sparktrain.errors import (
+    CommError,
+    ConfigError,
+    FrameError,
+    HandshakeError,
+    PeerLostError,
+)
+from sparktrain.wire import (
     DRIVER_RANK,
     KIND_CONTROL,
     KIND_DATA,
@@ -27,15 +34,8 @@ from sparktrain.comm import (
     open_listener,
     parse_address,
 )
-from sparktrain.comm.frames import FRAME_HEADER, HEADER_BYTES, MAX_NDIM
-from sparktrain.comm.handshake import PROTOCOL_VERSION, AcceptTimeout
-from sparktrain.errors import (
-    CommError,
-    ConfigError,
-    FrameError,
-    HandshakeError,
-    PeerLostError,
-)
+from sparktrain.wire.frames import FRAME_HEADER, HEADER_BYTES, MAX_NDIM
+from sparktrain.wire.handshake import PROTOCOL_VERSION, AcceptTimeout
 
 from . import fixtures
 

@@ -15,20 +15,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparktrain.comm import KIND_ABORT, CommStats, Connection, accept, connect, open_listener
-from sparktrain.comm.frames import FRAME_HEADER, MAX_NDIM
-from sparktrain.comm.listen import address_of
-from sparktrain.comm.security import (
+from sparktrain.config import TrainConfig, apply_overrides
+from sparktrain.driver.services.payload_server import PayloadServer
+from sparktrain.errors import ConfigError, FrameError, HandshakeError, PeerLostError
+from sparktrain.task.payload_client import ServedTask, fetch_payload
+from sparktrain.wire import KIND_ABORT, CommStats, Connection, accept, connect, open_listener
+from sparktrain.wire.frames import FRAME_HEADER, MAX_NDIM
+from sparktrain.wire.listen import address_of
+from sparktrain.wire.security import (
     AUTO,
     TAG_BYTES,
     WireSecurity,
     is_loopback_host,
     resolve_frame_mac,
 )
-from sparktrain.config import TrainConfig, apply_overrides
-from sparktrain.errors import ConfigError, FrameError, HandshakeError, PeerLostError
-from sparktrain.launch.payload_server import PayloadServer
-from sparktrain.worker.payload import ServedTask, fetch_payload
 
 from . import fixtures
 

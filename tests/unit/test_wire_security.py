@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparktrain.comm import (
+from sparktrain.errors import FrameError, HandshakeError, PeerLostError
+from sparktrain.wire import (
     KIND_ABORT,
     KIND_CONTROL,
     KIND_DATA,
@@ -26,9 +27,8 @@ from sparktrain.comm import (
     open_listener,
     parse_address,
 )
-from sparktrain.comm.frames import FLAG_STAMPED, FRAME_HEADER, HEADER_BYTES, MAX_NDIM
-from sparktrain.comm.security import TAG_BYTES, LockedTlsSocket, WireSecurity
-from sparktrain.errors import FrameError, HandshakeError, PeerLostError
+from sparktrain.wire.frames import FLAG_STAMPED, FRAME_HEADER, HEADER_BYTES, MAX_NDIM
+from sparktrain.wire.security import TAG_BYTES, LockedTlsSocket, WireSecurity
 
 from . import fixtures
 

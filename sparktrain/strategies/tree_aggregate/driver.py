@@ -89,16 +89,16 @@ from torch import nn
 
 from sparktrain.builders import build_optimizer
 from sparktrain.checkpoint import Checkpoint, open_for_run
-from sparktrain.comm.security import WireSecurity
 from sparktrain.config import TrainConfig
+from sparktrain.data.partition_data import steps_for
+from sparktrain.driver.pickling import shippable
+from sparktrain.driver.prepare import PreparedData, unscale_result
+from sparktrain.driver.resources import check_transport_security
+from sparktrain.driver.services.loggers import make_listeners
+from sparktrain.driver.services.metrics_server import ProgressDisplay
+from sparktrain.driver.spark_env import ClassicEnv, SparkEnv, spark_env
+from sparktrain.driver.stage_runner import driver_host
 from sparktrain.errors import ConfigError, DataError, SparkTrainError, WorkerError
-from sparktrain.launch.metrics_server import ProgressDisplay
-from sparktrain.launch.pickling import shippable
-from sparktrain.launch.prepare import PreparedData, unscale_result
-from sparktrain.launch.resources import check_transport_security
-from sparktrain.launch.spark_env import ClassicEnv, SparkEnv, spark_env
-from sparktrain.launch.stage import driver_host
-from sparktrain.loggers import make_listeners
 from sparktrain.result import TrainResult, state_to_bytes
 from sparktrain.strategies.tree_aggregate.codec import (
     COMPUTE_S,
@@ -124,10 +124,10 @@ from sparktrain.strategies.tree_aggregate.driver_volume import SparkVolume
 from sparktrain.strategies.tree_aggregate.driver_weights import DownloadEncoder, WeightsServer
 from sparktrain.strategies.tree_aggregate.flat import assign, assign_grads, flatten, num_elements
 from sparktrain.strategies.tree_aggregate.task import RoundSpec
-from sparktrain.worker.data import steps_for
-from sparktrain.worker.divergence import check_finite_weights, diverged
-from sparktrain.worker.evaluate import finish_metric, metric_name
-from sparktrain.worker.metrics_client import STEP_REPORT_INTERVAL_S
+from sparktrain.task.divergence import check_finite_weights, diverged
+from sparktrain.task.evaluate import finish_metric, metric_name
+from sparktrain.task.metrics_client import STEP_REPORT_INTERVAL_S
+from sparktrain.wire.security import WireSecurity
 
 log = logging.getLogger(__name__)
 

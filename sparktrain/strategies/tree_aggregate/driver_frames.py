@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sparktrain.config import TrainConfig
+from sparktrain.driver.prepare import PreparedData
+from sparktrain.driver.spark_env import SparkEnv
 from sparktrain.errors import ConfigError
-from sparktrain.launch.prepare import PreparedData
-from sparktrain.launch.spark_env import SparkEnv
 from sparktrain.strategies.tree_aggregate.codec import Contribution, PayloadCodec
 from sparktrain.strategies.tree_aggregate.driver_round import (
     ENCODED_DDL,

@@ -24,8 +24,9 @@ import numpy as np
 import pyarrow as pa
 
 from sparktrain.config import TrainConfig
+from sparktrain.data.partition_data import PartitionData, check_labels, from_arrow, from_rows
+from sparktrain.driver.prepare import PreparedData
 from sparktrain.errors import SparkTrainError
-from sparktrain.launch.prepare import PreparedData
 from sparktrain.strategies.tree_aggregate.codec import (
     Contribution,
     PayloadCodec,
@@ -36,7 +37,6 @@ from sparktrain.strategies.tree_aggregate.driver_volume import SparkVolume
 from sparktrain.strategies.tree_aggregate.driver_weights import WeightsServer
 from sparktrain.strategies.tree_aggregate.task import Block, RoundSpec, make_seq_op
 from sparktrain.strategies.tree_aggregate.task_frames import decode_parts
-from sparktrain.worker.data import PartitionData, check_labels, from_arrow, from_rows
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext

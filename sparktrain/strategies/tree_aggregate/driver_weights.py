@@ -5,10 +5,10 @@ closure or a broadcast): on a slow link that is half of a round's bytes, and the
 gradient compressor touches. With ``compression="delta+X"`` (``delta+int8``,
 ``delta+topk:0.01+ef``, ...) the driver sends each round only ``C_X(w - mirror)``, the
 compressed change to the copy the tasks already hold, and advances its ``mirror`` by the
-decoded message, exactly as the parameter server's pulls do (:mod:`sparktrain.ps.protocol`):
-the tasks compute on ``mirror``, which trails the driver's weights by the compression
-error that the next delta re-sends (so the error never accumulates). Uploads use ``X``
-with its ``+ef`` as before.
+decoded message, exactly as the parameter server's pulls do
+(:mod:`sparktrain.strategies.ps.protocol`): the tasks compute on ``mirror``, which trails
+the driver's weights by the compression error that the next delta re-sends (so the error
+never accumulates). Uploads use ``X`` with its ``+ef`` as before.
 
 Python workers keep the mirror between rounds (:mod:`.task`). A worker that ran the
 previous round adds the delta; one that did not (a new executor, a worker that sat a
@@ -32,14 +32,14 @@ import threading
 import numpy as np
 import torch
 
-from sparktrain.comm.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for, send_chunked
-from sparktrain.comm.connection import Connection
-from sparktrain.comm.frames import KIND_CONTROL
-from sparktrain.comm.security import WireSecurity
-from sparktrain.comm.service import DriverService
 from sparktrain.compress.base import BucketState, Compressor, encode_message
 from sparktrain.errors import CommError
 from sparktrain.strategies.tree_aggregate.task_weights import Download
+from sparktrain.wire.chunked import DEFAULT_CHUNK_BYTES, chunk_bytes_for, send_chunked
+from sparktrain.wire.connection import Connection
+from sparktrain.wire.frames import KIND_CONTROL
+from sparktrain.wire.security import WireSecurity
+from sparktrain.wire.service import DriverService
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from sparktrain.strategies.registry import register
 if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
     from sparktrain.costmodel import CompressorCost
-    from sparktrain.launch.stage import FitJob
+    from sparktrain.driver.stage_runner import FitJob
     from sparktrain.result import TrainResult
 
 

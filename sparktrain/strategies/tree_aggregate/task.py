@@ -6,7 +6,7 @@ round number, and returns a *contribution* (:mod:`.codec`) that ``RDD.treeAggreg
 sums: ``(payload, stats)`` where ``payload`` is the encoded flat float32 vector
 
 * ``local_steps == 1``: ``n_p * g_p``, the partition's mean-loss gradient over its
-  ``n_p`` samples of the round times ``n_p`` (the ring's rule, see ``worker/buckets.py``):
+  ``n_p`` samples of the round times ``n_p`` (the ring's rule, see ``task/buckets.py``):
   summed and divided by ``N = sum(n_p)`` it is the gradient of the mean loss over the
   round's global mini-batch;
 * ``local_steps == k > 1``: ``n_p * (w_p - w)``, the partition's model delta after ``k``
@@ -49,11 +49,10 @@ from sparktrain.builders import (
     label_dtype,
     resolve_model_fn,
 )
-from sparktrain.comm.link import emulate_task_transfer
-from sparktrain.comm.security import WireSecurity
 from sparktrain.compress.base import BucketState
 from sparktrain.compress.feedback import SCALE, WORLD
 from sparktrain.config import TrainConfig
+from sparktrain.data.partition_data import PartitionData, epoch_batches
 from sparktrain.result import state_from_bytes
 from sparktrain.strategies.tree_aggregate.codec import (
     COMPUTE_S,
@@ -74,8 +73,9 @@ from sparktrain.strategies.tree_aggregate.codec import (
 )
 from sparktrain.strategies.tree_aggregate.flat import assign, flatten, flatten_grads, num_elements
 from sparktrain.strategies.tree_aggregate.task_weights import Download, apply_delta, fetch_mirror
-from sparktrain.worker.data import PartitionData, epoch_batches
-from sparktrain.worker.evaluate import evaluate, target_like
+from sparktrain.task.evaluate import evaluate, target_like
+from sparktrain.wire.link import emulate_task_transfer
+from sparktrain.wire.security import WireSecurity
 
 
 @dataclass
@@ -249,7 +249,7 @@ def partition_round(
         spec.task_hook(block.index, round_index)
     torch.set_num_threads(max(1, spec.threads))
     down = weights.nbytes if received_bytes is None else received_bytes
-    # Emulated link (comm/link.py), per task: receiving the weights, not counted as compute.
+    # Emulated link (wire/link.py), per task: receiving the weights, not counted as compute.
     emulate_task_transfer(spec.config, down, block.index, round_index, 0)
     started = time.perf_counter()
     cfg = spec.config

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from sparktrain.data.partition_data import PartitionData
 from sparktrain.strategies.tree_aggregate.codec import Contribution, PayloadCodec, merge
 from sparktrain.strategies.tree_aggregate.task import Block
-from sparktrain.worker.data import PartitionData
 
 PARTIAL_DDL = "key int, payload binary, message boolean, stats binary"
 _PARTIAL_SCHEMA = pa.schema(

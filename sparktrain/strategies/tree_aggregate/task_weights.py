@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparktrain.comm.chunked import recv_chunked_into
-from sparktrain.comm.frames import KIND_CONTROL
-from sparktrain.comm.handshake import DRIVER_RANK, connect
-from sparktrain.comm.security import WireSecurity
-from sparktrain.comm.stats import CommStats
 from sparktrain.compress.base import Compressor, decode_message
 from sparktrain.errors import CommError
+from sparktrain.wire.chunked import recv_chunked_into
+from sparktrain.wire.frames import KIND_CONTROL
+from sparktrain.wire.handshake import DRIVER_RANK, connect
+from sparktrain.wire.security import WireSecurity
+from sparktrain.wire.stats import CommStats
 
 
 @dataclass(frozen=True)

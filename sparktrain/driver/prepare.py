@@ -1,0 +1,726 @@
+"""Driver-side data preparation: check columns and types, tag validation rows, match the
+partition count to ``num_workers``, and find the feature width — before any task starts.
+
+Sample weights (``weight_col``, DataFrames only): one aggregation job checks the column
+(no nulls, NaN, infinities or negative values, not all zero) and finds the mean weight
+``w̄`` over the training rows; the workers receive ``w / w̄`` in the
+:data:`~sparktrain.data.partition_data.WEIGHT` column. With weights of mean 1, each batch's loss
+``sum w_i l_i / n`` (``builders.Loss``) makes the training set's gradient exactly that of
+the weighted mean loss ``sum w_i l_i / sum w_i``, while every step's sample-count averaged
+gradient stays an unbiased estimate of it; the gradient machinery is unchanged.
+``validation_data`` needs no weight column: validation metrics are unweighted. With
+``validation_fraction`` instead, ``w̄`` is taken over every row of ``data`` before the
+workers' random hold-out, so the training rows' weights have mean ≈ 1 rather than exactly
+1: the objective's minimiser is the same, its gradient is scaled by that ratio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sparktrain.data.columns import (
+    BINARY,
+    DEFAULT_FLOAT,
+    DENSE,
+    INT_DTYPE,
+    RAGGED,
+    Call,
+    Column,
+    ColumnsSpec,
+    Hook,
+    Kind,
+    Layout,
+    check_dtype,
+    check_options,
+    check_shape,
+    option_for,
+    parse_columns,
+    parse_labels,
+)
+from sparktrain.data.partition_data import FEATURES, IS_VALIDATION, LABEL, WEIGHT
+from sparktrain.driver import warmup
+from sparktrain.driver.console import progress_bar_held
+from sparktrain.errors import DataError, not_a_spark_frame
+
+if TYPE_CHECKING:
+    from pyspark import RDD, SparkContext
+    from pyspark.sql import DataFrame
+
+    from sparktrain.result import TrainResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedData:
+    """What the launcher runs on: a DataFrame or an RDD with exactly num_workers partitions."""
+
+    frame: DataFrame | None
+    rdd: RDD[Any] | None
+    feature_width: int
+    """The plain layout's feature width (0 for other layouts: see ``layout``)."""
+    mean_weight: float | None = None
+    """The training rows' mean raw weight (``None``: unweighted); the frame's
+    :data:`~sparktrain.data.partition_data.WEIGHT` column is already divided by it."""
+    layout: Layout | None = None
+    """The model's input columns (``None``: the plain layout of ``feature_width``)."""
+    samples: dict[str, bytes] = field(default_factory=dict)
+    """One raw value per binary column, decoded on the driver to try the model."""
+    label_stats: tuple[float, float] | None = None
+    """``(mean, std)`` the labels were standardised with (``label_scaling``), else
+    ``None``."""
+
+    @property
+    def label_scale(self) -> float:
+        """What turns a standardised label difference back into label units."""
+        return 1.0 if self.label_stats is None else self.label_stats[1]
+
+    @property
+    def data_layout(self) -> Layout:
+        return self.layout or Layout.plain(self.feature_width)
+
+    def shuffled(self, partitions: int) -> PreparedData:
+        """The same rows, shuffled into exactly ``partitions`` partitions."""
+        if self.frame is not None:
+            frame = self.frame.repartition(partitions)
+            return dataclasses.replace(self, frame=frame)
+        assert self.rdd is not None
+        return dataclasses.replace(self, rdd=self.rdd.repartition(partitions))
+
+
+def unscale_result(result: TrainResult, prepared: PreparedData) -> None:
+    """With ``label_scaling``, wrap the trained model so its outputs are in label units
+    again (:class:`~sparktrain.builders.LabelScaled`) and say so in the summary: before
+    loggers and callbacks see the model."""
+    if prepared.label_stats is None or "label_scaling" in result.summary:
+        return
+    from sparktrain.builders import LabelScaled
+
+    mean, std = prepared.label_stats
+    result.model = LabelScaled(result.model, mean, std)
+    result.summary["label_scaling"] = {"mean": mean, "std": std}
+
+
+@dataclass(frozen=True)
+class ColumnOptions:
+    """The per-column options of a fit (``TrainConfig`` keys of the same names)."""
+
+    feature_shapes: Mapping[str, Any] = field(default_factory=dict)
+    feature_dtypes: Mapping[str, Any] = field(default_factory=dict)
+    decode: Mapping[str, Hook] = field(default_factory=dict)
+    collate: Mapping[str, Hook] = field(default_factory=dict)
+
+    @staticmethod
+    def of(cfg: Any) -> ColumnOptions:
+        return ColumnOptions(
+            dict(cfg.feature_shapes), dict(cfg.feature_dtypes), dict(cfg.decode), dict(cfg.collate)
+        )
+
+    @property
+    def given(self) -> bool:
+        return bool(self.feature_shapes or self.feature_dtypes or self.decode or self.collate)
+
+
+def prepare(
+    data: Any,
+    validation_data: Any,
+    features_col: ColumnsSpec,
+    label_col: str | Sequence[str],
+    num_workers: int,
+    weight_col: str | None = None,
+    options: ColumnOptions | None = None,
+    label_scaling: bool = False,
+) -> PreparedData:
+    """Normalise a DataFrame or RDD (plus optional validation set) for the barrier stage.
+
+    ``features_col`` is a column name, a list of names or a ``{model_argument: column}``
+    mapping and ``label_col`` a name or a list of names (see
+    :mod:`sparktrain.data.columns`); ``options`` holds the per-column shapes, dtypes,
+    decoders and collates. ``label_scaling`` standardises a scalar label with the
+    training rows' mean and standard deviation (one aggregation job). ``weight_col``
+    names a numeric column of non-negative sample weights in ``data`` (a DataFrame); see
+    the module docstring for how they are normalised."""
+    sc = _classic_context(data)
+    held = contextlib.nullcontext() if sc is None else progress_bar_held(sc)
+    try:
+        with held:
+            prepared = _prepare(
+                data,
+                validation_data,
+                features_col,
+                label_col,
+                num_workers,
+                weight_col,
+                options or ColumnOptions(),
+                label_scaling,
+            )
+    finally:
+        # No warm-up job may outlive the fit's data preparation (see warmup.settle):
+        # a session stopped right after a failed fit would break it, and Spark print that.
+        if sc is not None:
+            warmup.settle(sc)
+    return prepared
+
+
+def _classic_context(data: Any) -> SparkContext | None:
+    """The SparkContext of a classic DataFrame or an RDD (None: Spark Connect, other)."""
+    from pyspark import RDD
+    from pyspark.sql import DataFrame
+
+    from sparktrain.driver.spark_env import is_connect
+
+    if isinstance(data, RDD):
+        return data.context
+    if isinstance(data, DataFrame) and not is_connect(data):
+        return data.sparkSession.sparkContext
+    return None
+
+
+def _prepare(
+    data: Any,
+    validation_data: Any,
+    features_col: ColumnsSpec,
+    label_col: str | Sequence[str],
+    num_workers: int,
+    weight_col: str | None,
+    options: ColumnOptions,
+    label_scaling: bool,
+) -> PreparedData:
+    from pyspark import RDD
+    from pyspark.sql import DataFrame
+
+    if isinstance(data, DataFrame):
+        if validation_data is not None and not isinstance(validation_data, DataFrame):
+            raise DataError("validation_data must be a DataFrame when data is a DataFrame")
+        return _prepare_frame(
+            data,
+            validation_data,
+            features_col,
+            label_col,
+            num_workers,
+            weight_col or None,
+            options,
+            label_scaling,
+        )
+    if isinstance(data, RDD):
+        if weight_col:
+            raise DataError(
+                f"weight_col={weight_col!r} needs a DataFrame; turn the RDD into one first, "
+                "e.g. spark.createDataFrame(rdd, ['features', 'label', 'weight'])"
+            )
+        if label_scaling:
+            raise DataError(
+                "label_scaling needs a DataFrame (the driver computes the labels' statistics "
+                "with Spark SQL): spark.createDataFrame(rdd, ['features', 'label']) first"
+            )
+        if not isinstance(features_col, str) or not isinstance(label_col, str) or options.given:
+            raise DataError(
+                "an RDD of (features, label) pairs has one float features vector and one label; "
+                "several or typed columns (features_col/label_col lists or mappings, "
+                "feature_shapes, feature_dtypes, decode, collate) need a DataFrame: "
+                "spark.createDataFrame(rdd, [...]) first"
+            )
+        if validation_data is not None and not isinstance(validation_data, RDD):
+            raise DataError("validation_data must be an RDD when data is an RDD")
+        return _prepare_rdd(data, validation_data, num_workers)
+    raise not_a_spark_frame(data)
+
+
+def _prepare_frame(
+    df: DataFrame,
+    val: DataFrame | None,
+    features_col: ColumnsSpec,
+    label_col: str | Sequence[str],
+    num_workers: int,
+    weight_col: str | None,
+    options: ColumnOptions,
+    label_scaling: bool = False,
+) -> PreparedData:
+    from pyspark.sql import functions as F
+
+    plan = _plan_columns(df, features_col, label_col, options)
+    train = _select(df, plan, "data", weight_col)
+    stats = _label_stats(train, plan) if label_scaling else None
+    mean_weight = None
+    if weight_col is not None:
+        mean_weight = _mean_weight(train, weight_col)
+        train = train.withColumn(WEIGHT, F.col(WEIGHT) / F.lit(mean_weight))
+    train = _scaled(train, stats).withColumn(IS_VALIDATION, F.lit(False))
+    combined = train
+    if val is not None:
+        tagged = _scaled(_select(val, plan, "validation_data"), stats)
+        if weight_col is not None:  # validation metrics are unweighted
+            tagged = tagged.withColumn(WEIGHT, F.lit(1.0))
+        combined = train.unionByName(tagged.withColumn(IS_VALIDATION, F.lit(True)))
+    layout, samples = _measure(combined, plan)
+    width = layout.width if layout.is_plain else 0
+    if val is not None:
+        # A union never feeds a barrier stage as it is (Spark refuses RDD chains whose
+        # partition counts differ, and a union's inputs each have fewer partitions than
+        # it), so shuffle at once: asking the union for its partition count would first
+        # run its inputs' shuffles under adaptive execution, only to shuffle again.
+        log.info("shuffling the data and validation_data into num_workers=%d", num_workers)
+        return PreparedData(
+            combined.repartition(num_workers), None, width, mean_weight, layout, samples, stats
+        )
+    parts = _partitions(combined)
+    if parts is None:
+        # A Spark Connect client cannot ask a plan for its partition count (no RDDs):
+        # one shuffle into exactly num_workers partitions is the price.
+        log.info(
+            "Spark Connect: the data's partition count is not visible from the client; "
+            "shuffling it into num_workers=%d partitions",
+            num_workers,
+        )
+        combined = combined.repartition(num_workers)
+    elif parts != num_workers:
+        log.info("repartitioning the data from %d partitions to num_workers=%d", parts, num_workers)
+        combined = combined.repartition(num_workers)
+    return PreparedData(combined, None, width, mean_weight, layout, samples, stats)
+
+
+def _partitions(frame: DataFrame) -> int | None:
+    """The frame's partition count; None under Spark Connect, which has no RDDs."""
+    from sparktrain.driver.spark_env import is_connect
+
+    if is_connect(frame):
+        return None
+    return int(frame.rdd.getNumPartitions())
+
+
+def _label_stats(train: DataFrame, plan: _Plan) -> tuple[float, float]:
+    """One aggregation job: the training labels' mean and (population) standard
+    deviation; a constant label keeps a scale of 1."""
+    from pyspark.sql import functions as F
+
+    if plan.label_is_array:
+        raise DataError(
+            f"label_scaling standardises one scalar label; label_col "
+            f"{', '.join(plan.label_sources)!r} holds several values a row: scale them "
+            "yourself (pyspark.ml.feature.StandardScaler) and set label_scaling=false"
+        )
+    row = train.agg(F.mean(LABEL).alias("m"), F.stddev_pop(LABEL).alias("s")).first()
+    assert row is not None  # a global aggregate always has one row
+    if row["m"] is None:
+        raise DataError("the training data is empty: nothing to train on")
+    mean, std = float(row["m"]), float(row["s"] or 0.0)
+    if not math.isfinite(mean) or not math.isfinite(std):
+        raise DataError(
+            f"label column {plan.label_sources[0]!r} holds NaN or infinite values; drop "
+            "those rows first"
+        )
+    std = std if std > 0 else 1.0
+    log.info("label_scaling: labels standardised with mean %.6g and std %.6g", mean, std)
+    return mean, std
+
+
+def _scaled(frame: DataFrame, stats: tuple[float, float] | None) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    if stats is None:
+        return frame
+    mean, std = stats
+    return frame.withColumn(LABEL, (F.col(LABEL) - F.lit(mean)) / F.lit(std))
+
+
+@dataclass
+class _Planned:
+    """One input column before its width is measured: the column, the Spark expression
+    that ships it, and whether its width comes from the first row."""
+
+    column: Column
+    expr: Any
+    measure: bool
+
+
+@dataclass
+class _Plan:
+    inputs: list[_Planned]
+    call: Call
+    label_sources: list[str]
+    label_expr: Any
+    label_is_array: bool
+    label_width: int | None
+
+
+def input_columns(df: DataFrame, layout: Layout) -> list[Any]:
+    """The Spark expressions that ship ``df``'s model inputs as a trained ``layout`` reads
+    them (named by each column's ``wire``): how ``transform`` feeds a fitted model. The
+    columns must have the types they had in training; errors name the column."""
+    spec: ColumnsSpec
+    if layout.call == "single":
+        spec = layout.columns[0].source
+    elif layout.call == "positional":
+        spec = [c.source for c in layout.columns]
+    else:
+        spec = {c.key: c.source for c in layout.columns}
+    variable: dict[str, Any] = {c.key: [-1] for c in layout.columns if c.kind == RAGGED}
+    fixed = {c.key: list(c.shape) for c in layout.columns if c.kind == DENSE and len(c.shape) > 1}
+    options = ColumnOptions(
+        feature_shapes={**variable, **fixed},
+        feature_dtypes={c.key: c.dtype for c in layout.columns if c.kind != BINARY},
+        decode={c.key: c.decode for c in layout.columns if c.decode is not None},
+        collate={c.key: c.collate for c in layout.columns if c.collate is not None},
+    )
+    if layout.is_plain:
+        options = ColumnOptions()
+    plan = _plan_columns(df, spec, None, options)
+    for planned, trained in zip(plan.inputs, layout.columns, strict=True):
+        if planned.column.kind != trained.kind:
+            raise DataError(
+                f"column {trained.source!r} is {planned.column.kind} here but was "
+                f"{trained.kind} in training; give it the type it had then"
+            )
+    return [p.expr for p in plan.inputs]
+
+
+def _plan_columns(
+    df: DataFrame,
+    features_col: ColumnsSpec,
+    label_col: str | Sequence[str] | None,
+    opts: ColumnOptions,
+) -> _Plan:
+    """Check every named column's type against its options; the expressions that ship
+    them as the workers read them."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, BinaryType, IntegralType, NumericType
+
+    call, pairs = parse_columns(features_col)
+    labels = [] if label_col is None else parse_labels(label_col)
+    check_options(
+        [k for k, _ in pairs],
+        [s for _, s in pairs],
+        opts.feature_shapes,
+        opts.feature_dtypes,
+        opts.decode,
+        opts.collate,
+    )
+    for col in [*(s for _, s in pairs), *labels]:
+        if col not in df.columns:
+            raise DataError(
+                f"data has no column {col!r}; its columns are {df.columns}. "
+                "Pass features_col=/label_col= to fit()"
+            )
+    inputs: list[_Planned] = []
+    keys = [k for k, _ in pairs]
+    for i, (key, source) in enumerate(pairs):
+        wire = FEATURES if call == "single" else f"{FEATURES}_{i}"
+        dtype_opt = option_for(opts.feature_dtypes, key, source, keys)
+        dtype = check_dtype(key, dtype_opt) if dtype_opt is not None else None
+        shape_opt = option_for(opts.feature_shapes, key, source, keys)
+        shape = check_shape(key, shape_opt) if shape_opt is not None else None
+        decode = option_for(opts.decode, key, source, keys)
+        collate = option_for(opts.collate, key, source, keys)
+        ftype = df.schema[source].dataType
+        where = f"column {source!r}" + ("" if key == source else f" (model argument {key!r})")
+
+        def spark_float(dtype: str) -> str:
+            return "double" if dtype == "float64" else "float"
+
+        if isinstance(ftype, BinaryType):
+            if decode is None:
+                raise DataError(
+                    f"{where} holds bytes: give decode={{{key!r}: 'module:function'}} that turns "
+                    "one value into an array (e.g. image bytes into a float tensor)"
+                )
+            if shape is not None or dtype is not None:
+                raise DataError(
+                    f"{where} holds bytes: its decode gives the shape and dtype, so leave it out "
+                    "of feature_shapes/feature_dtypes"
+                )
+            column = Column(key, source, wire, BINARY, "binary", (), decode, collate)
+            inputs.append(_Planned(column, F.col(source).alias(wire), False))
+            continue
+        if decode is not None:
+            raise DataError(
+                f"decode is for binary columns; {where} has type {ftype.simpleString()}"
+            )
+        if isinstance(ftype, VectorUDT) or (
+            isinstance(ftype, ArrayType) and isinstance(ftype.elementType, NumericType)
+        ):
+            integral = isinstance(ftype, ArrayType) and isinstance(ftype.elementType, IntegralType)
+            target = dtype or (INT_DTYPE if integral else DEFAULT_FLOAT)
+            if isinstance(ftype, VectorUDT):
+                if target == INT_DTYPE:
+                    raise DataError(f"{where} is an ml Vector (floats); it cannot be int64")
+                expr = vector_to_array(
+                    F.col(source), "float64" if target == "float64" else "float32"
+                )
+            else:
+                spark_type = "bigint" if target == INT_DTYPE else spark_float(target)
+                expr = F.col(source).cast(f"array<{spark_type}>")
+            ragged = shape == (-1,)
+            if ragged and isinstance(ftype, VectorUDT):
+                raise DataError(
+                    f"{where} is an ml Vector, whose rows all have one size: drop its [-1]"
+                )
+            if collate is not None and not ragged:
+                raise DataError(
+                    f"collate is for variable-length and binary columns; declare {where} "
+                    f"variable-length with feature_shapes={{{key!r}: [-1]}} to collate it"
+                )
+            kind: Kind = RAGGED if ragged else DENSE
+            column = Column(key, source, wire, kind, target, shape or (), None, collate)
+            inputs.append(_Planned(column, expr.alias(wire), not ragged))
+            continue
+        if isinstance(ftype, NumericType):
+            if shape is not None and shape != (1,):
+                raise DataError(
+                    f"{where} holds one number a row; its feature_shapes entry must be [1] "
+                    "or absent"
+                )
+            integral = isinstance(ftype, IntegralType)
+            target = dtype or (INT_DTYPE if integral else DEFAULT_FLOAT)
+            spark_type = "bigint" if target == INT_DTYPE else spark_float(target)
+            column = Column(key, source, wire, DENSE, target, shape or ())
+            inputs.append(_Planned(column, F.col(source).cast(spark_type).alias(wire), False))
+            continue
+        raise DataError(
+            f"{where} has type {ftype.simpleString()}, which no model input takes: use numbers, "
+            "arrays of numbers, ml Vectors, or bytes with a decode (index strings with "
+            "pyspark.ml.feature.StringIndexer; tokenise text into an int array)"
+        )
+    for planned in inputs:
+        mask_arg = f"{planned.column.key}_mask"
+        if planned.column.kind == RAGGED and mask_arg in keys:
+            raise DataError(
+                f"model argument {mask_arg!r} is taken by column "
+                f"{dict(pairs)[mask_arg]!r}, but it is where variable-length input "
+                f"{planned.column.key!r} passes its mask: rename one of them"
+            )
+    if not labels:
+        return _Plan(inputs, call, [], None, False, None)
+    label_expr, label_is_array, label_width = _label_plan(df, labels)
+    return _Plan(inputs, call, labels, label_expr, label_is_array, label_width)
+
+
+def _label_plan(df: DataFrame, labels: list[str]) -> tuple[Any, bool, int | None]:
+    """(expression of the LABEL column, whether it is an array, its width if known)."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, NumericType
+
+    for col in labels:
+        ltype = df.schema[col].dataType
+        array = isinstance(ltype, VectorUDT) or (
+            isinstance(ltype, ArrayType) and isinstance(ltype.elementType, NumericType)
+        )
+        if not isinstance(ltype, NumericType) and not (array and len(labels) == 1):
+            raise DataError(
+                f"column {col!r} has type {ltype.simpleString()}; labels must be numeric "
+                "(index string labels with pyspark.ml.feature.StringIndexer)"
+                + ("" if len(labels) == 1 else "; a list of label columns takes numeric scalars")
+            )
+    if len(labels) > 1:
+        expr = F.array(*[F.col(c).cast("double") for c in labels])
+        return expr.alias(LABEL), True, len(labels)
+    ltype = df.schema[labels[0]].dataType
+    if isinstance(ltype, VectorUDT):
+        return vector_to_array(F.col(labels[0]), "float64").alias(LABEL), True, None
+    if isinstance(ltype, ArrayType):
+        return F.col(labels[0]).cast("array<double>").alias(LABEL), True, None
+    return F.col(labels[0]).cast("double").alias(LABEL), False, None
+
+
+def _measure(combined: DataFrame, plan: _Plan) -> tuple[Layout, dict[str, bytes]]:
+    """One ``first()`` job: the first row's width of every fixed-size array column (and
+    of an array label), and a value of every binary column; the layout they give."""
+    from pyspark.sql import functions as F
+
+    sized = [p for p in plan.inputs if p.measure]
+    binary = [p for p in plan.inputs if p.column.kind == BINARY]
+    selects = [F.size(p.column.wire).alias(f"w{i}") for i, p in enumerate(sized)]
+    selects += [F.col(p.column.wire).alias(f"b{i}") for i, p in enumerate(binary)]
+    if plan.label_is_array and plan.label_width is None:
+        selects.append(F.size(LABEL).alias("lw"))
+    condition = None
+    for p in [*sized, *binary]:
+        test = F.col(p.column.wire).isNotNull()
+        condition = test if condition is None else condition & test
+    frame = combined if condition is None else combined.where(condition)
+    first = _first_row(frame.select(*selects, F.lit(1).alias("_")))
+    if first is None:
+        raise DataError("the training data is empty: nothing to train on")
+    columns = []
+    sized_index = {id(p): i for i, p in enumerate(sized)}
+    for p in plan.inputs:
+        column = p.column
+        if p.measure:
+            width = int(first[f"w{sized_index[id(p)]}"])
+            if width <= 0:
+                if plan.call == "single" and column.dtype == DEFAULT_FLOAT and not column.shape:
+                    raise DataError(
+                        "the features column holds empty arrays; each row needs at least one value"
+                    )
+                raise DataError(
+                    f"column {column.source!r} holds empty arrays; each row needs at least one "
+                    "value (or declare it variable-length: "
+                    f"feature_shapes={{{column.key!r}: [-1]}})"
+                )
+            shape = column.shape or (width,)
+            if math.prod(shape) != width:
+                raise DataError(
+                    f"feature_shapes[{column.key!r}] = {list(shape)} needs {math.prod(shape)} "
+                    f"values a row, but the first row of column {column.source!r} has {width}; "
+                    "fix the shape or the column"
+                )
+            column = dataclasses.replace(column, shape=tuple(shape))
+        columns.append(column)
+    samples = {p.column.key: bytes(first[f"b{i}"]) for i, p in enumerate(binary)}
+    label_width = plan.label_width
+    if plan.label_is_array and label_width is None:
+        label_width = int(first["lw"])
+        if label_width <= 0:
+            raise DataError(f"label column {plan.label_sources[0]!r} holds empty arrays")
+    layout = Layout(tuple(columns), plan.call, label_width, tuple(plan.label_sources))
+    log.info("%s", layout.describe())
+    return layout, samples
+
+
+def _mean_weight(train: DataFrame, weight_col: str) -> float:
+    """One aggregation job: check the training rows' weights and return their mean."""
+    from pyspark.sql import functions as F
+
+    w = F.col(WEIGHT)
+    bad = w.isNull() | F.isnan(w) | (F.abs(w) == float("inf"))
+    row = train.agg(
+        F.count(F.lit(1)).alias("rows"),
+        F.count(F.when(bad, 1)).alias("bad"),
+        F.count(F.when(~bad & (w < 0), 1)).alias("negative"),
+        F.sum(F.when(~bad, w)).alias("total"),
+        F.max(F.when(~bad, w)).alias("max"),
+    ).first()
+    assert row is not None  # a global aggregate always has one row
+    where = f"weight column {weight_col!r}"
+    if not row["rows"]:
+        raise DataError("the training data is empty: nothing to train on")
+    if row["bad"]:
+        raise DataError(
+            f"{where}: {row['bad']} rows have a null, NaN or infinite weight; drop them or "
+            "give them a finite weight >= 0 before training"
+        )
+    if row["negative"]:
+        raise DataError(
+            f"{where}: {row['negative']} rows have a negative weight; sample weights must be "
+            ">= 0 (use 0 to ignore a row)"
+        )
+    if not row["max"] or not row["total"] > 0:
+        raise DataError(
+            f"{where}: every weight is 0, so there is nothing to train on; give some rows a "
+            "positive weight (or leave the weight column out)"
+        )
+    mean = float(row["total"]) / float(row["rows"])
+    log.info("sample weights %r: mean %.6g over %d training rows", weight_col, mean, row["rows"])
+    return mean
+
+
+def _select(df: DataFrame, plan: _Plan, what: str, weight_col: str | None = None) -> DataFrame:
+    """The planned input columns, the label (and the weight, unnormalised), with errors
+    that say how to fix the input."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import NumericType
+
+    for p in plan.inputs:
+        if p.column.source not in df.columns:
+            raise DataError(
+                f"{what} has no column {p.column.source!r}; its columns are {df.columns}. "
+                "Pass features_col=/label_col= to fit()"
+            )
+    for col in plan.label_sources:
+        if col not in df.columns:
+            raise DataError(
+                f"{what} has no column {col!r}; its columns are {df.columns}. "
+                "Pass features_col=/label_col= to fit()"
+            )
+    if weight_col is not None:
+        if weight_col not in df.columns:
+            raise DataError(
+                f"{what} has no weight column {weight_col!r}; its columns are {df.columns}. "
+                "Pass weight_col= the name of a numeric column of sample weights, or None"
+            )
+        wtype = df.schema[weight_col].dataType
+        if not isinstance(wtype, NumericType):
+            raise DataError(
+                f"weight column {weight_col!r} has type {wtype.simpleString()}; sample "
+                "weights must be numeric (cast the column, e.g. F.col(name).cast('double'))"
+            )
+    columns = [p.expr for p in plan.inputs] + [plan.label_expr]
+    if weight_col is not None:
+        columns.append(F.col(weight_col).cast("double").alias(WEIGHT))
+    return df.select(*columns)
+
+
+# Physical plan nodes that run Python: rows made in Python (a DataFrame from a list or
+# an RDD), Python and pandas UDFs, mapInPandas/mapInArrow.
+_PYTHON_PLAN = re.compile(r"ExistingRDD|Python|InPandas|InArrow")
+
+
+def _first_row(frame: DataFrame) -> Any:
+    """The frame's first row (None when it is empty). ``first()`` when no Python runs
+    in the plan; otherwise :func:`_first_element` over its rows, since ``first()`` stops
+    reading a Python worker's output early and pyspark then prints that worker's
+    ``BrokenPipeError`` traceback."""
+    from sparktrain.driver.spark_env import is_connect
+
+    if is_connect(frame):  # the server's workers: their output is not this console's
+        return frame.first()
+    try:
+        plan = str(frame._jdf.queryExecution().executedPlan().toString())
+    except Exception:  # cannot tell: read it to the end
+        plan = "Python"
+    if not _PYTHON_PLAN.search(plan):
+        return frame.first()
+    return _first_element(frame.rdd)
+
+
+def _first_element(rdd: RDD[Any]) -> Any:
+    """The first element of ``rdd`` (None when it is empty), reading each partition it
+    looks at to the end: partition 0 first, then 4, 16... more at a time, as ``take``
+    does, while they are empty. A Python worker whose output is read to its end exits
+    cleanly (``first()``/``take()`` leave it writing into a closed socket)."""
+    count = rdd.getNumPartitions()
+    start, batch = 0, 1
+    while start < count:
+        parts = list(range(start, min(count, start + batch)))
+        found = rdd.context.runJob(rdd, _first_of_partition, parts)
+        if found:
+            return found[0]
+        start, batch = start + batch, batch * 4
+    return None
+
+
+def _first_of_partition(rows: Iterable[Any]) -> list[Any]:
+    found: list[Any] = []
+    for row in rows:  # to the end: see _first_element
+        if not found:
+            found.append(row)
+    return found
+
+
+def _prepare_rdd(rdd: RDD[Any], val: RDD[Any] | None, num_workers: int) -> PreparedData:
+    first = _first_element(rdd)
+    if first is None:
+        raise DataError("the training RDD is empty: nothing to train on")
+    if not isinstance(first, tuple | list) or len(first) != 2:
+        raise DataError(f"RDD rows must be (features, label) pairs; the first row is {first!r}")
+    width = int(np.asarray(first[0]).size)
+    combined = rdd.map(lambda row: (row[0], row[1], False))
+    if val is not None:
+        combined = combined.union(val.map(lambda row: (row[0], row[1], True)))
+    parts = combined.getNumPartitions()
+    if parts != num_workers:
+        log.info("repartitioning the data from %d partitions to num_workers=%d", parts, num_workers)
+        combined = combined.repartition(num_workers)
+    return PreparedData(None, combined, width)
