@@ -21,11 +21,12 @@ from sparktrain import torchcheck as _torchcheck
 if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
     from sparktrain.distributor import torch_run
+    from sparktrain.driver.services.loggers import Callback
     from sparktrain.result import TrainResult
     from sparktrain.runner import RunResult, run
     from sparktrain.trainer import Trainer
 
-__all__ = ["RunResult", "TrainConfig", "TrainResult", "Trainer", "run", "torch_run"]
+__all__ = ["Callback", "RunResult", "TrainConfig", "TrainResult", "Trainer", "run", "torch_run"]
 __version__ = "0.1.0"
 
 # Old module paths (sparktrain/_moved.py) import their new modules, with a warning, for one
@@ -42,6 +43,7 @@ _HOMES["run"] = _HOMES["RunResult"] = "sparktrain.runner"
 # not sparktrain/torch_run.py: importing a submodule of that name would replace this
 # function by the module on the package
 _HOMES["torch_run"] = "sparktrain.distributor"
+_HOMES["Callback"] = "sparktrain.driver.services.loggers"
 
 
 def __getattr__(name: str) -> Any:

@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparktrain import Trainer
-from sparktrain.driver.services.loggers import Callback
+from sparktrain import Callback, Trainer
 from sparktrain.errors import ConfigError
 from sparktrain.models import digits_mlp
 

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
 
     import sparktrain
     from sparktrain import Trainer, TrainConfig, datasets
-    from sparktrain.driver.services.loggers import Callback
+    from sparktrain import Callback
     from sparktrain.models import mlp
     from sparktrain.session import get_or_create_session
     from sparktrain.task.run_context import RunContext
