@@ -4,7 +4,11 @@ written the TorchDistributor way trains and returns its state dict; an exception
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,10 +24,43 @@ from sparktrain.errors import SparkTrainError
 # may take minutes on a loaded machine); conftest then names what Spark still runs
 pytestmark = pytest.mark.timeout(180, func_only=True)
 
+RANK_TIMEOUT_S = 120.0
+"""How long a rank's process group waits for a peer (``init_process_group``'s timeout;
+torch's default is 30 minutes): a rank whose peer never comes fails in time and frees
+its slot of local[2], instead of holding it for every barrier stage after it."""
+
+CALL_BOUND_S = 165.0
+"""A test's torch_run calls must have returned by then, or Spark's jobs are cancelled
+(:func:`bounded`), before the pytest-timeout above interrupts the driver mid-call."""
+
+
+@contextlib.contextmanager
+def bounded(spark: Any, seconds: float = CALL_BOUND_S) -> Iterator[None]:
+    """Cancel every Spark job if the block has not returned after ``seconds``, saying
+    what ran: a torch_run that waits on a stage which never ends (a rank that never
+    comes, a task deadlocked on its way out) then raises, and leaves no task holding one
+    of local[2]'s two slots for the tests after it."""
+
+    def cancel() -> None:
+        sc = spark.sparkContext
+        state = occupancy.describe(occupancy.active_jobs(sc), occupancy.running_tasks(sc))
+        print(f"\nno return after {seconds:g} s; cancelling: {state}", file=sys.__stderr__)
+        sc.cancelAllJobs()
+
+    timer = threading.Timer(seconds, cancel)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
 
 def ddp_digits(epochs: int, lr: float) -> dict[str, Any]:
     """As one would write it for ``TorchDistributor(num_processes=2).run``: nothing of
     sparktrain in here."""
+    from datetime import timedelta
+
     import torch.distributed as dist
     import torch.nn.functional as F
     from sklearn.datasets import load_digits
@@ -31,7 +68,7 @@ def ddp_digits(epochs: int, lr: float) -> dict[str, Any]:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=RANK_TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     assert int(os.environ["LOCAL_RANK"]) < int(os.environ["LOCAL_WORLD_SIZE"])
     x, y = load_digits(return_X_y=True)
@@ -57,11 +94,15 @@ def ddp_digits(epochs: int, lr: float) -> dict[str, Any]:
 
 
 def fails_on_rank_1() -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     if os.environ["RANK"] == "1":
         raise ValueError("rank one gives up")
-    dist.init_process_group("gloo")  # rank 0 waits for a peer that never comes
+    # rank 0 waits for a peer that never comes, until the run stops it (or, should it
+    # not, RANK_TIMEOUT_S: the check after the run sees it still running long before)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=RANK_TIMEOUT_S))
     dist.barrier()
 
 
@@ -71,7 +112,8 @@ def cfg(**overrides: Any) -> TrainConfig:
 
 def test_ddp_digits_written_for_torch_distributor(spark):  # type: ignore[no-untyped-def]
     before = {k: os.environ.get(k) for k in ("RANK", "MASTER_PORT")}
-    out = sparktrain.torch_run(ddp_digits, 15, 0.005, num_workers=2, config=cfg(), spark=spark)
+    with bounded(spark):
+        out = sparktrain.torch_run(ddp_digits, 15, 0.005, num_workers=2, config=cfg(), spark=spark)
     assert out["world"] == 2
     assert out["accuracy"] >= 0.9
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
@@ -80,7 +122,7 @@ def test_ddp_digits_written_for_torch_distributor(spark):  # type: ignore[no-unt
 
 
 def test_an_exception_on_one_rank_fails_the_run_without_hanging(spark):  # type: ignore[no-untyped-def]
-    with pytest.raises((SparkTrainError, Exception), match="rank one gives up"):
+    with bounded(spark), pytest.raises((SparkTrainError, Exception), match="rank one gives up"):
         sparktrain.torch_run(
             fails_on_rank_1, num_workers=2, config=cfg(max_restarts=0), spark=spark
         )
@@ -93,10 +135,12 @@ def ddp_then_broadcast(seed: int) -> dict[str, Any]:
     """A DDP step, then rank 0's record broadcast to every rank, the group destroyed and
     the module freed on return: the ending in which a reducer used to free its Gloo group
     while holding the GIL, deadlocking the task (about 1 call in 5)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=RANK_TIMEOUT_S))
     torch.manual_seed(seed)
     model = DDP(torch.nn.Linear(8, 2))
     model(torch.randn(4, 8)).sum().backward()
@@ -109,6 +153,7 @@ def ddp_then_broadcast(seed: int) -> dict[str, Any]:
 def test_many_ddp_calls_in_reused_workers_never_deadlock(spark):  # type: ignore[no-untyped-def]
     # each call reuses the same two Python workers; before the fix one of the first ten
     # calls hung in ProcessGroupGloo's destructor and this test hit its timeout
-    for seed in range(10):
-        out = sparktrain.torch_run(ddp_then_broadcast, seed, num_workers=2, spark=spark)
-        assert out == {"rank": 0, "seed": seed}
+    with bounded(spark):
+        for seed in range(10):
+            out = sparktrain.torch_run(ddp_then_broadcast, seed, num_workers=2, spark=spark)
+            assert out == {"rank": 0, "seed": seed}

@@ -5,7 +5,6 @@ non-finite weights comes back."""
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import numpy as np
@@ -51,14 +50,13 @@ def test_a_non_finite_loss_stops_every_rank_at_that_step():
     # labels of 1e20: the squared error overflows float32 at the first step on rank 0;
     # rank 1's data is tame, so it learns of the stop in the step's exchange
     spec = _regression_spec(batch_size=8, epochs=3)
-    started = time.perf_counter()
     outcomes = _outcomes(spec, _regression_parts([1e20, 1.0]))
-    assert time.perf_counter() - started < 30
     assert isinstance(outcomes[0], DivergedError)
     message = str(outcomes[0])
     assert "epoch 1, step 1 of 5: the training loss is inf on rank 0" in message
     assert "lower lr (now 0.5)" in message and "StandardScaler" in message
     assert isinstance(outcomes[1], CommError)  # stopped, not hung, at the same step
+    assert "closed the connection" in str(outcomes[1])  # by rank 0, not at a timeout
 
 
 @pytest.mark.parametrize("strategy", ["ring", "tree"])

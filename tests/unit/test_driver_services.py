@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import secrets
 import socket
-import time
 from typing import Any
 
 import pytest
@@ -17,9 +16,15 @@ from sparktrain import TrainConfig
 from sparktrain.config import parse_port_range
 from sparktrain.driver.barrier import without_driver
 from sparktrain.driver.services.metrics_server import ProgressDisplay
-from sparktrain.driver.services.rendezvous import DriverUnreachable, RendezvousServer, all_gather
+from sparktrain.driver.services.rendezvous import (
+    REACH_TIMEOUT_S,
+    DriverUnreachable,
+    RendezvousServer,
+    all_gather,
+)
 from sparktrain.errors import ConfigError, HandshakeError
 from sparktrain.task.context import JobSpec
+from sparktrain.wire import handshake
 from sparktrain.wire.listen import ServiceHost, address_of, open_listener, open_service_listener
 
 HOST = "127.0.0.1"
@@ -89,15 +94,34 @@ def test_a_service_listens_in_its_range() -> None:
         server.stop()
 
 
-def test_a_closed_port_is_an_unreachable_driver_before_comm_timeout() -> None:
+class _DialClock:
+    """The dial's clock (:mod:`time` in wire/handshake.py): it moves only by the pauses
+    between refused dials, which it records instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.paused = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.paused += seconds
+        self.now += seconds
+
+
+def test_a_closed_port_is_an_unreachable_driver_before_comm_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     listener = open_listener(HOST)
     dead = address_of(listener)
     listener.close()
-    started = time.perf_counter()
+    clock = _DialClock()
+    monkeypatch.setattr(handshake, "time", clock)
     with pytest.raises(DriverUnreachable, match=f"rank 1 cannot reach .*{dead}"):
         all_gather(dead, secret=b"s" * 32, job_id="j", attempt=0, rank=1, message="m", timeout=30.0)
-    # it gives up after REACH_TIMEOUT_S of refused dials, long before comm_timeout
-    assert time.perf_counter() - started < 20.0
+    # it gave up after REACH_TIMEOUT_S of refused dials, long before comm_timeout
+    assert clock.paused == pytest.approx(REACH_TIMEOUT_S) and REACH_TIMEOUT_S < 30.0
 
 
 def test_a_driver_that_refuses_the_task_is_not_unreachable() -> None:

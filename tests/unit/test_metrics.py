@@ -13,13 +13,10 @@ pytestmark = pytest.mark.timeout(30)
 SECRET = b"s" * 32
 
 
-def _wait_for(predicate, seconds=5.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
+def _until(predicate):
+    """Poll ``predicate`` until it holds (the test's timeout bounds the wait)."""
+    while not predicate():
         time.sleep(0.02)
-    return False
 
 
 def test_epochs_reach_the_display_and_the_jsonl(tmp_path):
@@ -40,7 +37,7 @@ def test_epochs_reach_the_display_and_the_jsonl(tmp_path):
                     "seconds": 0.1,
                 }
             )
-        assert _wait_for(lambda: len(display.epochs) == 2)
+        _until(lambda: len(display.epochs) == 2)
         client.close()
     finally:
         server.stop()
@@ -48,27 +45,23 @@ def test_epochs_reach_the_display_and_the_jsonl(tmp_path):
     assert [line["epoch"] for line in lines] == [0, 1]
 
 
-@pytest.mark.timing
-def test_a_client_with_the_wrong_secret_is_ignored_and_training_goes_on():
+def test_a_client_with_the_wrong_secret_is_ignored_and_training_goes_on(caplog):
     display = ProgressDisplay(enabled=False)
     server = MetricsServer("127.0.0.1", secret=SECRET, job_id="j", attempt=0, on_message=display)
     try:
         intruder = MetricsClient(server.address, secret=b"x" * 32, job_id="j", attempt=0, timeout=2)
-        intruder.send(
-            {
-                "type": "epoch",
-                "epoch": 0,
-                "loss": 0.0,
-                "metric_name": "accuracy",
-                "metric": 1.0,
-                "seconds": 0.0,
-            }
-        )  # swallowed, never raises
-        assert not _wait_for(lambda: display.epochs, seconds=0.5)
+        # the server refused it in the handshake, before the client could send anything
+        assert "progress channel to the driver unavailable" in caplog.text
+        assert "rejected this rank" in caplog.text
+        intruder.send({**_epoch(0), "loss": 0.0, "metric": 1.0})  # swallowed, never raises
+        client = MetricsClient(server.address, secret=SECRET, job_id="j", attempt=0, timeout=5)
+        client.send(_epoch(7))
+        _until(lambda: display.epochs)
+        client.close()
     finally:
-        started = time.monotonic()
         server.stop()
-        assert time.monotonic() - started < 6
+    assert [e["epoch"] for e in display.epochs] == [7]  # the real client's, alone
+    assert not server._thread.is_alive()  # stop() ended the accept loop
 
 
 def _epoch(epoch: int) -> dict:
@@ -94,24 +87,25 @@ def test_stop_delivers_what_rank_0_sent_before_it_closed_to_a_slow_listener():
         client = MetricsClient(server.address, secret=SECRET, job_id="j", attempt=0, timeout=5)
         for epoch in range(8):
             client.send(_epoch(epoch))
-        assert _wait_for(lambda: seen)  # the reader is busy with the first one
+        _until(lambda: seen)  # the reader is busy with the first one
         client.close()  # the task ended; the stage returns before the listener caught up
     finally:
         server.stop()
     assert seen == list(range(8))
 
 
-@pytest.mark.timing
-def test_stop_does_not_wait_for_a_client_that_is_connected_but_silent():
+def test_stop_does_not_wait_for_a_client_that_is_connected_but_silent(caplog):
     display = ProgressDisplay(enabled=False)
     server = MetricsServer("127.0.0.1", secret=SECRET, job_id="j", attempt=0, on_message=display)
-    client = MetricsClient(server.address, secret=SECRET, job_id="j", attempt=0, timeout=5)
+    client = MetricsClient(server.address, secret=SECRET, job_id="j", attempt=0, timeout=600)
     try:
         client.send(_epoch(0))
-        assert _wait_for(lambda: len(display.epochs) == 1)
-        started = time.monotonic()
-        server.stop()  # e.g. a failed stage whose rank 0 still lives
-        assert time.monotonic() - started < 2
+        _until(lambda: len(display.epochs) == 1)
+        # e.g. a failed stage whose rank 0 still lives: stop() returns once the reader has
+        # been idle DRAIN_IDLE_S, neither at the drain limit (60 s, past this test's
+        # timeout) nor when the client's connection times out (600 s)
+        server.stop()
+        assert "took over" not in caplog.text  # it did not give up at the drain limit
     finally:
         client.close()
         server.stop()

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -171,18 +170,16 @@ def test_unused_parameters_do_not_deadlock(strategy):
     assert len({s["param_digest"] for s in on_stats + off_stats}) == 1
 
 
-@pytest.mark.timing
 def test_a_lost_peer_surfaces_as_peer_lost_in_the_training_thread(tmp_path):
     """Rank 1 dies at step 3 while rank 0's communication thread waits for it inside an
-    allreduce: rank 0's step() raises PeerLostError naming rank 1, in bounded time."""
+    allreduce: rank 0's step() raises PeerLostError naming rank 1 (bounded by the 5 s
+    comm timeout; a hang would meet the test's timeout)."""
     fault = FaultPlan(rank=1, step=3, marker=str(tmp_path / "fault"))
     spec = _spec(strategy="ring", num_workers=2, overlap=True, comm_timeout=5.0)
     spec = dataclasses.replace(spec, fault=fault)
-    started = time.monotonic()
     results = _run_all(spec, random_parts([40, 40]))
     assert isinstance(results[0], PeerLostError), results
     assert results[0].rank == 1
-    assert time.monotonic() - started < 30
 
 
 # ------------------------------------------------------------ per-layer compression
@@ -291,15 +288,12 @@ def test_ordered_worker_keeps_order_and_reraises_the_same_error():
     w.close()
 
 
-@pytest.mark.timing
 def test_ordered_worker_wait_is_bounded():
     release = threading.Event()
-    w = OrderedWorker("t", lambda i: release.wait(10.0))
+    w = OrderedWorker("t", lambda i: release.wait())  # never done until released
     w.submit(0)
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match="no progress"):
-        w.wait(0.3)
-    assert time.monotonic() - started < 5.0  # the wait's bound, not the task's 10 s
+    with pytest.raises(TimeoutError, match="1 exchanges made no progress"):
+        w.wait(0.3)  # only its own bound can end this wait
     release.set()
     w.close()
 

@@ -4,7 +4,8 @@ auto resolution every rank must agree on."""
 from __future__ import annotations
 
 import dataclasses
-import time
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from sparktrain.builders import build_loss
 from sparktrain.config import TrainConfig
 from sparktrain.errors import ConfigError
+from sparktrain.task import probe
 from sparktrain.task.context import JobSpec, WorkerContext
 from sparktrain.task.probe import (
     measure_compressors,
@@ -20,6 +22,7 @@ from sparktrain.task.probe import (
     resolve_auto,
     time_compute,
 )
+from sparktrain.wire.tree import tree_raw_bytes_sent
 
 from .fixtures import SECRET, raise_first, run_mesh_ranks
 
@@ -28,22 +31,47 @@ def _same_but_timing(estimates):  # type: ignore[no-untyped-def]
     return {dataclasses.replace(e, probe_s=0.0) for e in estimates}
 
 
-@pytest.mark.timing
+class _Ticks:
+    """A stand-in for the probe's clock: each thread's readings go 1, 2, 3... ``tick``."""
+
+    def __init__(self, tick: float) -> None:
+        self.tick = tick
+        self._count = threading.local()
+
+    def perf_counter(self) -> float:
+        self._count.n = getattr(self._count, "n", 0) + 1
+        return self._count.n * self.tick
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_probe_gives_sane_figures_that_every_rank_agrees_on(world):
-    started = time.perf_counter()
-    results = run_mesh_ranks(
-        world, lambda rank, mesh: probe_links(mesh, compute_s=0.001 * (rank + 1)), timeout=10.0
-    )
+def test_probe_derives_its_figures_as_documented_and_every_rank_agrees(world, monkeypatch):
+    """On a clock that ticks once per reading in each rank's thread, every lap and every
+    transfer lasts one tick, so the figures are exact: alpha the median lap per hop, beta
+    the fastest transfer less alpha (at least half of it) per byte, the slowest rank's
+    compute time; the same on every rank. And the probe is bounded: each rank sends its
+    laps' tokens, its transfers and one tiny tree allreduce, nothing more."""
+    tick = 2.0**-10
+    monkeypatch.setattr(probe, "time", SimpleNamespace(perf_counter=_Ticks(tick).perf_counter))
+
+    def body(rank, mesh):
+        return probe_links(mesh, compute_s=0.001 * (rank + 1)), mesh.stats.raw_bytes_sent
+
+    results = run_mesh_ranks(world, body, timeout=10.0)
     raise_first(results)
-    assert len(_same_but_timing(results)) == 1
-    est = results[0]
+    estimates = [est for est, _ in results]
+    assert len(_same_but_timing(estimates)) == 1
+    est = estimates[0]
     assert est.world == world
-    assert 0 < est.alpha_s < 0.2  # loopback: tens of microseconds, a loaded CI box less
-    assert 0 < est.beta_s_per_byte < 1e-6  # faster than 1 MB/s on loopback
+    assert est.alpha_s == pytest.approx(tick / world)
+    transfer = max(tick - tick / world, tick / 2)
+    assert est.beta_s_per_byte == pytest.approx(transfer / probe.DEFAULT_TRANSFER_BYTES)
     assert est.compute_s == pytest.approx(0.001 * world)  # the slowest rank's
-    assert 0 < est.probe_s < 5.0
-    assert time.perf_counter() - started < 10.0
+    assert est.probe_s > 0
+    figures = 3  # alpha, transfer, compute: no compressors
+    for rank, (_, sent) in enumerate(results):
+        laps = probe.DEFAULT_PINGS + 1  # one token per lap, the warm-up's included
+        transfers = probe.DEFAULT_TRANSFERS * (1 + probe.DEFAULT_TRANSFER_BYTES)
+        assert sent == laps + transfers + tree_raw_bytes_sent(figures, world, rank, 8)
 
 
 def test_probe_of_one_worker_sends_nothing():

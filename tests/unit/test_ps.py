@@ -30,7 +30,9 @@ from .fixtures import (
 )
 
 
-def _client(server: ParameterServer, rank: int = 0, attempt: int = 0, shard: int = 0):
+def _client(
+    server: ParameterServer, rank: int = 0, attempt: int = 0, shard: int = 0, timeout: float = 5.0
+):
     """A client of one shard (connected to all: a dropped connection means a lost rank)."""
     n = server.ranges[-1][1]
     clients = connect_shards(
@@ -39,7 +41,7 @@ def _client(server: ParameterServer, rank: int = 0, attempt: int = 0, shard: int
         secret=SECRET,
         job_id="job",
         attempt=attempt,
-        timeout=5.0,
+        timeout=timeout,
         stats=CommStats(),
         num_elements=n,
         dtype=np.dtype(np.float32),
@@ -234,10 +236,10 @@ def test_pulling_an_unchanged_shard_costs_a_header_only():
         server.stop()
 
 
-@pytest.mark.timing
 @pytest.mark.timeout(20)
 def test_stop_is_prompt_and_leaves_nothing_listening():
-    server = ps_server(ps_cfg(ps_mode="sync", ps_shards=3), world=2)
+    # the server's timeout outlasts the test: a stop that waited for it would time out
+    server = ps_server(ps_cfg(ps_mode="sync", ps_shards=3, comm_timeout=600.0), world=2)
     client, flat = _client(server)
     client.pull(-1, flat[client.lo : client.hi])
     client.push(0, 1, np.ones(client.hi - client.lo, np.float32))
@@ -251,13 +253,11 @@ def test_stop_is_prompt_and_leaves_nothing_listening():
 
     t = threading.Thread(target=pull)
     t.start()
-    time.sleep(0.2)
-    started = time.monotonic()
+    time.sleep(0.2)  # the pull is very likely waiting at the server by now
     server.stop()
     server.stop()  # idempotent
-    assert time.monotonic() - started < 5.0
-    t.join(5)
-    assert not t.is_alive() and isinstance(waiting[0], CommError)
+    t.join()  # the client dials again until its own 5 s timeout: nothing listens
+    assert len(waiting) == 1 and isinstance(waiting[0], CommError), waiting
     for address in server.addresses:
         host, port = address.rsplit(":", 1)
         with socket.socket() as s, pytest.raises(ConnectionRefusedError):
@@ -266,21 +266,20 @@ def test_stop_is_prompt_and_leaves_nothing_listening():
     assert not alive
 
 
-@pytest.mark.timing
 @pytest.mark.timeout(20)
 def test_a_worker_that_disconnects_fails_the_others_naming_it():
     server = ps_server(ps_cfg(ps_mode="sync", ps_shards=2, comm_timeout=30.0), world=2)
     try:
-        c0, flat = _client(server, rank=0)
+        c0, flat = _client(server, rank=0, timeout=600.0)
         c1, _ = _client(server, rank=1)
         c0.pull(-1, flat[c0.lo : c0.hi])
         c0.push(0, 1, np.ones(c0.hi - c0.lo, np.float32))
         c1.close()  # rank 1 dies without a goodbye
-        started = time.monotonic()
+        # named by the server once rank 1's reconnect grace is over: the server's timeout
+        # and rank 0's own both outlast the test, so nothing else can end the pull
         with pytest.raises(PeerLostError, match="lost contact with rank 1") as info:
             c0.pull(0, flat[c0.lo : c0.hi])
         assert info.value.rank == 1
-        assert time.monotonic() - started < 10.0  # not the 30 s timeout
         assert server.stats()["failure"]["rank"] == 1
     finally:
         server.stop()

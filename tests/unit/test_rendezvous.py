@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from sparktrain.driver.services.rendezvous import RendezvousServer, all_gather
-from sparktrain.errors import CommError, HandshakeError
+from sparktrain.errors import CommError, HandshakeError, PeerLostError
+from sparktrain.wire.connection import Connection
 from sparktrain.wire.frames import KIND_CONTROL
 from sparktrain.wire.handshake import DRIVER_RANK, connect
 from sparktrain.wire.stats import CommStats
@@ -20,6 +21,7 @@ from .fixtures import run_ranks
 
 HOST = "127.0.0.1"
 SECRET = secrets.token_bytes(32)
+LONG = 900.0  # a comm timeout that outlasts the test's own (600 s)
 
 
 @pytest.fixture
@@ -44,15 +46,13 @@ def gather(srv: RendezvousServer, rank: int, message: str, **kw: object) -> list
     return all_gather(srv.address, **args)  # type: ignore[arg-type]
 
 
-@pytest.mark.timing
-def test_every_rank_gets_every_message_in_rank_order_at_once(server: RendezvousServer) -> None:
-    started = time.perf_counter()
-    out = run_ranks(3, lambda rank, _: gather(server, rank, f"m{rank}"), timeout=20)
-    elapsed = time.perf_counter() - started
+def test_every_rank_gets_every_message_in_rank_order(server: RendezvousServer) -> None:
+    # the answer comes with the last rank's message, not at a timeout (the ranks' outlasts
+    # the test's); how much sooner than Spark's once-a-second allGather poll is a
+    # benchmark's question (time to the first step: python -m benchmarks train)
+    out = run_ranks(3, lambda rank, _: gather(server, rank, f"m{rank}", timeout=LONG))
     assert out == [["m0", "m1", "m2"]] * 3
     assert server.rounds_completed == 1
-    # Spark's allGather takes >= 1 s on its poll: this bound is the claim, it cannot be looser
-    assert elapsed < 0.9
 
 
 def test_a_task_without_the_job_secret_is_refused(server: RendezvousServer) -> None:
@@ -73,12 +73,11 @@ def test_a_rank_outside_the_world_is_told_so(server: RendezvousServer) -> None:
         gather(server, 5, "m5")
 
 
-@pytest.mark.timing
-def test_missing_peers_end_in_a_comm_error_within_the_timeout(server: RendezvousServer) -> None:
-    started = time.perf_counter()
-    with pytest.raises(CommError, match="did not all reach the rendezvous"):
+def test_missing_peers_end_in_a_comm_error_at_the_timeout(server: RendezvousServer) -> None:
+    with pytest.raises(CommError, match=r"did not all reach the rendezvous within 0\.5 s") as err:
         gather(server, 0, "m0", timeout=0.5)
-    assert time.perf_counter() - started < 5
+    cause = err.value.__cause__
+    assert isinstance(cause, PeerLostError) and "no progress for 0.5 s" in str(cause)
 
 
 def test_a_dead_task_never_joins_a_round(server: RendezvousServer) -> None:
@@ -107,18 +106,25 @@ def test_a_dead_task_never_joins_a_round(server: RendezvousServer) -> None:
     assert out == [["new0", "new1", "new2"]] * 3
 
 
-@pytest.mark.timing
 def test_stop_releases_a_waiting_task_promptly() -> None:
     srv = RendezvousServer(HOST, secret=SECRET, job_id="job", attempt=0, world_size=2)
-    started = time.perf_counter()
+    waiting = threading.Event()
+    handle = srv.handle
+
+    def handle_then_tell(conn: Connection) -> None:
+        handle(conn)  # rank 0's message is in: it waits for rank 1
+        waiting.set()
+
+    srv.handle = handle_then_tell  # type: ignore[method-assign]
+    stopper = threading.Thread(target=lambda: (waiting.wait(), srv.stop()), daemon=True)
+    stopper.start()
     try:
-        timer = threading.Timer(0.3, srv.stop)
-        timer.start()
-        with pytest.raises(CommError):
-            gather(srv, 0, "m0", timeout=30)
+        # at the stop, not the timeout (which outlasts the test)
+        with pytest.raises(CommError, match="did not all reach the rendezvous") as err:
+            gather(srv, 0, "m0", timeout=LONG)
     finally:
         srv.stop()
-    assert time.perf_counter() - started < 10  # at the stop, not the 30 s timeout
+    assert "the peer closed the connection" in str(err.value.__cause__)
 
 
 def test_refuses_to_listen_on_every_interface() -> None:

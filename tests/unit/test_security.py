@@ -7,7 +7,6 @@ import functools
 import os
 import pickle
 import socket
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,21 +33,20 @@ pytestmark = pytest.mark.timeout(120)
 # ------------------------------------------------------------------ fuzzing the decoder
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(junk=st.binary(min_size=0, max_size=300), via=st.sampled_from(["bytes", "array"]))
-@pytest.mark.timing
 def test_arbitrary_bytes_after_the_handshake_raise_only_our_errors(junk, via):
-    client, server = fixtures.pair(10.0)
+    # the connection's timeout outlasts the test's: the decoder must stop at the end of
+    # the stream, never wait for the timeout
+    client, server = fixtures.pair(600.0)
     try:
         client._sock.sendall(junk)
         client._sock.shutdown(socket.SHUT_WR)  # then end of stream: the decoder must stop
-        started = time.monotonic()
         try:
             if via == "bytes":
                 server.recv_bytes(max_bytes=1 << 16)
             else:
                 server.recv_into(np.empty(16, dtype=np.float32))
-        except CommError:
-            pass  # FrameError, PeerLostError: ours
-        assert time.monotonic() - started < 5.0  # at the end of the stream, not the timeout
+        except CommError as exc:  # FrameError, PeerLostError: ours
+            assert "no progress" not in str(exc)
     finally:
         client.close()
         server.close()

@@ -7,14 +7,17 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from sparktrain.config import TrainConfig
+from sparktrain.data import prefetch
 from sparktrain.data.features import Features
 from sparktrain.data.partition_data import FEATURES, LABEL, WEIGHT, SpillPlan, from_arrow
 from sparktrain.data.prefetch import Prefetcher
@@ -194,12 +197,48 @@ def test_prefetch_raises_a_failed_batch_where_it_would_have_been_returned():
         p.close()
 
 
-def test_prefetch_counts_the_time_waited():
-    p = Prefetcher(lambda i: time.sleep(0.05) or i, range(3), depth=1)
-    for _ in range(3):
-        p.next()
+class _PrefetchClock:
+    """The prefetcher's clock (:mod:`time` in data/prefetch.py): it moves only when a
+    batch is made (``make_s`` each); ``reading`` is set once ``next`` first reads it."""
+
+    def __init__(self, make_s: float) -> None:
+        self.now = 100.0
+        self.make_s = make_s
+        self.reading = threading.Event()
+
+    def perf_counter(self) -> float:
+        now = self.now  # read before telling: a batch made after does not move it
+        self.reading.set()
+        return now
+
+    def make(self, i: int) -> int:
+        self.now += self.make_s
+        return i
+
+
+def test_prefetch_counts_the_time_spent_making_batches_in_the_caller(monkeypatch):
+    clock = _PrefetchClock(make_s=0.05)
+    monkeypatch.setattr(prefetch, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    p = Prefetcher(clock.make, range(3), depth=0)  # depth 0: next() makes each batch
+    assert [p.next() for _ in range(3)] == [0, 1, 2]
     p.close()
-    assert 0.05 <= p.wait_s < 5
+    assert p.wait_s == pytest.approx(3 * 0.05)
+
+
+def test_prefetch_counts_the_time_waited_for_a_batch_not_ready(monkeypatch):
+    clock = _PrefetchClock(make_s=0.05)
+    monkeypatch.setattr(prefetch, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+
+    def make(i: int) -> int:
+        if i == 0:  # the first batch is made while next() waits for it
+            clock.reading.wait()
+            return clock.make(i)
+        return i  # the others take no time
+
+    p = Prefetcher(make, range(3), depth=1)
+    assert [p.next() for _ in range(3)] == [0, 1, 2]
+    p.close()
+    assert p.wait_s == pytest.approx(0.05)  # the wait for the first, and nothing else
 
 
 @pytest.mark.timeout(120)

@@ -41,6 +41,26 @@ from . import fixtures
 
 pytestmark = pytest.mark.timeout(30)
 
+LONG = 600.0
+"""A comm timeout that outlasts the test's own: an error that comes at all did not wait
+for it."""
+
+
+class _Clock:
+    """A stand-in for :mod:`time` in wire/handshake.py: its clock moves only by the
+    sleeps asked of it (recorded in ``sleeps``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
 
 def _ok_pair(timeout: float = 2.0, **kw: Any) -> tuple[Connection, Connection]:
     client, server = fixtures.pair(timeout, **kw)
@@ -145,14 +165,13 @@ def test_driver_rank_handshake() -> None:
     ],
     ids=["secret", "job_id", "attempt"],
 )
-@pytest.mark.timing
 def test_wrong_credentials_rejected_on_both_sides(client_kw: dict[str, Any]) -> None:
-    started = time.monotonic()
-    client, server = fixtures.pair(10.0, client_kw=client_kw)
+    # promptly, not at the timeout: waiting for it would outlast the test's own timeout
+    client, server = fixtures.pair(LONG, client_kw=client_kw)
     assert isinstance(client, HandshakeError), client
     assert isinstance(server, HandshakeError), server
-    assert "rejected" in str(client)
-    assert time.monotonic() - started < 5.0  # promptly, not at the timeout
+    assert "rejected this rank" in str(client)
+    assert "rejected a client claiming rank 0" in str(server)
 
 
 def test_unexpected_rank_rejected() -> None:
@@ -173,7 +192,6 @@ def _raw_client(listener: socket.socket, payload: bytes | None, timeout: float) 
     try:
         if payload:
             raw.sendall(payload)
-        started = time.monotonic()
         with pytest.raises(HandshakeError) as info:
             accept(
                 listener,
@@ -184,41 +202,37 @@ def _raw_client(listener: socket.socket, payload: bytes | None, timeout: float) 
                 timeout=timeout,
                 stats=CommStats(),
             )
-        return info.value, time.monotonic() - started
+        return info.value
     finally:
         raw.close()
 
 
-@pytest.mark.timing
 def test_garbage_client_rejected_promptly() -> None:
     listener = open_listener("127.0.0.1")
     try:
-        exc, elapsed = _raw_client(listener, os.urandom(4096), timeout=10.0)
+        # promptly, not at the timeout: waiting for it would outlast the test's own timeout
+        exc = _raw_client(listener, os.urandom(4096), timeout=LONG)
         assert "not a sparktrain hello" in str(exc)
-        assert elapsed < 5.0  # promptly, not at the timeout
         # A plausible hello followed by a wrong proof.
         hello = handshake._HELLO.pack(b"STH1", PROTOCOL_VERSION, 0, 0, os.urandom(32))
-        exc, elapsed = _raw_client(listener, hello + os.urandom(32), timeout=10.0)
-        assert "rejected" in str(exc)
-        assert elapsed < 5.0
+        exc = _raw_client(listener, hello + os.urandom(32), timeout=LONG)
+        assert "rejected a client claiming rank 0" in str(exc)
     finally:
         listener.close()
 
 
-@pytest.mark.timing
 @pytest.mark.parametrize("payload", [None, b"STH1\x01"], ids=["silent", "partial-hello"])
 def test_silent_client_times_out(payload: bytes | None) -> None:
     listener = open_listener("127.0.0.1")
     try:
-        exc, elapsed = _raw_client(listener, payload, timeout=0.5)
-        assert "did not complete the handshake" in str(exc)
-        assert 0.4 < elapsed < 5.0
+        exc = _raw_client(listener, payload, timeout=0.5)
+        assert "did not complete the handshake: TimeoutError" in str(exc)
+        assert isinstance(exc.__cause__, TimeoutError)
     finally:
         listener.close()
 
 
-@pytest.mark.timing
-def test_silent_server_and_no_server() -> None:
+def test_silent_server_and_no_server(monkeypatch: pytest.MonkeyPatch) -> None:
     # A listener nobody accepts on: TCP connects, the handshake gets no answer.
     listener = open_listener("127.0.0.1")
     kw: dict[str, Any] = dict(
@@ -230,32 +244,30 @@ def test_silent_server_and_no_server() -> None:
         stats=CommStats(),
     )
     try:
-        started = time.monotonic()
-        with pytest.raises(PeerLostError) as info:
+        with pytest.raises(PeerLostError, match="failed: TimeoutError") as info:
             connect(address_of(listener), timeout=0.5, **kw)
         assert info.value.rank == 4
-        assert time.monotonic() - started < 5.0
         address = address_of(listener)
     finally:
         listener.close()
-    # Nothing listening any more: connection refused is retried until the deadline.
-    started = time.monotonic()
-    with pytest.raises(PeerLostError, match="could not connect"):
+    # Nothing listening any more: connection refused is retried until the deadline, on a
+    # clock that only the dial's pauses move.
+    clock = _Clock()
+    monkeypatch.setattr(handshake, "time", clock)
+    with pytest.raises(PeerLostError, match="could not connect.*ConnectionRefusedError"):
         connect(address, timeout=0.5, **kw)
-    assert 0.4 < time.monotonic() - started < 5.0
+    assert len(clock.sleeps) > 3 and clock.sleeps[:3] == [0.005, 0.01, 0.02]  # backing off
+    assert sum(clock.sleeps) == pytest.approx(0.5)  # to the deadline, not one refusal
 
 
-@pytest.mark.timing
 def test_accept_with_nobody_connecting() -> None:
     listener = open_listener("127.0.0.1", timeout=0.2)
     kw: dict[str, Any] = dict(
         secret=fixtures.SECRET, job_id=fixtures.JOB, attempt=0, my_rank=1, stats=CommStats()
     )
     try:
-        started = time.monotonic()
-        with pytest.raises(AcceptTimeout):
-            accept(listener, timeout=30.0, **kw)  # the listener's shorter timeout wins
-        assert time.monotonic() - started < 10.0
+        with pytest.raises(AcceptTimeout, match="no peer connected within 0.2 s"):
+            accept(listener, timeout=LONG, **kw)  # the listener's shorter timeout wins
         assert listener.gettimeout() == 0.2
         with pytest.raises(PeerLostError) as info:
             accept(listener, timeout=0.1, expect_rank=3, **kw)
@@ -365,13 +377,13 @@ def test_send_side_checks() -> None:
         server.close()
 
 
-def _attack(frames: bytes, receive: Any) -> tuple[BaseException, float, int]:
-    """Send raw ``frames`` after a valid handshake; return the receiver's error (and how
-    long it took: well under the connection's 10 s timeout, it was not a timeout)."""
-    client, server = _ok_pair(timeout=10.0)
+def _attack(frames: bytes, receive: Any) -> tuple[BaseException, int]:
+    """Send raw ``frames`` after a valid handshake; return the receiver's error and its
+    peak allocation. The connection's timeout outlasts the test's: the error is the
+    frames', never a timeout's."""
+    client, server = _ok_pair(timeout=LONG)
     try:
         client._sock.sendall(frames)
-        started = time.monotonic()
         tracemalloc.start()
         try:
             with pytest.raises(CommError) as info:
@@ -379,13 +391,12 @@ def _attack(frames: bytes, receive: Any) -> tuple[BaseException, float, int]:
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        return info.value, time.monotonic() - started, peak
+        return info.value, peak
     finally:
         client.close()
         server.close()
 
 
-@pytest.mark.timing
 @pytest.mark.parametrize("via", ["recv_bytes", "recv_into"])
 def test_huge_length_prefix_rejected_without_allocating(via: str) -> None:
     header = _raw_header(code=1, shape=(1 << 40,), length=1 << 40)
@@ -396,13 +407,11 @@ def test_huge_length_prefix_rejected_without_allocating(via: str) -> None:
         else:
             conn.recv_into(np.empty(16, dtype=np.uint8))
 
-    exc, elapsed, peak = _attack(header, receive)
+    exc, peak = _attack(header, receive)
     assert isinstance(exc, FrameError) and "cap" in str(exc)
-    assert elapsed < 5.0
     assert peak < 1 << 20
 
 
-@pytest.mark.timing
 def test_bad_magic_and_malformed_headers() -> None:
     cases = [
         (_raw_header(magic=b"HTTP"), "magic"),
@@ -411,12 +420,10 @@ def test_bad_magic_and_malformed_headers() -> None:
         (b"GET / HTTP/1.1\r\n" + b"x" * HEADER_BYTES, "magic"),
     ]
     for frames, match in cases:
-        exc, elapsed, _ = _attack(frames, lambda c: c.recv_into(np.empty(4, np.float32)))
+        exc, _ = _attack(frames, lambda c: c.recv_into(np.empty(4, np.float32)))
         assert isinstance(exc, FrameError) and match in str(exc), exc
-        assert elapsed < 5.0
 
 
-@pytest.mark.timing
 def test_replayed_frame_rejected() -> None:
     frame = _raw_header(seq=0) + np.arange(4, dtype=np.float32).tobytes()
     got: list[np.ndarray] = []
@@ -427,43 +434,35 @@ def test_replayed_frame_rejected() -> None:
             conn.recv_into(out)
             got.append(out)
 
-    exc, elapsed, _ = _attack(frame + frame, receive)
+    exc, _ = _attack(frame + frame, receive)
     assert len(got) == 1 and got[0].tolist() == [0, 1, 2, 3]
     assert isinstance(exc, FrameError) and "sequence number 0, expected 1" in str(exc)
-    assert elapsed < 5.0
 
 
-@pytest.mark.timing
 def test_truncated_frame_then_silence_times_out() -> None:
     client, server = _ok_pair(timeout=0.5)
     try:
         client._sock.sendall(_raw_header()[:40])
-        started = time.monotonic()
-        with pytest.raises(PeerLostError, match="no progress") as info:
+        with pytest.raises(PeerLostError, match="no progress for 0.5 s") as info:
             server.recv_into(np.empty(4, np.float32))
         assert info.value.rank == 0
-        assert time.monotonic() - started < 5.0
     finally:
         client.close()
         server.close()
 
 
-@pytest.mark.timing
 def test_peer_closing_is_peer_lost() -> None:
-    client, server = _ok_pair(timeout=10.0)
+    client, server = _ok_pair(timeout=LONG)  # at once, not at the timeout
     client.close()
-    started = time.monotonic()
-    with pytest.raises(PeerLostError, match="closed the connection") as info:
+    with pytest.raises(PeerLostError, match="the peer closed the connection") as info:
         server.recv_bytes()
     assert info.value.rank == 0
-    assert time.monotonic() - started < 5.0  # at once, not at the timeout
     with pytest.raises(PeerLostError):
         server.send_array(np.zeros(3))
 
 
-@pytest.mark.timing
 def test_close_wakes_a_blocked_receiver() -> None:
-    client, server = _ok_pair(timeout=30.0)
+    client, server = _ok_pair(timeout=LONG)  # only close() can end the wait in time
     errors: list[BaseException] = []
 
     def wait() -> None:
@@ -474,12 +473,13 @@ def test_close_wakes_a_blocked_receiver() -> None:
 
     t = threading.Thread(target=wait)
     t.start()
-    time.sleep(0.1)
-    started = time.monotonic()
+    while not server._recv_lock.locked():  # the receiver is in recv_bytes
+        time.sleep(0.01)
+    time.sleep(0.1)  # and, very likely, blocked on the socket
     server.close()
-    t.join(10)
-    assert not t.is_alive() and time.monotonic() - started < 10.0
-    assert isinstance(errors[0], PeerLostError)
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], PeerLostError), errors
+    assert "closed on this side" in str(errors[0])
     client.close()
 
 
