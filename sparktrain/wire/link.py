@@ -10,8 +10,8 @@ the one ``tc netem`` + a rate limit would apply to a TCP stream:
   ``start = max(now, link free)`` to ``finish = start + n / bandwidth``. The sender's
   ``send`` returns at ``finish - burst / bandwidth`` (``burst`` = 64 KiB by default), as
   a socket whose buffer is small returns once the bytes are on the wire. TCP/IP headers
-  are not counted: a kernel-shaped link of the same rate (``tc tbf``) is ~4 % slower at
-  MTU 1500 (measured 0.836 s vs 0.808 s for 4 MB at 40 Mbit/s, tests/unit/test_link.py).
+  are not counted, so a kernel-shaped link of the same rate (``tc tbf``) is a few per cent
+  slower at MTU 1500 (``python -m benchmarks multihost --parts compare`` measures both).
 * **Latency** -- the frame is *delivered* at ``due = finish + one-way delay``, one-way
   delay = ``rtt / 2`` plus jitter drawn uniformly from ``[-jitter, +jitter]`` (netem's
   default distribution), never below 0. Frames stay in order (TCP re-sequences what
