@@ -15,7 +15,7 @@ import pytest
 
 from .fixtures import StandaloneCluster, descendants, spark_home
 
-pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.spark, pytest.mark.cluster, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
