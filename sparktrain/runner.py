@@ -92,9 +92,10 @@ def run(
     tasks and read with
     ``ctx.batches(epoch)``; ``columns``, ``label_col``, ``validation_data`` and
     ``weight_col`` mean what they mean for :meth:`sparktrain.Trainer.fit`. ``config``
-    supplies the strategy (``ring``, ``tree`` or ``ps``), compression, batch size, epochs, seed,
-    schedule, precision, accumulation, clipping, early stopping, checkpoints and
-    restarts; ``num_workers`` overrides its ``num_workers``. ``callbacks`` get every
+    supplies the strategy (``ring``, ``tree``, ``ps`` or a plug-in with ``supports_run``),
+    compression, batch size, epochs, seed, schedule, precision, accumulation, clipping,
+    early stopping, checkpoints and restarts; ``num_workers`` overrides its
+    ``num_workers``. ``callbacks`` get every
     report on the driver (``on_epoch_end(record, history)`` or a plain function).
     A failed task resubmits the stage (``max_restarts``); ``ctx.restore()`` then gives
     the newest checkpoint's state. ``fault_plan`` is for tests (failure injection).

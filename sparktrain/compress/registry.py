@@ -7,15 +7,18 @@ A compressor of your own is one factory and a :func:`register` call::
 
     register("mine", lambda stage: Mine(ratio=float_option(stage, "ratio", 0.1, 0.0, 1.0)))
 
-after which ``compression="mine:0.05+ef"`` builds it (on every process that builds
-compressors: the driver and the executors). The grammar is in
+after which ``compression="mine:0.05+ef"`` builds it. Registered on the driver, it
+reaches the executors with the job: :func:`plugins` (what the driver holds beyond the
+built-ins) rides in the job's spec, pickled as Spark pickles a task (a factory of an
+importable module by reference, one of a script or notebook by value), and the task
+hands it to :func:`install` before it builds any compressor. The grammar is in
 :mod:`sparktrain.compress.spec`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +54,28 @@ def registered() -> list[str]:
 
 for _module in (cast, int8, topk, sign, powersgd):
     _module.register_all(register)
+_BUILTIN: dict[str, Factory] = dict(_REGISTRY)
+"""The built-in compressors' factories, as their modules registered them."""
+
+
+def plugins() -> dict[str, Factory]:
+    """The compressors registered beyond the built-ins, by name: a name of its own, or a
+    built-in name registered again (its new factory). A job carries them to its tasks
+    (:func:`install`), so the executors build what the driver builds."""
+    return {name: f for name, f in _REGISTRY.items() if _BUILTIN.get(name) is not f}
+
+
+def install(factories: Mapping[str, Factory]) -> None:
+    """In a task, before any compressor is built: register a job's :func:`plugins`. A
+    built-in name the job does not register again gets its built-in factory back (a
+    reused Python worker may still hold an earlier job's); names of earlier jobs' own
+    stay, unused: the driver checks every spec against its registry."""
+    for name, factory in _BUILTIN.items():
+        if _REGISTRY.get(name) is not factory and name not in factories:
+            _REGISTRY[name] = factory
+    for name, factory in factories.items():
+        if _REGISTRY.get(name) is not factory:
+            _REGISTRY[name] = factory
 
 
 def parse_spec(spec: str) -> list[Stage]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparktrain.checkpoint import CheckpointStore, check_shared, open_for_run
+from sparktrain.compress import registry as compress_registry
 from sparktrain.config import TrainConfig, parse_port_range
 from sparktrain.driver import gpu, occupancy
 from sparktrain.driver.barrier import TaskEntry, launch
@@ -96,6 +97,7 @@ class FitJob:
             fault=self.fault,
             security=WireSecurity.for_job(cfg.encryption, cfg.frame_integrity),
             strategy=strategy,
+            compressors=compress_registry.plugins(),
         )
 
 

@@ -53,6 +53,7 @@ from torch import nn
 from sparktrain import errors
 from sparktrain.builders import build_loss, build_optimizer, label_dtype, resolve_model_fn
 from sparktrain.checkpoint import CheckpointStore
+from sparktrain.compress import registry as compress_registry
 from sparktrain.config import single_spec
 from sparktrain.data.partition_data import (
     PartitionData,
@@ -140,6 +141,7 @@ class _Counters:
 def train_stage(ctx: WorkerContext, data: PartitionData, spec: PipelineSpec) -> list[Record]:
     """Run the whole training loop of one stage task and return its output records."""
     job = spec.job
+    compress_registry.install(job.compressors)  # the driver's plug-ins, before any is built
     torch.set_num_threads(max(1, job.threads))
     if ctx.world_size != spec.stages * spec.replicas:
         raise errors.ConfigError(

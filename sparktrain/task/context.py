@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 class JobSpec:
     """The picklable view of a job that travels from the driver to every task.
 
-    Holds no SparkSession, socket or lock: only plain values and the model factory.
+    Holds no SparkSession, socket or lock: only plain values and factories (the model's,
+    the plug-in compressors').
     """
 
     job_id: str
@@ -62,6 +63,10 @@ class JobSpec:
     train_fn: Any = None
     # sparktrain.run under ps: where rank 0 describes the model to start the server
     ps_bootstrap: str | None = None
+    # the compressors the driver registered beyond the built-ins, {name: factory}
+    # (compress.registry.plugins()), pickled as the strategy is; the task installs them
+    # (compress.registry.install) before it builds any compressor
+    compressors: dict[str, Any] = field(default_factory=dict)
 
     @property
     def data_layout(self) -> Layout:

@@ -22,6 +22,7 @@ import torch
 from sparktrain import errors
 from sparktrain.builders import import_callable
 from sparktrain.checkpoint import CheckpointStore
+from sparktrain.compress import registry as compress_registry
 from sparktrain.data.partition_data import PartitionData, steps_for
 from sparktrain.result import Record
 from sparktrain.task.context import WorkerContext
@@ -40,6 +41,8 @@ def run_partition(ctx: WorkerContext, data: PartitionData) -> list[Record]:
     """Run the job's ``train_fn`` (the built-in loop without one) on this rank; rank 0's
     return value goes to the driver, every rank's figures too."""
     spec, cfg = ctx.job, ctx.job.config
+    # the driver's plug-in compressors, before anything here builds one
+    compress_registry.install(spec.compressors)
     torch.set_num_threads(max(1, spec.threads))
     reset_peak_rss()  # the summary's peak is this task's, not a reused worker's past
     started = time.perf_counter()

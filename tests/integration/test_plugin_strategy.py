@@ -1,5 +1,7 @@
 """A strategy plug-in written outside the package trains digits: one module, one
-``register()``, shipped to the executors with ``addPyFile``; nothing else changes."""
+``register()``, shipped to the executors with ``addPyFile``; nothing else changes. It
+trains under ``Trainer.fit`` and, as it declares ``supports_run``, under
+``sparktrain.run`` with a ``train_fn`` of its own loop (``ctx.distributed``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import textwrap
 
 import pytest
 
-from sparktrain import Trainer, strategies
+import sparktrain
+from sparktrain import TrainConfig, Trainer, strategies
 from sparktrain.errors import ConfigError
 
 from .fixtures import DIGITS_MODEL, accuracy, digits, digits_frames, fast_config
@@ -73,6 +76,7 @@ TOY_MODULE = textwrap.dedent(
 
     class AllgatherMean(Strategy):
         name = "allgather_mean"
+        supports_run = True  # sparktrain.run's ctx.distributed may step through it
 
         def worker_sync(self, ctx, model, mesh):
             return AllgatherMeanSync(ctx, model, mesh)
@@ -119,3 +123,21 @@ def test_a_registered_plugin_trains_digits_like_the_ring(spark, toy_strategy):
     assert accuracy(toy.model, split.x_test, split.y_test) == pytest.approx(
         accuracy(ring.model, split.x_test, split.y_test), abs=0.01
     )
+
+
+def test_a_registered_plugin_trains_a_train_fn_under_run_like_the_ring(spark, toy_strategy):
+    train, test = digits_frames(spark)
+    cfg = fast_config(epochs=5, lr=0.003, strategy="allgather_mean")  # the recipe's Adam
+
+    def run(config: TrainConfig):  # type: ignore[no-untyped-def]
+        # the recipe's loop: Adam through ctx.distributed, a report per epoch
+        return sparktrain.run(
+            "sparktrain.recipes:digits_train_fn", train, validation_data=test, config=config
+        )
+
+    toy, ring = run(cfg), run(cfg.replace(strategy="ring"))
+    assert toy.summary["strategy"] == "allgather_mean"
+    assert toy.history[-1]["accuracy"] >= 0.9
+    for mine, theirs in zip(toy.history, ring.history, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-3)
+        assert mine["accuracy"] == pytest.approx(theirs["accuracy"], abs=0.01)

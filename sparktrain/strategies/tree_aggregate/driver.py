@@ -89,6 +89,7 @@ from torch import nn
 
 from sparktrain.builders import build_optimizer
 from sparktrain.checkpoint import Checkpoint, open_for_run
+from sparktrain.compress import registry as compress_registry
 from sparktrain.config import TrainConfig
 from sparktrain.data.partition_data import steps_for
 from sparktrain.driver.pickling import shippable
@@ -189,6 +190,7 @@ def run_rounds(
             task_hook=task_hook,
             size_slots=partitions,
             partitions=partitions,
+            compressors=compress_registry.plugins(),
         )
         comp = download_compressor(cfg.compression)
         if comp is not None or served:

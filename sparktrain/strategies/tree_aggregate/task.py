@@ -51,6 +51,7 @@ from sparktrain.builders import (
 )
 from sparktrain.compress.base import BucketState
 from sparktrain.compress.feedback import SCALE, WORLD
+from sparktrain.compress.registry import install as install_compressors
 from sparktrain.config import TrainConfig
 from sparktrain.data.partition_data import PartitionData, epoch_batches
 from sparktrain.result import state_from_bytes
@@ -117,6 +118,9 @@ class RoundSpec:
     partitions: int = 1
     model_fn: Any = field(kw_only=True)  # zero-argument callable or "package.module:function"
     model_kwargs: dict[str, Any] = field(default_factory=dict, kw_only=True)
+    # the compressors the driver registered beyond the built-ins, {name: factory}
+    # (compress.registry.plugins()); installed in the task before its codecs are built
+    compressors: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
     @property
     def codec(self) -> PayloadCodec:
@@ -135,6 +139,7 @@ class _WorkerState:
     per partition (cheap to rebuild, but not every round)."""
 
     def __init__(self, spec: RoundSpec) -> None:
+        install_compressors(spec.compressors)  # the driver's plug-ins, before the codecs
         self.model = build_model(resolve_model_fn(spec.model_fn, spec.model_kwargs))
         self.model.load_state_dict(
             state_from_bytes(_value(spec.initial_state), where="the driver's model state")
