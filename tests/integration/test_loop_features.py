@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from sparktrain import Callback, Trainer
+from sparktrain.driver.job import check_job
 from sparktrain.errors import ConfigError
 from sparktrain.models import digits_mlp
 
@@ -282,9 +283,9 @@ def test_parameter_server_refuses_clipping_before_any_spark_job(spark):
     try:
         before = set(tracker.getJobIdsForGroup(None))
         with pytest.raises(ConfigError, match="clip_grad_norm"):
-            fast_config(strategy="ps", clip_grad_norm=1.0)
+            check_job(fast_config(strategy="ps", clip_grad_norm=1.0))
         cfg = fast_config(strategy="ps")
-        cfg.clip_grad_norm = 1.0  # set after the config was checked: the Trainer checks again
+        cfg.clip_grad_norm = 1.0  # set after the config was made: the Trainer checks the job
         with pytest.raises(ConfigError, match="clip_grad_norm"):
             Trainer(DIGITS_MODEL, cfg, spark=spark).fit(train)
         clf = TorchClassifier(modelFn=DIGITS_MODEL, strategy="ps", clipGradNorm=1.0)
