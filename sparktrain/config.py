@@ -505,14 +505,27 @@ class TrainConfig:
             flat["link.profile"] = flat.pop("link")
         names = {f.name for f in fields(cls)}
         hints = get_type_hints(cls)
-        coerced = {}
+        coerced: dict[str, Any] = {}
+        entries: list[tuple[str, str, Any]] = []  # dotted keys into dict-valued settings
         for key, value in flat.items():
             name = key.replace(".", "_") if _dotted(key.replace(".", "_")) == key else key
             if name not in names:
+                table, _, entry = key.partition(".")
+                if entry and table in names and dict in _allowed_types(hints[table]):
+                    entries.append((table, entry, value))
+                    continue
                 raise ConfigError(
                     f"unknown config key {key!r}; allowed keys: {', '.join(cls.allowed_keys())}"
                 )
             coerced[name] = _coerce(key, value, hints[name])
+        for table, entry, value in entries:  # after the whole tables they refine
+            current = coerced.get(table)  # unset: a table of its own (a default is replaced)
+            if current is not None and not isinstance(current, Mapping):
+                raise ConfigError(
+                    f"{table}.{entry} sets an entry of {table}, which is {current!r}, not a "
+                    f"table: give the whole table instead, e.g. {table}={{{entry} = ...}}"
+                )
+            coerced[table] = _set_entry(dict(current or {}), entry.split("."), value)
         return cls(**coerced)
 
     @classmethod
@@ -561,6 +574,17 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = dict(value) if isinstance(value, Mapping) else value
     return out
+
+
+def _set_entry(table: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
+    """``table`` with ``value`` at ``path`` (``["momentum"]``; nested tables for more)."""
+    head, *rest = path
+    if rest:
+        inner = table.get(head)
+        table[head] = _set_entry(dict(inner) if isinstance(inner, Mapping) else {}, rest, value)
+    else:
+        table[head] = value
+    return table
 
 
 def apply_overrides(values: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:

@@ -297,3 +297,30 @@ def test_bad_loop_values_from_python_get_the_same_errors():
         TrainConfig(early_stopping="accuracy")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="mlflow_experiment must be a string"):
         TrainConfig(mlflow_experiment=None)  # type: ignore[arg-type]
+
+
+def test_dotted_keys_reach_into_dict_valued_settings() -> None:
+    """``--set optimizer_kwargs.momentum=0`` is what the momentum-clash error tells a user
+    to write: it sets one entry of the table and keeps the others."""
+    values = apply_overrides(
+        {"optimizer": "sgd", "optimizer_kwargs": {"momentum": 0.9, "nesterov": True}},
+        ["optimizer_kwargs.momentum=0", "early_stopping.metric=loss", "early_stopping.patience=3"],
+    )
+    cfg = TrainConfig.from_dict(values)
+    assert cfg.optimizer_kwargs == {"momentum": 0, "nesterov": True}
+    assert cfg.early_stopping == {"metric": "loss", "patience": 3}
+    nested = TrainConfig.from_dict({"lr_schedule_kwargs.a.b": 1})
+    assert nested.lr_schedule_kwargs == {"a": {"b": 1}}
+    assert TrainConfig.from_dict({"compression.fc1": "int8"}).compression == {"fc1": "int8"}
+    with pytest.raises(ConfigError, match="which is 'fp16', not a table"):
+        TrainConfig.from_dict({"compression": "fp16", "compression.fc1": "int8"})
+    with pytest.raises(ConfigError, match="unknown config key 'epochs.x'"):
+        TrainConfig.from_dict({"epochs.x": 1})
+
+
+def test_the_momentum_clash_fix_works_as_written() -> None:
+    clash = {"compression": "topk:0.01+ef:momentum=0.9", "optimizer_kwargs": {"momentum": 0.9}}
+    with pytest.raises(ConfigError, match="set optimizer_kwargs.momentum=0") as err:
+        TrainConfig.from_dict(clash)
+    fix = str(err.value).partition("set ")[2].split()[0]  # pasted after --set
+    assert TrainConfig.from_dict(apply_overrides(clash, [fix])).optimizer_kwargs == {"momentum": 0}
