@@ -51,6 +51,12 @@ def test_a_served_payload_arrives_whole_in_chunks_until_discarded(server: Payloa
     assert ref.nbytes == len(blob) and ref.address == server.address
     assert fetch_payload(ref, rank=1) == blob
     assert ref.value == blob  # a task's read: one more fetch
+    # the server counts a fetch once its send returned, which may be just after the task
+    # has read the last chunk: wait for the count, a bounded number of times
+    for _ in range(500):
+        if server.fetches == 2:
+            break
+        time.sleep(0.01)
     assert (server.fetches, server.sent_bytes) == (2, 2 * len(blob))
     server.discard(ref.key)
     with pytest.raises(CommError, match="no longer served"):
