@@ -22,12 +22,22 @@ if TYPE_CHECKING:
     from sparktrain.config import TrainConfig
     from sparktrain.distributor import torch_run
     from sparktrain.driver.services.loggers import Callback
+    from sparktrain.errors import DefaultsChangedWarning
     from sparktrain.result import TrainResult
     from sparktrain.runner import RunResult, run
     from sparktrain.trainer import Trainer
 
-__all__ = ["Callback", "RunResult", "TrainConfig", "TrainResult", "Trainer", "run", "torch_run"]
-__version__ = "0.1.0"
+__all__ = [
+    "Callback",
+    "DefaultsChangedWarning",
+    "RunResult",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "run",
+    "torch_run",
+]
+__version__ = "0.2.0"
 
 # Old module paths (sparktrain/_moved.py) import their new modules, with a warning, for one
 # more release.
@@ -44,6 +54,7 @@ _HOMES["run"] = _HOMES["RunResult"] = "sparktrain.runner"
 # function by the module on the package
 _HOMES["torch_run"] = "sparktrain.distributor"
 _HOMES["Callback"] = "sparktrain.driver.services.loggers"
+_HOMES["DefaultsChangedWarning"] = "sparktrain.errors"
 
 
 def __getattr__(name: str) -> Any:

@@ -92,6 +92,30 @@ class LabelScaled(nn.Module):
         return out * std.to(out.dtype) + mean.to(out.dtype)
 
 
+class FeatureScaled(nn.Module):
+    """A model trained on standardised features (``feature_scaling``) that takes raw
+    features again: ``inner((x - feature_mean) / feature_std)``. ``inner`` is the trained
+    module itself (``state_dict`` keys gain the ``inner.`` prefix; the figures are
+    buffers, so they are saved with it)."""
+
+    def __init__(self, inner: nn.Module, feature_mean: Any, feature_std: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("feature_mean", torch.as_tensor(feature_mean, dtype=torch.float64))
+        self.register_buffer("feature_std", torch.as_tensor(feature_std, dtype=torch.float64))
+
+    @property
+    def forwards_to(self) -> nn.Module:
+        """The module whose ``forward()`` arguments this one takes."""
+        return self.inner
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        mean, std = self.get_buffer("feature_mean"), self.get_buffer("feature_std")
+        scaled = (x - mean.to(x.dtype)) / std.to(x.dtype)
+        out: torch.Tensor = self.inner(scaled, *args, **kwargs)
+        return out
+
+
 def build_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
     """Call the factory and check that it returned a module with parameters."""
     model = model_fn()

@@ -9,6 +9,7 @@ accepts. Keys are flat; a TOML table ``[t]`` with key ``k`` is the dotted key ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import tomllib
@@ -31,7 +32,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "sparse_adam")
 ENCRYPTIONS = ("none", "tls")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-COMPRESSION_PATHS = ("auto", "reduce", "allgather", "recompress", "resparsify")
+COMPRESSION_PATHS = ("auto", "reduce", "allgather", "recompress", "resparsify", "resparsify_tree")
 """``compression_path`` values: the names ``CompressedAllreduce.path`` and the step
 statistics use (:mod:`sparktrain.compress.collective`), or ``"auto"``."""
 SCHEDULE_INTERVALS = ("step", "epoch")
@@ -65,12 +66,14 @@ class TrainConfig:
         ``"*"`` is the fallback (unmatched parameters are not compressed).
     compression_path:
         How the ring/tree moves compressed buckets: ``"auto"`` (the path with the fewest
-        predicted bytes per rank; ties to the exact all-gather), or forced:
+        predicted bytes per rank, ties to the exact all-gather; top-k: the fewest lossy
+        re-encodings within twice those bytes), or forced:
         ``"reduce"`` (summable: fp16, bf16, randomk, powersgd), ``"allgather"`` (every
         non-summable spec; ``n - 1`` payloads per rank), ``"recompress"`` (int8, sign on
-        the ring) or ``"resparsify"`` (top-k with ``+ef`` on the ring: gTop-k, bytes per
-        rank flat in the world). A path that does not apply to the spec, strategy or
-        world is refused, naming those that do. The summary reports the path taken
+        the ring), ``"resparsify"`` (top-k with ``+ef`` on the ring: gTop-k, bytes per
+        rank flat in the world; on the tree, its log2 rounds) or ``"resparsify_tree"``
+        (those rounds on the ring strategy's mesh). A path that does not apply to the
+        spec, strategy or world is refused, naming those that do. The summary reports the path taken
         (``compression_path``); see :mod:`sparktrain.compress.collective`.
     comm_backend:
         Whose collectives average the gradients of ``ring`` and ``tree``:
@@ -109,12 +112,15 @@ class TrainConfig:
         ``link.jitter_ms`` and ``link.loss`` (a probability of a lost frame, paid as a
         retransmission delay) override the profile's figures (0 = keep the profile's).
     epochs, batch_size, lr:
-        Passes over the data, samples per worker per step, learning rate.
+        Passes over the data (default 50), samples per worker per step (32), learning
+        rate (default 0.001, Adam's usual rate; SGD wants a larger one, e.g. 0.1).
     optimizer, optimizer_kwargs:
-        ``"sgd"`` (``momentum``, ``nesterov``, ``weight_decay``), ``"adam"``, ``"adamw"``,
-        ``"adagrad"``, ``"sparse_adam"`` (torch's ``SparseAdam``: a model of
-        ``sparse=True`` tables only; docs/sparse.md), or a callable
-        ``(params, lr) -> torch.optim.Optimizer``.
+        ``"adam"`` (the default: it adapts each weight's step, so one rate suits most
+        tables and models untuned), ``"sgd"`` (``momentum``, ``nesterov``,
+        ``weight_decay``), ``"adamw"``, ``"adagrad"``, ``"sparse_adam"`` (torch's
+        ``SparseAdam``: a model of ``sparse=True`` tables only; docs/sparse.md), or a
+        callable ``(params, lr) -> torch.optim.Optimizer``. The defaults were SGD at 0.01
+        for 10 epochs before sparktrain 0.2 (docs/migration.md).
     loss, loss_kwargs:
         ``"cross_entropy"``, ``"mse"``, ``"bce_with_logits"`` or a callable
         ``(output, target) -> scalar tensor`` (mean over the batch).
@@ -165,7 +171,22 @@ class TrainConfig:
         rows are scaled alike, RMSE figures are reported in label units, the training loss
         in standardised units, and ``Trainer.fit`` returns the model wrapped in
         :class:`sparktrain.builders.LabelScaled`, whose outputs are in label units again.
-        Off by default here; the ml ``TorchRegressor`` turns it on (``labelScaling``).
+        ``"auto"`` (the default): on for ``loss="mse"`` with one scalar label column of a
+        DataFrame under ``Trainer.fit``, off otherwise (``sparktrain.run`` hands the
+        labels to your function as they are). ``true`` insists (an error where it cannot
+        apply); ``false`` trains on the labels as they are.
+    feature_scaling:
+        Standardise each input feature with the training rows' mean and standard
+        deviation (one aggregation job on the driver; a constant feature keeps a scale of
+        1), as MLlib's ``LogisticRegression`` and ``LinearRegression`` do by default
+        (``standardization``): features in different units (a count in the thousands
+        next to a ratio) then train at one learning rate. Validation rows are scaled
+        alike, and ``Trainer.fit`` returns the model wrapped in
+        :class:`sparktrain.builders.FeatureScaled`, which takes raw features again.
+        ``"auto"`` (the default): on for one numeric features column (a vector or an
+        array) of a DataFrame under ``Trainer.fit``, off for several or typed columns,
+        RDDs and ``sparktrain.run``. ``true`` insists (an error where it cannot apply);
+        ``false`` trains on the features as they are.
     shuffle, shuffle_window:
         Reshuffle each partition every epoch (seeded by ``(seed, rank, epoch)``); with
         ``shuffle_window`` = W > 0, shuffle within windows of W consecutive rows instead
@@ -298,10 +319,10 @@ class TrainConfig:
     link_rtt_ms: float = 0.0
     link_jitter_ms: float = 0.0
     link_loss: float = 0.0
-    epochs: int = 10
+    epochs: int = 50
     batch_size: int = 32
-    lr: float = 0.01
-    optimizer: str | Callable[..., Any] = "sgd"
+    lr: float = 0.001
+    optimizer: str | Callable[..., Any] = "adam"
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
     loss: str | Callable[..., Any] = "cross_entropy"
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -315,7 +336,8 @@ class TrainConfig:
     data_memory_mb: float = 512.0
     prefetch_batches: int = 2
     shuffle_window: int = 0
-    label_scaling: bool = False
+    label_scaling: bool | str = "auto"
+    feature_scaling: bool | str = "auto"
     feature_shapes: dict[str, list[int]] = field(default_factory=dict)
     feature_dtypes: dict[str, str] = field(default_factory=dict)
     decode: dict[str, str | Callable[..., Any]] = field(default_factory=dict)
@@ -365,11 +387,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # "true"/"false" as strings (a bool-or-str key keeps strings as given) are bools
-        if isinstance(self.frame_integrity, str) and self.frame_integrity.lower() in (
-            "true",
-            "false",
-        ):
-            self.frame_integrity = self.frame_integrity.lower() == "true"
+        for key in ("frame_integrity", "label_scaling", "feature_scaling"):
+            value = getattr(self, key)
+            if isinstance(value, str) and value.lower() in ("true", "false", "auto"):
+                setattr(self, key, value.lower() == "true" if value.lower() != "auto" else "auto")
         # "Ring" means "ring", as compressor names ignore case
         # the strategies register as their package is imported: with the first config
         from sparktrain.strategies import registry
@@ -461,10 +482,12 @@ class TrainConfig:
         for name in ("optimizer_kwargs", "loss_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a table/dict, e.g. {{momentum = 0.9}}")
+        _check_sgd_settings(self.optimizer, self.optimizer_kwargs)
         _check_column_options(self)
-        if self.label_scaling is not False and self.label_scaling is not True:
-            raise ConfigError(f"label_scaling={self.label_scaling!r} must be true or false")
-        if self.label_scaling and isinstance(self.loss, str) and self.loss != "mse":
+        for key in ("label_scaling", "feature_scaling"):
+            if getattr(self, key) not in (True, False, "auto"):
+                raise ConfigError(f'{key}={getattr(self, key)!r} must be true, false or "auto"')
+        if self.label_scaling is True and isinstance(self.loss, str) and self.loss != "mse":
             raise ConfigError(
                 f"label_scaling standardises regression targets; loss={self.loss!r} takes "
                 "class labels: set label_scaling=false"
@@ -534,8 +557,25 @@ class TrainConfig:
         return cls.from_dict(apply_overrides(load_toml(path), overrides))
 
     def replace(self, **changes: Any) -> TrainConfig:
-        """A copy with some keys changed (validated)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some keys changed (validated); the copy was given the keys this
+        config was given, and ``changes``."""
+        copy = dataclasses.replace(self, **changes)
+        object.__setattr__(copy, "_given", self.given_keys | frozenset(changes))
+        return copy
+
+    def given_only(self, keys: Iterable[str]) -> TrainConfig:
+        """A copy that counts only ``keys`` as given (an estimator's set params, where
+        the rest are its defaults)."""
+        copy = dataclasses.replace(self)
+        object.__setattr__(copy, "_given", frozenset(keys))
+        return copy
+
+    @property
+    def given_keys(self) -> frozenset[str]:
+        """The keys this config was built with (``TrainConfig(...)`` arguments, a TOML
+        file's keys, ``--set``), as against the ones left at their defaults: what tells a
+        fit which changed defaults it runs on (:func:`changed_defaults_in_effect`)."""
+        return getattr(self, "_given", frozenset())  # pickled before keys were recorded
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly view (callables shown by name)."""
@@ -548,6 +588,102 @@ class TrainConfig:
                 value = [_callable_name(v) if callable(v) else v for v in value]
             out[f.name] = value if not callable(value) else _callable_name(value)
         return out
+
+
+def _remember_given(init: Callable[..., None]) -> Callable[..., None]:
+    """The dataclass ``__init__``, recording which keys the caller gave."""
+
+    @functools.wraps(init)
+    def __init__(self: TrainConfig, *args: Any, **kwargs: Any) -> None:
+        names = [f.name for f in fields(TrainConfig)]
+        object.__setattr__(self, "_given", frozenset(names[: len(args)]) | frozenset(kwargs))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+TrainConfig.__init__ = _remember_given(TrainConfig.__init__)  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------- changed defaults
+@dataclass(frozen=True)
+class ChangedDefault:
+    """A key whose default changed: a fit that leaves it unset trains differently than
+    it did before ``since``."""
+
+    key: str
+    old: Any
+    new: Any
+    since: str
+
+
+CHANGED_DEFAULTS = (
+    ChangedDefault("optimizer", "sgd", "adam", "0.2"),
+    ChangedDefault("lr", 0.01, 0.001, "0.2"),
+    ChangedDefault("epochs", 10, 50, "0.2"),
+    ChangedDefault("label_scaling", False, "auto", "0.2"),
+    ChangedDefault("feature_scaling", False, "auto", "0.2"),
+)
+"""The defaults that changed, newest last; docs/migration.md says why each."""
+
+
+def changed_defaults_in_effect(cfg: TrainConfig) -> list[ChangedDefault]:
+    """The changed defaults ``cfg`` runs on: keys it was not given that hold their new
+    default."""
+    return [
+        change
+        for change in CHANGED_DEFAULTS
+        if change.key not in cfg.given_keys
+        and getattr(cfg, change.key) == change.new
+        and (change.key != "label_scaling" or cfg.loss == "mse")  # "auto" applies to mse only
+    ]
+
+
+def changed_defaults_notice(cfg: TrainConfig) -> str:
+    """What a fit on changed defaults says once (empty: it runs on none). A learning rate
+    given for the old default optimizer comes first: it is the change most likely to
+    hurt (a rate tuned for SGD is usually far too large for Adam)."""
+    changes = changed_defaults_in_effect(cfg)
+    if not changes:
+        return ""
+    lines = []
+    if any(c.key == "optimizer" for c in changes) and "lr" in cfg.given_keys:
+        lines.append(
+            f"lr={cfg.lr!r} is given for the default optimizer, which is 'adam' since "
+            "sparktrain 0.2 (it was 'sgd'); a rate tuned for SGD is usually too large for "
+            "Adam: set optimizer='sgd' to keep SGD."
+        )
+    olds = ", ".join(f"{c.key}={_toml_value(c.old)}" for c in changes)
+    moves = ", ".join(
+        f"{c.key} {_toml_value(c.old)} -> {_toml_value(c.new)}" for c in changes
+    )
+    lines.append(
+        f"this fit runs on defaults that changed in sparktrain 0.2 ({moves}); set "
+        f"{olds} to train as before. docs/migration.md says why."
+    )
+    return " ".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+_SGD_ONLY = ("momentum", "nesterov", "dampening")
+
+
+def _check_sgd_settings(optimizer: Any, kwargs: Mapping[str, Any]) -> None:
+    """SGD's own keyword arguments with another named optimizer: a config written when
+    SGD was the default, most likely."""
+    given = [key for key in _SGD_ONLY if key in kwargs]
+    if given and isinstance(optimizer, str) and optimizer != "sgd":
+        raise ConfigError(
+            f"optimizer_kwargs {', '.join(given)} are SGD's settings, which "
+            f"optimizer={optimizer!r} does not take; the default optimizer is 'adam' since "
+            "sparktrain 0.2 (it was 'sgd'): set optimizer='sgd' to keep SGD (a config "
+            f"file: optimizer = \"sgd\"), or drop {', '.join(given)}"
+        )
 
 
 # ---------------------------------------------------------------------- helpers

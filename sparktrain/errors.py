@@ -33,6 +33,12 @@ class ConfigError(SparkTrainError, ValueError):
     """A configuration key or value is unknown or out of range."""
 
 
+class DefaultsChangedWarning(UserWarning):
+    """A fit runs on a default that changed in a release (docs/migration.md lists them):
+    said once a process. Set the keys it names, or filter it
+    (``warnings.filterwarnings("ignore", category=DefaultsChangedWarning)``)."""
+
+
 class DataError(SparkTrainError, ValueError):
     """The training data does not fit the model or the config (columns, widths, NaN...)."""
 

@@ -78,6 +78,9 @@ class PreparedData:
     label_stats: tuple[float, float] | None = None
     """``(mean, std)`` the labels were standardised with (``label_scaling``), else
     ``None``."""
+    feature_stats: tuple[np.ndarray, np.ndarray] | None = None
+    """Each feature's ``(mean, std)`` the features were standardised with
+    (``feature_scaling``), else ``None``."""
 
     @property
     def label_scale(self) -> float:
@@ -98,16 +101,20 @@ class PreparedData:
 
 
 def unscale_result(result: TrainResult, prepared: PreparedData) -> None:
-    """With ``label_scaling``, wrap the trained model so its outputs are in label units
-    again (:class:`~sparktrain.builders.LabelScaled`) and say so in the summary: before
-    loggers and callbacks see the model."""
-    if prepared.label_stats is None or "label_scaling" in result.summary:
-        return
-    from sparktrain.builders import LabelScaled
+    """With ``feature_scaling``, wrap the trained model so it takes raw features again
+    (:class:`~sparktrain.builders.FeatureScaled`); with ``label_scaling``, so its outputs
+    are in label units again (:class:`~sparktrain.builders.LabelScaled`); and say so in
+    the summary: before loggers and callbacks see the model."""
+    from sparktrain.builders import FeatureScaled, LabelScaled
 
-    mean, std = prepared.label_stats
-    result.model = LabelScaled(result.model, mean, std)
-    result.summary["label_scaling"] = {"mean": mean, "std": std}
+    if prepared.feature_stats is not None and "feature_scaling" not in result.summary:
+        means, stds = prepared.feature_stats
+        result.model = FeatureScaled(result.model, means, stds)
+        result.summary["feature_scaling"] = {"features": int(means.size)}
+    if prepared.label_stats is not None and "label_scaling" not in result.summary:
+        mean, std = prepared.label_stats
+        result.model = LabelScaled(result.model, mean, std)
+        result.summary["label_scaling"] = {"mean": mean, "std": std}
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,8 @@ def prepare(
     num_workers: int,
     weight_col: str | None = None,
     options: ColumnOptions | None = None,
-    label_scaling: bool = False,
+    label_scaling: bool | str = False,
+    feature_scaling: bool | str = False,
 ) -> PreparedData:
     """Normalise a DataFrame or RDD (plus optional validation set) for the barrier stage.
 
@@ -146,7 +154,10 @@ def prepare(
     mapping and ``label_col`` a name or a list of names (see
     :mod:`sparktrain.data.columns`); ``options`` holds the per-column shapes, dtypes,
     decoders and collates. ``label_scaling`` standardises a scalar label with the
-    training rows' mean and standard deviation (one aggregation job). ``weight_col``
+    training rows' mean and standard deviation (one aggregation job), and
+    ``feature_scaling`` each feature of one numeric features column (one more);
+    ``"auto"`` for either: where the data allows it (a DataFrame; a scalar label; one
+    plain features column), ``True``: an error where it does not. ``weight_col``
     names a numeric column of non-negative sample weights in ``data`` (a DataFrame); see
     the module docstring for how they are normalised."""
     sc = _classic_context(data)
@@ -162,6 +173,7 @@ def prepare(
                 weight_col,
                 options or ColumnOptions(),
                 label_scaling,
+                feature_scaling,
             )
     finally:
         # No warm-up job may outlive the fit's data preparation (see warmup.settle):
@@ -193,7 +205,8 @@ def _prepare(
     num_workers: int,
     weight_col: str | None,
     options: ColumnOptions,
-    label_scaling: bool,
+    label_scaling: bool | str,
+    feature_scaling: bool | str,
 ) -> PreparedData:
     from pyspark import RDD
     from pyspark.sql import DataFrame
@@ -210,6 +223,7 @@ def _prepare(
             weight_col or None,
             options,
             label_scaling,
+            feature_scaling,
         )
     if isinstance(data, RDD):
         if weight_col:
@@ -217,11 +231,12 @@ def _prepare(
                 f"weight_col={weight_col!r} needs a DataFrame; turn the RDD into one first, "
                 "e.g. spark.createDataFrame(rdd, ['features', 'label', 'weight'])"
             )
-        if label_scaling:
-            raise DataError(
-                "label_scaling needs a DataFrame (the driver computes the labels' statistics "
-                "with Spark SQL): spark.createDataFrame(rdd, ['features', 'label']) first"
-            )
+        for key, value in (("label_scaling", label_scaling), ("feature_scaling", feature_scaling)):
+            if value is True:
+                raise DataError(
+                    f"{key} needs a DataFrame (the driver computes the statistics with "
+                    "Spark SQL): spark.createDataFrame(rdd, ['features', 'label']) first"
+                )
         if not isinstance(features_col, str) or not isinstance(label_col, str) or options.given:
             raise DataError(
                 "an RDD of (features, label) pairs has one float features vector and one label; "
@@ -243,13 +258,17 @@ def _prepare_frame(
     num_workers: int,
     weight_col: str | None,
     options: ColumnOptions,
-    label_scaling: bool = False,
+    label_scaling: bool | str = False,
+    feature_scaling: bool | str = False,
 ) -> PreparedData:
     from pyspark.sql import functions as F
 
     plan = _plan_columns(df, features_col, label_col, options)
     train = _select(df, plan, "data", weight_col)
-    stats = _label_stats(train, plan) if label_scaling else None
+    scale_labels = label_scaling is True or (label_scaling == "auto" and not plan.label_is_array)
+    stats = _label_stats(train, plan) if scale_labels else None
+    features = _feature_stats(train, plan, feature_scaling)
+    train = _features_scaled(train, features)
     mean_weight = None
     if weight_col is not None:
         mean_weight = _mean_weight(train, weight_col)
@@ -257,7 +276,7 @@ def _prepare_frame(
     train = _scaled(train, stats).withColumn(IS_VALIDATION, F.lit(False))
     combined = train
     if val is not None:
-        tagged = _scaled(_select(val, plan, "validation_data"), stats)
+        tagged = _scaled(_features_scaled(_select(val, plan, "validation_data"), features), stats)
         if weight_col is not None:  # validation metrics are unweighted
             tagged = tagged.withColumn(WEIGHT, F.lit(1.0))
         combined = train.unionByName(tagged.withColumn(IS_VALIDATION, F.lit(True)))
@@ -270,7 +289,14 @@ def _prepare_frame(
         # run its inputs' shuffles under adaptive execution, only to shuffle again.
         log.info("shuffling the data and validation_data into num_workers=%d", num_workers)
         return PreparedData(
-            combined.repartition(num_workers), None, width, mean_weight, layout, samples, stats
+            combined.repartition(num_workers),
+            None,
+            width,
+            mean_weight,
+            layout,
+            samples,
+            stats,
+            features,
         )
     parts = _partitions(combined)
     if parts is None:
@@ -285,7 +311,7 @@ def _prepare_frame(
     elif parts != num_workers:
         log.info("repartitioning the data from %d partitions to num_workers=%d", parts, num_workers)
         combined = combined.repartition(num_workers)
-    return PreparedData(combined, None, width, mean_weight, layout, samples, stats)
+    return PreparedData(combined, None, width, mean_weight, layout, samples, stats, features)
 
 
 def _partitions(frame: DataFrame) -> int | None:
@@ -321,6 +347,86 @@ def _label_stats(train: DataFrame, plan: _Plan) -> tuple[float, float]:
     std = std if std > 0 else 1.0
     log.info("label_scaling: labels standardised with mean %.6g and std %.6g", mean, std)
     return mean, std
+
+
+MAX_SCALED_FEATURES = 65_536
+"""``feature_scaling="auto"`` leaves wider features as they are: their figures would
+ride in every query plan."""
+
+
+def _feature_stats(
+    train: DataFrame, plan: _Plan, feature_scaling: bool | str
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each feature's mean and (population) standard deviation over the training rows
+    (one aggregation job), when ``feature_scaling`` applies to ``plan``'s inputs: one
+    fixed-width float vector or array column. A constant feature keeps a scale of 1."""
+    from pyspark.sql import functions as F
+
+    if feature_scaling is False:
+        return None
+    inputs = plan.inputs
+    plain = (
+        plan.call == "single"
+        and len(inputs) == 1
+        and inputs[0].measure
+        and inputs[0].column.kind == DENSE
+        and inputs[0].column.dtype in ("float32", "float64")
+        and not inputs[0].column.shape
+    )
+    if not plain:
+        if feature_scaling is True:
+            raise DataError(
+                "feature_scaling standardises one column of numeric feature vectors; "
+                f"these inputs ({', '.join(p.column.source for p in inputs)}) are several "
+                "or typed columns: scale them yourself (pyspark.ml.feature.StandardScaler) "
+                "and set feature_scaling=false"
+            )
+        return None
+    rows = (
+        train.select(F.posexplode(FEATURES).alias("i", "v"))
+        .groupBy("i")
+        .agg(F.mean("v").alias("m"), F.stddev_pop("v").alias("s"))
+        .collect()
+    )
+    if not rows:
+        raise DataError("the training data is empty: nothing to train on")
+    if len(rows) > MAX_SCALED_FEATURES and feature_scaling == "auto":
+        log.info(
+            "feature_scaling: %d features are more than %d; training on them as they are",
+            len(rows),
+            MAX_SCALED_FEATURES,
+        )
+        return None
+    figures = np.zeros((2, len(rows)))
+    for row in rows:
+        if not 0 <= row["i"] < len(rows):
+            raise DataError("the features column's rows differ in length; give them one width")
+        figures[:, row["i"]] = (row["m"], row["s"] if row["s"] is not None else 0.0)
+    if not np.isfinite(figures).all():
+        raise DataError(
+            f"features column {inputs[0].column.source!r} holds NaN or infinite values; "
+            "drop or fill those rows first (pyspark.ml.feature.Imputer)"
+        )
+    means, stds = figures
+    stds[stds <= 0] = 1.0
+    log.info("feature_scaling: %d features standardised with their mean and std", len(rows))
+    return means, stds
+
+
+def _features_scaled(
+    frame: DataFrame, stats: tuple[np.ndarray, np.ndarray] | None
+) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    if stats is None:
+        return frame
+    element = dict(frame.dtypes)[FEATURES]  # array<float> or array<double>, as planned
+    means = F.array(*(F.lit(float(v)) for v in stats[0]))
+    stds = F.array(*(F.lit(float(v)) for v in stats[1]))
+    scaled = F.transform(
+        FEATURES, lambda x, i: (x - F.element_at(means, i + 1)) / F.element_at(stds, i + 1)
+    )
+    return frame.withColumn(FEATURES, scaled.cast(element))
 
 
 def _scaled(frame: DataFrame, stats: tuple[float, float] | None) -> DataFrame:

@@ -73,12 +73,15 @@ class _TorchParams(_TorchParamsBase):
     def _train_config(self) -> TrainConfig:
         """The TrainConfig these params describe (validated: a bad value is a ConfigError
         naming the TrainConfig key)."""
-        return ML_DEFAULTS.replace(
+        cfg = ML_DEFAULTS.replace(
             **{
                 spec.key: spec.kind.to_config(getattr(self, spec.getter)())
                 for spec in _CONFIG_PARAMS
             }
         )
+        # the keys the user set, as against defaults: what a fit's changed-defaults
+        # notice reads (a learningRate set for SGD, which now runs under Adam)
+        return cfg.given_only({spec.key for spec in _CONFIG_PARAMS if self.isSet(spec.name)})
 
     def getModelKwargsDict(self) -> dict[str, Any]:
         """modelKwargs parsed into a dict."""

@@ -77,7 +77,7 @@ def test_a_fit_whose_task_holds_the_weights_gets_it_from_the_driver(capped_spark
     assert size > 2 * (4 << 20)
     train, test = digits_frames(capped_spark)
     cfg = fast_config(strategy="ring", epochs=2, batch_size=64, optimizer="adam", lr=1e-3)
-    cfg = cfg.replace(optimizer_kwargs={})
+    cfg = cfg.replace(optimizer_kwargs={}, optimizer="sgd")
     # fine-tuning a model held in memory: the factory closes over its weights
     result = Trainer(functools.partial(copy.deepcopy, pretrained), cfg).fit(
         train, validation_data=test

@@ -265,6 +265,7 @@ def loop_spec(**overrides: Any) -> JobSpec:
             "epochs": 3,
             "batch_size": 1000,
             "lr": 0.5,
+            "optimizer": "sgd",
             "shuffle": False,
             "progress": False,
             "comm_timeout": 10.0,
@@ -366,6 +367,7 @@ def ps_cfg(**overrides: Any) -> TrainConfig:
         "epochs": 2,
         "batch_size": 4,
         "lr": 0.1,
+        "optimizer": "sgd",
         "shuffle": True,
         "progress": False,
         "comm_timeout": 10.0,
@@ -492,7 +494,9 @@ def rounds_spec(
 
 
 def rounds_cfg(**kw: Any) -> TrainConfig:
-    base: dict[str, Any] = dict(strategy="tree_aggregate", batch_size=8, lr=0.1, progress=False)
+    base: dict[str, Any] = dict(
+        strategy="tree_aggregate", batch_size=8, lr=0.1, optimizer="sgd", progress=False
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -561,6 +565,7 @@ def pipeline_spec(
             "epochs": 2,
             "batch_size": 10,
             "lr": 0.1,
+            "optimizer": "sgd",
             "shuffle": True,
             "progress": False,
             "comm_timeout": 20.0,

@@ -60,6 +60,7 @@ def cfg(**kw: object) -> TrainConfig:
         "epochs": 2,
         "batch_size": 4,
         "lr": 0.3,
+        "optimizer": "sgd",
         "shuffle": False,
         "progress": False,
         "comm_timeout": 10.0,

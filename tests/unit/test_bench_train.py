@@ -331,7 +331,9 @@ def test_sizing_round_reports_row_counts_and_trains_round_zero():
         Block(0, data(30, False), data(5, True)),
         Block(1, data(12, False), data(7, True)),
     ]
-    cfg = TrainConfig(strategy="tree_aggregate", batch_size=8, lr=0.1, progress=False)
+    cfg = TrainConfig(
+        strategy="tree_aggregate", batch_size=8, lr=0.1, optimizer="sgd", progress=False
+    )
     sized = RoundSpec("sizing", cfg, state_to_bytes(model.state_dict()), 0, False, size_slots=2,
                       model_fn=functools.partial(mlp, 4, (3,), 2))  # fmt: skip
     weights = flatten(list(model.parameters()))

@@ -118,8 +118,14 @@ def test_ps_compression_specs_are_checked():
             check_job(TrainConfig(strategy=strategy, compression="delta+int8"))
     check_job(TrainConfig(strategy="tree_aggregate", compression="delta+int8+ef"))  # downloads
     with pytest.raises(ConfigError, match="optimizer_kwargs.momentum=0"):
-        TrainConfig(compression="topk:0.01+ef:momentum=0.9", optimizer_kwargs={"momentum": 0.9})
-    TrainConfig(compression="topk:0.01+ef:momentum=0.9", optimizer_kwargs={"momentum": 0.0})
+        TrainConfig(
+            compression="topk:0.01+ef:momentum=0.9",
+            optimizer_kwargs={"momentum": 0.9},
+            optimizer="sgd",
+        )
+    TrainConfig(
+        compression="topk:0.01+ef:momentum=0.9", optimizer_kwargs={"momentum": 0.0}, optimizer="sgd"
+    )
 
 
 def test_shard_shapes_keep_whole_parameters_and_cut_the_rest():

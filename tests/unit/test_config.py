@@ -43,7 +43,14 @@ def test_unknown_key_lists_allowed_keys():
 def test_overrides_are_parsed_as_toml_values():
     values = apply_overrides(
         {"epochs": 1},
-        ["epochs=3", "lr=0.5", "strategy=tree", "shuffle=false", "optimizer_kwargs={momentum=0.9}"],
+        [
+            "epochs=3",
+            "lr=0.5",
+            "strategy=tree",
+            "shuffle=false",
+            "optimizer=sgd",
+            "optimizer_kwargs={momentum=0.9}",
+        ],
     )
     cfg = TrainConfig.from_dict(values)
     assert (cfg.epochs, cfg.lr, cfg.strategy, cfg.shuffle) == (3, 0.5, "tree", False)
@@ -319,7 +326,11 @@ def test_dotted_keys_reach_into_dict_valued_settings() -> None:
 
 
 def test_the_momentum_clash_fix_works_as_written() -> None:
-    clash = {"compression": "topk:0.01+ef:momentum=0.9", "optimizer_kwargs": {"momentum": 0.9}}
+    clash = {
+        "compression": "topk:0.01+ef:momentum=0.9",
+        "optimizer": "sgd",
+        "optimizer_kwargs": {"momentum": 0.9},
+    }
     with pytest.raises(ConfigError, match="set optimizer_kwargs.momentum=0") as err:
         TrainConfig.from_dict(clash)
     fix = str(err.value).partition("set ")[2].split()[0]  # pasted after --set

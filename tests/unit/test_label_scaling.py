@@ -20,8 +20,8 @@ def test_label_scaling_is_for_regression_losses():
     assert TrainConfig(loss="mse", label_scaling=True).label_scaling
     with pytest.raises(ConfigError, match="loss='cross_entropy' takes class labels"):
         TrainConfig(label_scaling=True)
-    with pytest.raises(ConfigError, match="label_scaling='yes' must be true or false"):
-        TrainConfig(loss="mse", label_scaling="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="label_scaling='yes' must be true, false or \"auto\""):
+        TrainConfig(loss="mse", label_scaling="yes")
     TrainConfig(loss=torch.nn.functional.l1_loss, label_scaling=True)  # a callable: the user's
 
 

@@ -83,7 +83,9 @@ def _history(losses: list[float]) -> list[dict[str, Any]]:
 
 
 def test_the_error_says_what_to_try_for_a_compressor_with_momentum():
-    cfg = TrainConfig(compression="randomk:0.01+ef", lr=0.1, optimizer_kwargs={"momentum": 0.9})
+    cfg = TrainConfig(
+        compression="randomk:0.01+ef", lr=0.1, optimizer="sgd", optimizer_kwargs={"momentum": 0.9}
+    )
     check_loss_growth(_history(RANDOMK_EF[:6]), RANDOMK_EF[6] / 2, 6, cfg)  # 10.7x: no stop
     with pytest.raises(DivergedError) as err:
         check_loss_growth(_history(RANDOMK_EF[:6]), RANDOMK_EF[6], 6, cfg)
@@ -106,7 +108,9 @@ def test_the_error_says_what_to_try_for_a_compressor_with_momentum():
     ],
 )
 def test_each_compressor_gets_its_own_remedy(compression: str, momentum: float, hint: str):
-    cfg = TrainConfig(compression=compression, optimizer_kwargs={"momentum": momentum})
+    cfg = TrainConfig(
+        compression=compression, optimizer_kwargs={"momentum": momentum}, optimizer="sgd"
+    )
     with pytest.raises(DivergedError) as err:
         check_loss_growth(_history([2.0, 1.0]), 500.0, 2, cfg)
     assert hint in str(err.value)
@@ -117,7 +121,9 @@ def test_each_compressor_gets_its_own_remedy(compression: str, momentum: float, 
     [("none", 0.9), ("randomk:0.01+ef", 0.0), ("topk:0.01+ef:momentum=0.9", 0.0), ("fp16", 0.9)],
 )
 def test_the_compressor_remedy_appears_only_where_it_applies(compression: str, momentum: float):
-    cfg = TrainConfig(compression=compression, optimizer_kwargs={"momentum": momentum})
+    cfg = TrainConfig(
+        compression=compression, optimizer_kwargs={"momentum": momentum}, optimizer="sgd"
+    )
     with pytest.raises(DivergedError) as err:
         check_loss_growth(_history([2.0, 1.0]), 500.0, 2, cfg)
     assert "momentum correction" not in str(err.value)

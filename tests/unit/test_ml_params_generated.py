@@ -166,6 +166,7 @@ def test_keyword_arguments_and_setters_follow_the_table(stage: str) -> None:
 def test_train_config_reads_the_params_by_the_table() -> None:
     values: dict[str, Any] = {"learningRate": 0.5, "maxEpochs": 3, "dataMemoryInMB": 64.0}
     values |= {"metrics": ["auc"], "optimizerKwargs": {"momentum": 0.9}, "seed": 7}
+    values |= {"optimizer": "sgd"}
     config = TorchClassifier(**values)._train_config()
     assert (config.lr, config.epochs, config.data_memory_mb) == (0.5, 3, 64.0)
     assert (config.metrics, config.optimizer_kwargs, config.seed) == (["auc"], {"momentum": 0.9}, 7)

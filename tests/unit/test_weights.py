@@ -134,6 +134,7 @@ def _spec(world: int, strategy: str) -> JobSpec:
         epochs=1,
         batch_size=1000,  # one full batch per rank: the step's gradient is the full gradient
         lr=1.0,
+        optimizer="sgd",
         shuffle=False,
         progress=False,
         comm_timeout=10.0,
@@ -192,7 +193,9 @@ def _round_spec(cfg: TrainConfig, model: torch.nn.Module, blocks: list[Block], j
 def _epoch_gradient(batch_size: int, sizes: list[int], job: str) -> tuple[np.ndarray, np.ndarray]:
     """(sum of one epoch's round contributions / samples, reference weighted gradient),
     every round starting from the same weights."""
-    cfg = TrainConfig(strategy="tree_aggregate", batch_size=batch_size, lr=0.1, progress=False)
+    cfg = TrainConfig(
+        strategy="tree_aggregate", batch_size=batch_size, lr=0.1, optimizer="sgd", progress=False
+    )
     parts = _weighted_parts(sizes, seed=3)
     blocks = [Block(i, p, p.select(np.zeros(p.size, bool))) for i, p in enumerate(parts)]
     torch.manual_seed(0)
@@ -236,6 +239,7 @@ def test_pipeline_full_batch_step_is_the_weighted_mean_gradient(stages, replicas
         epochs=1,
         batch_size=1000,  # one step per row over all of its rows
         lr=1.0,
+        optimizer="sgd",
         shuffle=False,
         progress=False,
         comm_timeout=20.0,

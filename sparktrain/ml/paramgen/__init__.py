@@ -74,13 +74,16 @@ __all__ = ["ML_DEFAULTS", "PARAMS", "STAGES", "Spec", "converter", "features_spe
 
 _DEFAULTS = TrainConfig()
 
-ML_DEFAULTS = _DEFAULTS.replace(optimizer="adam", lr=1e-3, epochs=50, batch_size=32)
-"""The estimators' defaults: TrainConfig's, except the training-loop knobs chosen so that
-a model trains well out of the box on standardised tabular data (Adam at 1e-3 as
-scikit-learn's MLP estimators, 50 epochs; ``batch_size`` is TrainConfig's 32, pinned here
-so that the estimators' figures do not move with it; see the table in docs/ml.md for why
-each). Estimators saved before these defaults keep the defaults they were saved with
-(MLlib metadata records them)."""
+ML_DEFAULTS = _DEFAULTS.replace(
+    optimizer="adam", lr=1e-3, epochs=50, batch_size=32, label_scaling=False, feature_scaling=False
+)
+"""The estimators' defaults: TrainConfig's training-loop defaults (Adam at 1e-3 as
+scikit-learn's MLP estimators, 50 epochs, 32 rows a step), pinned here so that the
+estimators' figures do not move with TrainConfig's; see the table in docs/ml.md for why
+each. The scaling keys are off: the regressor's ``labelScaling`` param turns label
+scaling on, and a Pipeline standardises its features with ``StandardScaler``, MLlib's way,
+so the fitted stage holds the module as trained. Estimators saved before these defaults
+keep the defaults they were saved with (MLlib metadata records them)."""
 
 TARGET = Path(__file__).resolve().parents[1] / "shared_params.py"
 """The generated file."""
@@ -422,12 +425,13 @@ def config(
     name: str = "",
     default: Any = _FROM_CONFIG,
     stage: str = "all",
+    kind: Kind | None = None,
 ) -> Spec:
     """The row of a param that sets TrainConfig's ``key``: its kind is the field's, its
     default :data:`ML_DEFAULTS`'s and its name ``key`` in camelCase, unless given."""
     head, *rest = key.split("_")
     name = name or head + "".join(part.title() for part in rest)
-    spec = Spec(name, key, kind_of(_HINTS[key]), NO_DEFAULT, doc, check, stage)
+    spec = Spec(name, key, kind or kind_of(_HINTS[key]), NO_DEFAULT, doc, check, stage)
     default = getattr(ML_DEFAULTS, key) if default is _FROM_CONFIG else default
     return replace(spec, default=spec.converter()(default))  # stored as if set
 
@@ -479,8 +483,9 @@ PARAMS: tuple[Spec, ...] = (
         "(computed on the driver) while training, and bring predictions back to label "
         "units (prediction = output * std + mean); loss='mse' only (TrainConfig "
         "label_scaling)",
-        default=True,  # TrainConfig's is False: the regressor standardises its labels
+        default=True,  # TrainConfig's "auto" is True for mse, which the regressor trains
         stage="regressor",
+        kind=BOOL,  # TrainConfig also takes "auto"; a param is true or false, as saved
     ),
     config("optimizer", f"optimizer, one of {', '.join(OPTIMIZERS)}", one_of(OPTIMIZERS)),
     config(
