@@ -14,6 +14,7 @@
     sparktrain bench infer --json docs/results/bench_infer.json
     sparktrain bench sparse --json docs/results/bench_sparse.json
     sparktrain bench multihost --rate-mbit 100 --json docs/results/bench_multihost.json
+    sparktrain bench defaults --json docs/results/bench_defaults.json
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "data",
         "data path: worker memory and samples/s, in RAM vs spilled, prefetch on/off, "
         "vs a Petastorm/pyarrow peer",
+    ),
+    "defaults": (
+        "defaults",
+        "TrainConfig's defaults vs MLlib's on scikit-learn's data sets (digits, breast "
+        "cancer, diabetes, ...), old defaults too",
     ),
 }
 # what a benchmark may import that only the `bench` extra installs

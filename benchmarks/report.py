@@ -273,6 +273,12 @@ def _sparse(data: Any) -> str:
     return sparse.table(data)
 
 
+def _defaults(data: Any) -> str:
+    from benchmarks import defaults
+
+    return defaults.table(data)
+
+
 def _multihost(data: Any) -> str:
     from benchmarks import multihost
 
@@ -526,6 +532,11 @@ SECTIONS: tuple[Section, ...] = (
         "sparktrain bench multihost --rate-mbit 100 --parts compare busbw --merge \\\n"
         "    --json docs/results/bench_multihost.json   # the last two tables",
         "bench_multihost.json", _multihost,
+    ),
+    Section(
+        "bench_defaults", "Defaults that train: TrainConfig's defaults against MLlib's",
+        "sparktrain bench defaults --json docs/results/bench_defaults.json",
+        "bench_defaults.json", _defaults,
     ),
 )  # fmt: skip
 
