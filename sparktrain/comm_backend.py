@@ -104,8 +104,9 @@ def check_torch_transport(enabled: Sequence[str], cfg: TrainConfig, what: str) -
         raise ResourceError(
             f"{what} runs the collectives through torch.distributed, whose store and "
             f"Gloo/NCCL traffic are neither authenticated nor encrypted, so it cannot honour "
-            f'encryption = "{cfg.encryption}": use comm_backend = "sparktrain" with '
-            'encryption, or encryption = "none" on a network you trust'
+            f'encryption = "{cfg.encryption}": train with sparktrain\'s own collectives '
+            '(sparktrain.run, Trainer.fit), which encrypt, or set encryption = "none" on a '
+            "network you trust"
         )
     if not enabled:
         return

@@ -479,9 +479,9 @@ class TrainConfig:
                 f"validation_fraction={self.validation_fraction!r} is out of range: "
                 "use a value in [0, 1), e.g. 0.2"
             )
-        for name in ("optimizer_kwargs", "loss_kwargs"):
+        for name, example in _KWARGS_EXAMPLES.items():
             if not isinstance(getattr(self, name), dict):
-                raise ConfigError(f"{name} must be a table/dict, e.g. {{momentum = 0.9}}")
+                raise ConfigError(f"{name} must be a table/dict, e.g. {name}={example}")
         _check_sgd_settings(self.optimizer, self.optimizer_kwargs)
         _check_column_options(self)
         for key in ("label_scaling", "feature_scaling"):
@@ -544,9 +544,10 @@ class TrainConfig:
         for table, entry, value in entries:  # after the whole tables they refine
             current = coerced.get(table)  # unset: a table of its own (a default is replaced)
             if current is not None and not isinstance(current, Mapping):
+                whole = json.dumps(_set_entry({}, entry.split("."), value), default=str)
                 raise ConfigError(
                     f"{table}.{entry} sets an entry of {table}, which is {current!r}, not a "
-                    f"table: give the whole table instead, e.g. {table}={{{entry} = ...}}"
+                    f"table: give the whole table instead, e.g. {table}={whole}"
                 )
             coerced[table] = _set_entry(dict(current or {}), entry.split("."), value)
         return cls(**coerced)
@@ -654,9 +655,7 @@ def changed_defaults_notice(cfg: TrainConfig) -> str:
             "Adam: set optimizer='sgd' to keep SGD."
         )
     olds = ", ".join(f"{c.key}={_toml_value(c.old)}" for c in changes)
-    moves = ", ".join(
-        f"{c.key} {_toml_value(c.old)} -> {_toml_value(c.new)}" for c in changes
-    )
+    moves = ", ".join(f"{c.key} {_toml_value(c.old)} -> {_toml_value(c.new)}" for c in changes)
     lines.append(
         f"this fit runs on defaults that changed in sparktrain 0.2 ({moves}); set "
         f"{olds} to train as before. docs/migration.md says why."
@@ -682,7 +681,7 @@ def _check_sgd_settings(optimizer: Any, kwargs: Mapping[str, Any]) -> None:
             f"optimizer_kwargs {', '.join(given)} are SGD's settings, which "
             f"optimizer={optimizer!r} does not take; the default optimizer is 'adam' since "
             "sparktrain 0.2 (it was 'sgd'): set optimizer='sgd' to keep SGD (a config "
-            f"file: optimizer = \"sgd\"), or drop {', '.join(given)}"
+            f'file: optimizer = "sgd"), or drop {", ".join(given)}'
         )
 
 
@@ -800,7 +799,7 @@ def _check_compression(spec: Any, optimizer_kwargs: Any = None) -> None:
         if not spec:
             raise ConfigError(
                 "compression as a per-layer table needs at least one 'pattern = spec' entry, "
-                'e.g. {"fc3.*" = "fp16", "*" = "int8+ef"}'
+                'e.g. compression={"fc3.*": "fp16", "*": "int8+ef"}'
             )
         for pattern, sub in spec.items():
             if not isinstance(pattern, str) or not isinstance(sub, str) or sub == "auto":
@@ -830,6 +829,12 @@ def _check_compression(spec: Any, optimizer_kwargs: Any = None) -> None:
             "optimizer_kwargs.momentum=0 (or drop momentum= from the spec)"
         )
 
+
+# The example of a dict-valued setting's error: Python, and after --set as JSON.
+_KWARGS_EXAMPLES = {
+    "optimizer_kwargs": '{"weight_decay": 0.0001}',
+    "loss_kwargs": '{"label_smoothing": 0.1}',
+}
 
 # Fields that live in a TOML table: the table name, then the key.
 _TABLES = ("parallelism", "link")
@@ -866,7 +871,9 @@ def _check_loop_options(cfg: TrainConfig) -> None:
                 f"one of {', '.join(known)}"
             )
     if not isinstance(cfg.lr_schedule_kwargs, dict):
-        raise ConfigError("lr_schedule_kwargs must be a table/dict, e.g. {T_max = 1000}")
+        raise ConfigError(
+            'lr_schedule_kwargs must be a table/dict, e.g. lr_schedule_kwargs={"T_max": 1000}'
+        )
     _one_of("lr_schedule_interval", cfg.lr_schedule_interval, SCHEDULE_INTERVALS)
     _at_least("warmup_steps", cfg.warmup_steps, 0)
     _one_of("precision", cfg.precision, PRECISIONS)
@@ -888,7 +895,7 @@ def _check_loop_options(cfg: TrainConfig) -> None:
     _check_early_stopping(cfg.early_stopping)
     if not isinstance(cfg.metrics, list):
         raise ConfigError(
-            f'metrics must be a list, e.g. ["macro_f1", "top_k:3"]; got {cfg.metrics!r}'
+            f'metrics must be a list, e.g. metrics=["macro_f1", "top_k:3"]; got {cfg.metrics!r}'
         )
     for metric in cfg.metrics:
         check_metric_name(metric)
@@ -929,7 +936,8 @@ def check_metric_name(metric: Any) -> None:
 def _check_early_stopping(table: Any) -> None:
     if not isinstance(table, dict):
         raise ConfigError(
-            'early_stopping must be a table, e.g. {metric = "accuracy", patience = 3}'
+            "early_stopping must be a table, e.g. "
+            'early_stopping={"metric": "accuracy", "patience": 3}'
         )
     if not table:
         return
@@ -941,7 +949,8 @@ def _check_early_stopping(table: Any) -> None:
         )
     if not isinstance(table.get("metric"), str) or not table["metric"]:
         raise ConfigError(
-            'early_stopping needs the metric to watch, e.g. {metric = "accuracy"} (any name '
+            'early_stopping needs the metric to watch, e.g. early_stopping={"metric": '
+            '"accuracy"} (any name '
             "the run reports: loss, the validation metric, a metrics entry, or a report key)"
         )
     if table.get("mode", "min") not in ("min", "max"):
@@ -959,11 +968,12 @@ def _check_column_options(cfg: TrainConfig) -> None:
     imported where they run, on the workers and the driver's model check)."""
     from sparktrain.data.columns import check_dtype, check_shape
 
+    # as Python and after --set alike (a value TOML cannot parse is read as JSON)
     examples = {
-        "feature_shapes": '{"image" = [1, 28, 28]}',
-        "feature_dtypes": '{"x" = "float64"}',
-        "decode": '{"image" = "mypkg.io:decode_png"}',
-        "collate": '{"tokens" = "mypkg.io:pack"}',
+        "feature_shapes": 'feature_shapes={"image": [1, 28, 28]}',
+        "feature_dtypes": 'feature_dtypes={"x": "float64"}',
+        "decode": 'decode={"image": "mypkg.io:decode_png"}',
+        "collate": 'collate={"tokens": "mypkg.io:pack"}',
     }
     for name, example in examples.items():
         table = getattr(cfg, name)

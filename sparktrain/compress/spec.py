@@ -150,11 +150,11 @@ def check_options(
     plain = [a for a in stage.args if a not in flags]
     if len(plain) > positional:
         raise fail(stage, f"unexpected argument(s) {plain[positional:]}")
-    for k, _ in stage.options:
+    for k, v in stage.options:
         if k not in keys:
             hint = ""
             if k in EF_OPTIONS and stage.name != "ef":  # a common slip: put it after +ef
-                hint = f"; {k}= is an error-feedback option: write it after +ef, e.g. +ef:{k}=..."
+                hint = f"; {k}= is an error-feedback option: write it after +ef, e.g. +ef:{k}={v}"
             raise fail(stage, f"unknown option {k!r} (known: {', '.join(keys) or 'none'}){hint}")
 
 

@@ -151,9 +151,10 @@ class Strategy:
         The base class checks the compression spec against the class attributes."""
         self._check_abilities(cfg)
         if cfg.parallelism_pipeline > 1 and cfg.compression == "auto":
-            raise ConfigError(
-                "strategy/compression 'auto' do not combine with parallelism.pipeline > 1: "
-                "give strategy='ring' and a compression spec"
+            raise ConfigError(  # strategy='auto' is refused before (Auto.validate)
+                "compression='auto' and parallelism.pipeline > 1 do not combine (the link "
+                "probe picks a compressor for data parallelism): give a spec, e.g. "
+                "compression='int8+ef', or compression='none'"
             )
         if cfg.compression == "auto" and not self.auto_compression:
             raise ConfigError(
@@ -195,12 +196,19 @@ class Strategy:
                 f"strategy={cfg.strategy!r} does not combine with parallelism.pipeline > 1: the "
                 "replicas of a stage average gradients with the ring; use strategy='ring'"
             )
-        if self.launcher == "rounds" or cfg.parallelism_pipeline > 1:
+        if self.launcher == "rounds":
             refuse_loop_options(
                 cfg,
                 loop_knobs(cfg),
-                f"strategy={self.name!r}" if self.launcher == "rounds" else "pipeline parallelism",
+                f"strategy={self.name!r}",
                 "use strategy='ring', 'tree' or 'ps' (data parallel) for them",
+            )
+        elif cfg.parallelism_pipeline > 1:
+            refuse_loop_options(
+                cfg,
+                loop_knobs(cfg),
+                "pipeline parallelism",
+                "set parallelism.pipeline=1 (data parallel) for them",
             )
 
     def _check_abilities(self, cfg: TrainConfig) -> None:
@@ -269,6 +277,17 @@ class Strategy:
         )
 
 
+_PATH_EXAMPLES = {
+    "reduce": "fp16",
+    "allgather": "topk:0.01+ef",
+    "recompress": "int8+ef",
+    "resparsify": "topk:0.01+ef",
+    "resparsify_tree": "topk:0.01+ef",
+}
+"""A spec each forced ``compression_path`` applies to (on the ring; on the tree, those
+the tree has), for the error that asks for one."""
+
+
 def _check_compression_path(cfg: TrainConfig, strategy: str, specs: list[str]) -> None:
     """A forced ``compression_path`` must apply to every compressed spec on this
     strategy's allreduce at ``num_workers`` (checked again where the reducer is built, for
@@ -284,9 +303,10 @@ def _check_compression_path(cfg: TrainConfig, strategy: str, specs: list[str]) -
         )
     specs = [s for s in specs if s != "none"]
     if not specs:
+        example = _PATH_EXAMPLES.get(want, "topk:0.01+ef")
         raise ConfigError(
             f"compression_path={want!r} needs a compression spec (compression is 'none'): "
-            "give one, e.g. compression='topk:0.01+ef', or leave compression_path='auto'"
+            f"give one, e.g. compression={example!r}, or leave compression_path='auto'"
         )
     if strategy == "auto" or "auto" in specs or cfg.parallelism_pipeline > 1:
         return  # the algorithm, compressor or group size is chosen in the stage

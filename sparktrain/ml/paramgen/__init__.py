@@ -356,6 +356,8 @@ def _by_config(spec: Spec, value: Any) -> Any:
             message = spec.name + message.removeprefix(spec.key)
         else:
             message = f"{spec.name}: {message}"
+        # an example's key too: "e.g. early_stopping={...}" reads "e.g. earlyStopping={...}"
+        message = message.replace(f"{spec.key}=", f"{spec.name}=")
         raise ValueError(message) from exc
     return value
 
