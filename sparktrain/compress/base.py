@@ -25,8 +25,9 @@ as torch's ``PowerSGDState`` keeps state apart from hyper-parameters.
   others see it (for error feedback). :func:`summable_allreduce` is the generic body.
 
 :func:`encode_message` / :func:`decode_message` frame ``(payload, ctx, count)`` as one
-``uint8`` buffer with a fixed binary header; the sample count travels here, uncompressed,
-so the weighting rule (``task/buckets.py``) survives any compressor.
+``uint8`` buffer with a binary header, compact (14 bytes plus 5 a part) wherever its
+sizes fit 32 bits, else long; the sample count travels here, uncompressed, so the
+weighting rule (``task/buckets.py``) survives any compressor.
 """
 
 from __future__ import annotations
@@ -208,9 +209,21 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- wire message
+# Two forms, told apart by their magic. The long form: a 24-byte header, a 16-byte
+# table entry per part, the ctx floats, then each part 8-byte aligned. The compact
+# form, for every message whose sizes fit 32 bits (all but the huge), saves what a small
+# payload cannot afford (a 1 % top-k segment of a small model is ~80 bytes): a 14-byte
+# header (element count and sample count as uint32), a 5-byte table entry per part,
+# the ctx floats, then each part aligned to its own itemsize (no tail padding).
 _MAGIC = b"STC1"
-_HEAD = struct.Struct("<4sBBHqd")  # magic, parts, meta, reserved, numel, count
+_HEAD = struct.Struct("<4sBxHqd")  # magic, parts, meta (up to MAX_META), numel, count
 _PART = struct.Struct("<B7xQ")  # dtype code, nbytes
+_SHORT_MAGIC = b"STCs"
+_SHORT_HEAD = struct.Struct("<4sBBII")  # magic, parts, meta, numel, count
+_SHORT_PART = struct.Struct("<BI")  # dtype code, nbytes
+_SHORT_MAX = 1 << 32
+"""The compact form's element count, sample count and part sizes are below this."""
+_SHORT_MAX_META = 255
 _CODES: dict[np.dtype[Any], int] = {
     np.dtype(np.uint8): 1,
     np.dtype(np.int8): 2,
@@ -231,8 +244,42 @@ def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
 
-def message_nbytes(payload: Payload, ctx: Ctx) -> int:
-    """Length of :func:`encode_message`'s output."""
+def _align(pos: int, itemsize: int) -> int:
+    return -(-pos // itemsize) * itemsize
+
+
+def _is_whole(count: float, below: float) -> bool:
+    return math.isfinite(count) and 0 <= count < below and count == int(count)
+
+
+def compact_form(payload: Payload, ctx: Ctx, count: float = 0.0) -> bool:
+    """Whether :func:`encode_message` writes ``(payload, ctx, count)`` in the compact
+    form: an element count, a sample count (a whole number) and part sizes below 2**32,
+    at most 255 ctx numbers. Else the long form."""
+    return (
+        0 <= ctx.numel < _SHORT_MAX
+        and len(ctx.meta) <= _SHORT_MAX_META
+        and _is_whole(count, _SHORT_MAX)
+        and all(p.nbytes < _SHORT_MAX for p in payload)
+    )
+
+
+def _compact_layout(table: list[tuple[np.dtype[Any], int]], nmeta: int) -> tuple[list[int], int]:
+    """The compact form's part offsets and total length."""
+    pos = _SHORT_HEAD.size + _SHORT_PART.size * len(table) + 8 * nmeta
+    starts = []
+    for dt, nbytes in table:
+        pos = _align(pos, dt.itemsize)
+        starts.append(pos)
+        pos += nbytes
+    return starts, pos
+
+
+def message_nbytes(payload: Payload, ctx: Ctx, count: float = 0.0) -> int:
+    """Length of :func:`encode_message`'s output (of ``count`` 0 by default: the
+    compact form wherever the sizes allow)."""
+    if compact_form(payload, ctx, count):
+        return _compact_layout([(p.dtype, p.nbytes) for p in payload], len(ctx.meta))[1]
     return (
         _HEAD.size
         + _PART.size * len(payload)
@@ -243,12 +290,15 @@ def message_nbytes(payload: Payload, ctx: Ctx) -> int:
 
 def encode_message(payload: Payload, ctx: Ctx, count: float = 0.0) -> np.ndarray:
     """``(payload, ctx, count)`` as one ``uint8`` buffer: header, part table, ctx floats,
-    then each part's raw bytes (8-byte aligned). No pickle."""
+    then each part's raw bytes, aligned. The compact form wherever its sizes allow
+    (:func:`compact_form`), else the long form. No pickle."""
     if len(payload) > MAX_PARTS or len(ctx.meta) > MAX_META:
         raise ConfigError(f"a payload has at most {MAX_PARTS} parts and {MAX_META} ctx numbers")
-    out = np.zeros(message_nbytes(payload, ctx), dtype=np.uint8)
+    if compact_form(payload, ctx, count):
+        return _encode_compact(payload, ctx, int(count))
+    out = np.zeros(message_nbytes(payload, ctx, count), dtype=np.uint8)
     buf = out.data
-    _HEAD.pack_into(buf, 0, _MAGIC, len(payload), len(ctx.meta), 0, ctx.numel, float(count))
+    _HEAD.pack_into(buf, 0, _MAGIC, len(payload), len(ctx.meta), ctx.numel, float(count))
     pos = _HEAD.size
     for part in payload:
         _PART.pack_into(buf, pos, _CODES[part.dtype], part.nbytes)
@@ -263,11 +313,29 @@ def encode_message(payload: Payload, ctx: Ctx, count: float = 0.0) -> np.ndarray
     return out
 
 
+def _encode_compact(payload: Payload, ctx: Ctx, count: int) -> np.ndarray:
+    starts, total = _compact_layout([(p.dtype, p.nbytes) for p in payload], len(ctx.meta))
+    out = np.zeros(total, dtype=np.uint8)
+    buf = out.data
+    _SHORT_HEAD.pack_into(buf, 0, _SHORT_MAGIC, len(payload), len(ctx.meta), ctx.numel, count)
+    pos = _SHORT_HEAD.size
+    for part in payload:
+        _SHORT_PART.pack_into(buf, pos, _CODES[part.dtype], part.nbytes)
+        pos += _SHORT_PART.size
+    if ctx.meta:
+        struct.pack_into(f"<{len(ctx.meta)}d", buf, pos, *ctx.meta)
+    for part, start in zip(payload, starts, strict=True):
+        raw = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+        out[start : start + raw.size] = raw
+    return out
+
+
 def decode_message(
     blob: np.ndarray | bytes, numel: int | None = None
 ) -> tuple[Payload, Ctx, float]:
-    """Inverse of :func:`encode_message`; checks every length against the buffer (and
-    ``ctx.numel`` against ``numel`` if given). Raises FrameError, never crashes.
+    """Inverse of :func:`encode_message` (either form); checks every length against the
+    buffer (and ``ctx.numel`` against ``numel`` if given). Raises FrameError, never
+    crashes.
 
     Bytes from a socket must be decoded with the ``numel`` the receiver expects: a sparse
     message's element count is not bounded by its size, so without it a forged count
@@ -275,11 +343,17 @@ def decode_message(
     data = np.frombuffer(blob, dtype=np.uint8) if isinstance(blob, bytes | bytearray) else blob
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
         raise bad("a message must be a 1-D uint8 buffer")
-    if data.size < _HEAD.size:
-        raise bad(f"{data.size} bytes is shorter than the {_HEAD.size}-byte header")
+    magic = data[:4].tobytes()
+    compact = magic == _SHORT_MAGIC
+    head, entry = (_SHORT_HEAD, _SHORT_PART) if compact else (_HEAD, _PART)
+    if data.size < head.size:
+        raise bad(f"{data.size} bytes is shorter than the {head.size}-byte header")
     view = np.ascontiguousarray(data).data
-    magic, nparts, nmeta, _, got_numel, count = _HEAD.unpack_from(view, 0)
-    if magic != _MAGIC:
+    if compact:
+        _, nparts, nmeta, got_numel, count = _SHORT_HEAD.unpack_from(view, 0)
+    elif magic == _MAGIC:
+        _, nparts, nmeta, got_numel, count = _HEAD.unpack_from(view, 0)
+    else:
         raise bad(f"bad magic {magic!r}")
     if nparts > MAX_PARTS or nmeta > MAX_META:
         raise bad(f"{nparts} parts / {nmeta} ctx numbers exceed the limits")
@@ -287,23 +361,31 @@ def decode_message(
         raise bad(f"it describes {got_numel} elements, expected {numel}")
     if not (math.isfinite(count) and count >= 0 and count == int(count)):
         raise bad(f"sample count {count!r} is not a whole number >= 0")
-    pos = _HEAD.size
+    pos = head.size
     table = []
-    if data.size < pos + _PART.size * nparts + 8 * nmeta:
+    if data.size < pos + entry.size * nparts + 8 * nmeta:
         raise bad("truncated part table")
     for _ in range(nparts):
-        code, nbytes = _PART.unpack_from(view, pos)
-        pos += _PART.size
+        code, nbytes = entry.unpack_from(view, pos)
+        pos += entry.size
         dt = _DTYPES.get(code)
         if dt is None or nbytes % dt.itemsize:
             raise bad(f"part of dtype code {code} with {nbytes} bytes")
         table.append((dt, nbytes))
-    meta = tuple(float(v) for v in data[pos : pos + 8 * nmeta].view("<f8"))
+    meta = tuple(float(v) for v in struct.unpack_from(f"<{nmeta}d", view, pos))
     pos += 8 * nmeta
-    if pos + sum(_pad8(n) for _, n in table) != data.size:
+    if compact:
+        starts, end = _compact_layout(table, nmeta)
+    else:
+        starts = []
+        for _, nbytes in table:
+            starts.append(pos)
+            pos += _pad8(nbytes)
+        end = pos
+    if end != data.size:
         raise bad(f"{data.size} bytes do not match the part table")
-    parts = []
-    for dt, nbytes in table:
-        parts.append(data[pos : pos + nbytes].view(dt))
-        pos += _pad8(nbytes)
-    return tuple(parts), Ctx(int(got_numel), meta), float(count)
+    parts = tuple(
+        data[start : start + nbytes].view(dt)
+        for (dt, nbytes), start in zip(table, starts, strict=True)
+    )
+    return parts, Ctx(int(got_numel), meta), float(count)

@@ -41,7 +41,7 @@ from sparktrain.sparse.row_codec import (
     unpack_tables,
 )
 from sparktrain.sparse.rows import rows_of, sum_rows
-from sparktrain.wire.frames import HEADER_BYTES
+from sparktrain.wire.frames import SHORT_HEADER_BYTES
 from sparktrain.wire.mesh import Mesh
 
 _BUFFER_DTYPES = (torch.float32, torch.float64)
@@ -198,8 +198,9 @@ class SparseRowExchange:
         blobs = self.gather.allgather(blob, limit)
         after = self.mesh.stats.as_dict()
         # the row messages travel as payload frames, which the mesh does not count as raw
-        # bytes: count their payload (what went out, less the frame headers) here
-        payload = (after["wire_bytes_sent"] - before["wire_bytes_sent"]) - HEADER_BYTES * (
+        # bytes: count their payload (what went out, less the frame headers: 1-D blobs,
+        # so the short form, wire/frames.py) here
+        payload = (after["wire_bytes_sent"] - before["wire_bytes_sent"]) - SHORT_HEADER_BYTES * (
             after["frames_sent"] - before["frames_sent"]
         )
         self.mesh.stats.add_sent(0, raw=max(0, payload))

@@ -14,7 +14,7 @@ with ``recv_into`` straight into preallocated memory: no pickle, no intermediate
 * Every byte is counted in a :class:`~sparktrain.wire.stats.CommStats`.
 * A connection given a ``link`` (:mod:`sparktrain.wire.link`) emulates a slow link: its
   sends are paced at the link's bandwidth and stamped with a delivery time (in the
-  header's flags and last shape slot) that the receiver waits for. A receiver without
+  header: wire/frames.py) that the receiver waits for. A receiver without
   a link ignores stamps (else a peer could hold it for a timeout per frame).
 
 Executor-side code: this module never imports pyspark.
@@ -39,7 +39,6 @@ from sparktrain.errors import ConfigError, FrameError, PeerLostError
 from sparktrain.wire.frames import (
     CODE_DTYPES,
     DTYPE_CODES,
-    FLAG_STAMPED,
     FRAME_HEADER,
     FRAME_MAGIC,
     HEADER_BYTES,
@@ -47,7 +46,12 @@ from sparktrain.wire.frames import (
     KIND_DATA,
     MAX_FRAME_BYTES_DEFAULT,
     MAX_NDIM,
-    STAMP_FIELD,
+    PREFIX_BYTES,
+    Header,
+    header_bytes,
+    header_size,
+    pack_header,
+    unpack_header,
 )
 from sparktrain.wire.link import LinkProfile, LinkShaper
 from sparktrain.wire.security import TAG_BYTES, FrameMac, LockedTlsSocket
@@ -119,11 +123,17 @@ class Connection:
         self._recv_seq = 0
         self._recv_lock = threading.Lock()
         # With a MAC, the tag follows the header (before the payload): the "sealed" header.
+        # Headers come in two sizes (wire/frames.py): the buffers hold the larger; a
+        # receiver reads the prefix first (the smallest sealed header), then the rest.
         self._mac = frame_mac
-        self._sealed_bytes = HEADER_BYTES + (TAG_BYTES if frame_mac is not None else 0)
+        self._tag_bytes = TAG_BYTES if frame_mac is not None else 0
+        self._sealed_bytes = HEADER_BYTES + self._tag_bytes
+        self._prefix_bytes = PREFIX_BYTES + self._tag_bytes
         self._send_header = bytearray(self._sealed_bytes)  # only touched under _send_lock
+        self._send_header_view = memoryview(self._send_header)
         self._recv_header = bytearray(self._sealed_bytes)
         self._recv_header_view = memoryview(self._recv_header)
+        self._recv_head: Header | None = None  # the header being received, once decoded
         self._gather = _SCATTER_GATHER and not self._tls
         self._frame_deadline = 0.0  # monotonic deadline of the frame being received
         self._closed = False
@@ -229,24 +239,14 @@ class Connection:
         seq: int,
         due_ns: int = 0,
         payload: memoryview | bytes = b"",
-    ) -> bytearray:
-        """Pack the header (and, with a MAC, its tag over header and ``payload``)."""
-        dims = list(shape)
-        flags = 0
-        if due_ns > 0:
-            if len(dims) == MAX_NDIM:  # free the stamp's slot; the element count is kept
-                dims[-2:] = [dims[-2] * dims[-1]]
-            flags = FLAG_STAMPED
-        ndim = len(dims)
-        dims += [0] * (MAX_NDIM - ndim)
-        if due_ns > 0:
-            dims[-1] = due_ns
-        header = self._send_header
-        FRAME_HEADER.pack_into(header, 0, FRAME_MAGIC, kind, code, ndim, flags, seq, nbytes, *dims)
+    ) -> memoryview:
+        """Pack the header, in the form that applies (wire/frames.py), and with a MAC its
+        tag over header and ``payload``; returns the sealed header's bytes."""
+        view = self._send_header_view
+        size = pack_header(view, kind, code, shape, nbytes, seq, due_ns)
         if self._mac is not None:
-            view = memoryview(header)
-            view[HEADER_BYTES:] = self._mac.seal(seq, view[:HEADER_BYTES], payload)
-        return header
+            view[size : size + TAG_BYTES] = self._mac.seal(seq, view[:size], payload)
+        return view[: size + self._tag_bytes]
 
     def _pause(self, until: float) -> float:
         """Sleep until monotonic time ``until`` or until the connection closes; returns
@@ -307,13 +307,14 @@ class Connection:
             if shaper is not None:
                 # Book the frame on the emulated link and stamp its delivery time; the
                 # bytes go out now and the receiver holds them until then (wire/link.py).
-                booking = shaper.book(HEADER_BYTES + nbytes)
+                size = header_bytes(code, shape, nbytes, self._send_seq, stamped=True)
+                booking = shaper.book(size + nbytes)
                 release = booking.release
                 due_ns = time.time_ns() + max(1, round((booking.due - time.monotonic()) * 1e9))
             header = self._frame_header(kind, code, shape, nbytes, self._send_seq, due_ns, payload)
             try:
                 deadline = time.monotonic() + self._frame_budget(nbytes)
-                self._send_views([memoryview(header), payload], deadline)
+                self._send_views([header, payload], deadline)
             except _LOST as exc:
                 if not isinstance(exc, TimeoutError):
                     notice = self._peek_abort_notice()
@@ -322,7 +323,7 @@ class Connection:
                         raise notice from exc
                 raise self._lost(f"sending a {nbytes}-byte frame", exc) from exc
             self._send_seq += 1
-        self.stats.add_sent(self._sealed_bytes + nbytes, raw, 1)
+        self.stats.add_sent(len(header) + nbytes, raw, 1)
         if shaper is not None:
             # Outside the send lock, so an abort notice can still go out meanwhile.
             shaper.add_hold(self._pause(release))
@@ -365,6 +366,7 @@ class Connection:
         if not got_lock:
             return False
         try:
+            # dtype code 0: the long form, whose shape slot names the rank (wire/frames.py)
             header = self._frame_header(KIND_ABORT, 0, (lost_rank + 2,), 0, self._send_seq)
             self._sock.settimeout(min(self.timeout, 0.5))
             self._sock.sendall(header)
@@ -374,7 +376,7 @@ class Connection:
             return False
         finally:
             self._send_lock.release()
-        self.stats.add_sent(self._sealed_bytes, 0, 1)
+        self.stats.add_sent(len(header), 0, 1)
         return True
 
     def _peek_abort_notice(self) -> PeerLostError | None:
@@ -383,7 +385,7 @@ class Connection:
         A rank that aborts tells its peers which rank was really lost, then closes. A
         peer that was only sending to it sees a broken pipe; the notice is still in the
         receive buffer, and naming the lost rank beats naming the messenger. (Not over
-        TLS: ssl cannot peek.)
+        TLS: ssl cannot peek.) A notice always takes the long form.
         """
         if self._closed or self._tls or not self._recv_lock.acquire(blocking=False):
             return None
@@ -407,10 +409,10 @@ class Connection:
             fields[5], data[:HEADER_BYTES], b"", data[HEADER_BYTES:]
         ):
             return None  # a forged notice: keep the error this side saw
-        return self._abort_error(fields[3], fields[7])
+        return self._abort_error(tuple(fields[7 : 7 + min(fields[3], MAX_NDIM)]))
 
-    def _abort_error(self, ndim: int, encoded: int) -> PeerLostError:
-        lost = encoded - 2 if ndim == 1 else self.peer_rank
+    def _abort_error(self, shape: tuple[int, ...]) -> PeerLostError:
+        lost = shape[0] - 2 if len(shape) == 1 else self.peer_rank
         if lost == self.peer_rank:
             detail = f"rank {self.peer_rank} aborted the collective after an error of its own"
         else:
@@ -442,19 +444,44 @@ class Connection:
         """The header announced ``length`` payload bytes: allow time for them too."""
         self._frame_deadline += length / FRAME_RATE_FLOOR
 
+    def _finish_header(self, payload: memoryview, spilled: int) -> int:
+        """The prefix of a sealed header is in ``_recv_header``: learn the header's size
+        from it and read the rest. ``spilled`` bytes past the prefix were read into
+        ``payload`` already (one syscall for a header and its payload): those belong to
+        the header first, and what is left of them moves to the payload's start.
+        Returns the payload bytes already read."""
+        header = self._recv_header_view
+        try:
+            size = header_size(header[:PREFIX_BYTES])
+        except FrameError as exc:
+            raise self._bad_frame(str(exc)) from None
+        self._recv_head = None
+        first, sealed = self._prefix_bytes, size + self._tag_bytes
+        need = sealed - first
+        if need <= 0:
+            return spilled
+        take = min(spilled, need)
+        if take:
+            header[first : first + take] = payload[:take]
+            if spilled > take:
+                payload[: spilled - take] = bytes(payload[take:spilled])
+            spilled -= take
+        if take < need:
+            self._recv_exact(header[first + take : sealed], "reading a frame header")
+        return spilled
+
     def _check_header(self, kind: int | None) -> tuple[int, int, int, tuple[int, ...]]:
         """Validate the header in ``_recv_header``; returns (kind, code, length, shape)."""
-        fields = FRAME_HEADER.unpack_from(self._recv_header)
-        magic, got_kind, code, ndim, flags, seq, length = fields[:7]
-        if magic != FRAME_MAGIC:
-            raise self._bad_frame(f"bad magic {bytes(magic)!r} (not a sparktrain frame)")
-        if seq != self._recv_seq:
+        try:
+            head = unpack_header(self._recv_header_view)
+        except FrameError as exc:
+            raise self._bad_frame(str(exc)) from None
+        self._recv_head = head
+        got_kind, code, length, shape = head.kind, head.code, head.length, head.shape
+        if head.seq != self._recv_seq:
             raise self._bad_frame(
-                f"sequence number {seq}, expected {self._recv_seq} (replayed or lost frame)"
+                f"sequence number {head.seq}, expected {self._recv_seq} (replayed or lost frame)"
             )
-        if ndim > MAX_NDIM:
-            raise self._bad_frame(f"ndim {ndim} > {MAX_NDIM}")
-        shape = tuple(fields[7 : 7 + ndim])
         if got_kind == KIND_ABORT:
             # A notice carries no payload: one that claims some is no genuine notice, and
             # its tag (over the header only) must verify before it may name any rank.
@@ -464,7 +491,7 @@ class Connection:
                 )
             self._verify_mac(b"")
             self.close()
-            raise self._abort_error(ndim, fields[7])
+            raise self._abort_error(shape)
         if kind is not None and got_kind != kind:
             raise self._bad_frame(f"kind {got_kind}, expected {kind}")
         if length > self.max_frame_bytes:
@@ -479,11 +506,7 @@ class Connection:
             count *= dim
         if count * dtype.itemsize != length:
             raise self._bad_frame(f"shape {shape} of {dtype} does not match length {length}")
-        self._recv_due_ns = 0
-        if flags & FLAG_STAMPED:
-            if ndim == MAX_NDIM:
-                raise self._bad_frame("a delivery stamp in a frame whose shape uses every slot")
-            self._recv_due_ns = fields[STAMP_FIELD]
+        self._recv_due_ns = head.stamp
         self._recv_seq += 1
         return got_kind, code, length, shape
 
@@ -492,11 +515,14 @@ class Connection:
         mac = self._mac
         if mac is None:
             return
+        head = self._recv_head
+        if head is None:  # never: _check_header decoded it first
+            raise self._bad_frame("a MAC to check before its header was decoded")
         sealed = self._recv_header_view
-        seq = FRAME_HEADER.unpack_from(self._recv_header)[5]
-        if not mac.verify(seq, sealed[:HEADER_BYTES], payload, sealed[HEADER_BYTES:]):
+        size = head.size
+        if not mac.verify(head.seq, sealed[:size], payload, sealed[size : size + TAG_BYTES]):
             raise self._bad_frame(
-                f"frame {seq}'s MAC does not verify (forged or altered in transit)"
+                f"frame {head.seq}'s MAC does not verify (forged or altered in transit)"
             )
 
     def _await_delivery(self, length: int) -> None:
@@ -551,34 +577,36 @@ class Connection:
             raise self._lost("receiving", None)
         payload = _byte_view(out)
         nbytes = len(payload)
-        header = self._recv_header_view
-        sealed = self._sealed_bytes
+        prefix = self._recv_header_view[: self._prefix_bytes]
         sock = self._sock
-        # Read header (+ tag) and payload with one syscall when possible (latency of
-        # small frames). Bytes read past a frame that turns out to be shorter than
-        # expected are lost, but such a frame is an error that closes the connection.
+        # Read the header's prefix (+ tag) and the payload with one syscall when possible
+        # (latency of small frames); a longer header's rest lands in the payload and is
+        # moved back (_finish_header). The prefix is no longer than the smallest frame;
+        # bytes read past a frame that turns out to be shorter than expected are lost,
+        # but such a frame is an error that closes the connection.
         try:
             if nbytes and self._gather:
-                got = sock.recvmsg_into([header, payload])[0]
+                got = sock.recvmsg_into([prefix, payload])[0]
             else:
-                got = sock.recv_into(header)
+                got = sock.recv_into(prefix)
         except _LOST as exc:
             raise self._lost("waiting for a frame", exc) from exc
         if got == 0:
             raise self._lost("waiting for a frame", None)
         self._frame_deadline = time.monotonic() + self._frame_budget(0)
         self.stats.add_recv(got)
-        if got < sealed:
-            self._recv_exact(header[got:], "reading a frame header")
-            got = sealed
+        if got < len(prefix):
+            self._recv_exact(prefix[got:], "reading a frame header")
+            got = len(prefix)
+        have = self._finish_header(payload, got - len(prefix))
         _, code, length, _ = self._check_header(kind)
         if code != want_code:
             raise self._bad_frame(f"dtype {CODE_DTYPES[code]}, expected {out.dtype}")
         if length != nbytes:
             raise self._bad_frame(f"{length} payload bytes, expected {nbytes}")
         self._extend_deadline(length)
-        if got < sealed + nbytes:
-            self._recv_exact(payload[got - sealed :], f"reading a {nbytes}-byte payload")
+        if have < nbytes:
+            self._recv_exact(payload[have:], f"reading a {nbytes}-byte payload")
         self._verify_mac(payload)
         self._await_delivery(length)
         self.stats.add_recv(0, 1)
@@ -596,7 +624,8 @@ class Connection:
     def _recv_bytes(self, kind: int | None, max_bytes: int) -> tuple[int, bytes]:
         if self._closed:
             raise self._lost("receiving", None)
-        self._recv_exact(self._recv_header_view, "waiting for a frame")
+        self._recv_exact(self._recv_header_view[: self._prefix_bytes], "waiting for a frame")
+        self._finish_header(memoryview(b""), 0)
         got_kind, _, length, _ = self._check_header(kind)
         if length > max_bytes:
             raise self._bad_frame(f"payload of {length} bytes exceeds the {max_bytes}-byte limit")

@@ -43,7 +43,10 @@ log = logging.getLogger(__name__)
 DRIVER_RANK = -1
 """The rank the driver uses in handshakes (metrics channel, parameter server)."""
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""What a hello announces; both ends must agree. 2: frames may take the short header
+(``wire/frames.py``) and compressed messages the compact one (``compress/base.py``),
+which a version-1 peer would refuse as bad magic."""
 SECRET_BYTES = 32
 
 _HELLO_MAGIC = b"STH1"

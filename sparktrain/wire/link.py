@@ -6,7 +6,7 @@ root nor ``tc``. Each direction of each connection gets a :class:`LinkShaper`; t
 the one ``tc netem`` + a rate limit would apply to a TCP stream:
 
 * **Bandwidth** -- a token bucket, written as a virtual clock (GCRA): a frame of ``n``
-  wire bytes (88-byte header included) occupies the link from
+  wire bytes (header included: 24 bytes for a stamped 1-D frame, else 88) occupies the link from
   ``start = max(now, link free)`` to ``finish = start + n / bandwidth``. The sender's
   ``send`` returns at ``finish - burst / bandwidth`` (``burst`` = 64 KiB by default), as
   a socket whose buffer is small returns once the bytes are on the wire. TCP/IP headers

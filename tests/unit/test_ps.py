@@ -17,7 +17,7 @@ from sparktrain.strategies.ps import protocol
 from sparktrain.strategies.ps.client import ParameterServerSync, ShardClient, connect_shards
 from sparktrain.strategies.ps.layout import shard_ranges
 from sparktrain.strategies.ps.server import ParameterServer
-from sparktrain.wire.frames import HEADER_BYTES
+from sparktrain.wire.frames import SHORT_HEADER_BYTES
 from sparktrain.wire.handshake import DRIVER_RANK, connect
 from sparktrain.wire.stats import CommStats
 
@@ -226,7 +226,7 @@ def test_pulling_an_unchanged_shard_costs_a_header_only():
         after = stats.as_dict()
         assert (
             after["wire_bytes_recv"] - before["wire_bytes_recv"]
-            == HEADER_BYTES + protocol.REPLY.size
+            == SHORT_HEADER_BYTES + protocol.REPLY.size  # a 1-D frame: the short header
         )
         # after an update, the delta brings the copy to the server's values exactly
         client.push(0, 2, np.full_like(part, 0.25))

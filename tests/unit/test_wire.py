@@ -34,7 +34,7 @@ from sparktrain.wire import (
     open_listener,
     parse_address,
 )
-from sparktrain.wire.frames import FRAME_HEADER, HEADER_BYTES, MAX_NDIM
+from sparktrain.wire.frames import FRAME_HEADER, HEADER_BYTES, MAX_NDIM, SHORT_HEADER_BYTES
 from sparktrain.wire.handshake import PROTOCOL_VERSION, AcceptTimeout
 
 from . import fixtures
@@ -296,6 +296,7 @@ ARRAYS: list[np.ndarray] = [
 
 def test_array_round_trips() -> None:
     client, server = _ok_pair()
+    handshake_bytes = client.stats.wire_bytes_sent
     try:
         for arr in ARRAYS:
             client.send_array(arr)
@@ -312,10 +313,11 @@ def test_array_round_trips() -> None:
         assert client.stats.raw_bytes_sent == raw  # KIND_DATA only
         assert server.stats.raw_bytes_sent == 0  # KIND_CONTROL is not counted as raw
         assert client.stats.frames_sent == server.stats.frames_recv == len(ARRAYS)
-        wire_bytes = raw + len(ARRAYS) * HEADER_BYTES
+        # 1-D frames carry the short header, the others the long one
+        headers = [SHORT_HEADER_BYTES if a.ndim == 1 else HEADER_BYTES for a in ARRAYS]
         assert client.stats.wire_bytes_sent == server.stats.wire_bytes_recv
         assert server.stats.wire_bytes_sent == client.stats.wire_bytes_recv
-        assert client.stats.wire_bytes_sent > wire_bytes  # plus the handshake
+        assert client.stats.wire_bytes_sent - handshake_bytes == raw + sum(headers)
     finally:
         client.close()
         server.close()

@@ -29,7 +29,12 @@ from sparktrain.wire import (
     parse_address,
 )
 from sparktrain.wire import connection as connection_module
-from sparktrain.wire.frames import FLAG_STAMPED, FRAME_HEADER, HEADER_BYTES, MAX_NDIM
+from sparktrain.wire.frames import (
+    FLAG_STAMPED,
+    FRAME_HEADER,
+    MAX_NDIM,
+    SHORT_HEADER_BYTES,
+)
 from sparktrain.wire.security import TAG_BYTES, LockedTlsSocket, WireSecurity
 
 from . import fixtures
@@ -103,8 +108,8 @@ def _tamper_proxy(target: str, flip_at: int) -> tuple[socket.socket, threading.T
 def test_a_frame_altered_in_transit_is_rejected() -> None:
     server_listener = open_listener(fixtures.HOST)
     # client -> server bytes: hello, handshake MAC, then the first frame (sealed header,
-    # payload); flip a payload bit.
-    flip_at = handshake._HELLO.size + 32 + HEADER_BYTES + TAG_BYTES + 5
+    # payload: a 1-D frame, so the short form); flip a payload bit.
+    flip_at = handshake._HELLO.size + 32 + SHORT_HEADER_BYTES + TAG_BYTES + 5
     proxy, relay = _tamper_proxy(address_of(server_listener), flip_at)
     got: list[Any] = []
 
