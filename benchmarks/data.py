@@ -313,6 +313,7 @@ def _train_config(args: argparse.Namespace, memory_mb: float, prefetch: int) -> 
         "epochs": args.epochs,
         "batch_size": args.batch,
         "lr": args.lr,
+        "optimizer": "sgd",  # the figures in docs/data.md were taken under SGD
         "num_workers": args.world,
         "seed": 0,
         "progress": False,

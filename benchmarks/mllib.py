@@ -159,8 +159,8 @@ def bench_round_rate(spark: Any, split: datasets.Split, partitions: int) -> dict
     from sparktrain import TrainConfig, Trainer
 
     cfg = TrainConfig(
-        strategy="tree_aggregate", epochs=2, batch_size=32, lr=0.1, num_workers=partitions,
-        progress=False,
+        strategy="tree_aggregate", epochs=2, batch_size=32, lr=0.1, optimizer="sgd",
+        num_workers=partitions, progress=False,
     )  # fmt: skip
     train = datasets.to_dataframe(spark, split.x_train, split.y_train, partitions)
     s = Trainer(TINY_MODEL, cfg, model_kwargs={"hidden": []}, spark=spark).fit(train).summary

@@ -47,6 +47,7 @@ def _train_config(job: dict[str, Any], strategy: str, overlap: bool) -> Any:
         bucket_mb=job["bucket_mb"],
         batch_size=job["batch"],
         lr=1e-3,
+        optimizer="sgd",
         ps_shards=job["ps_shards"],
         comm_timeout=job["timeout"],
         num_workers=job["world"],

@@ -109,6 +109,7 @@ def bench_one(
         epochs=1,
         batch_size=batch,
         lr=0.01,
+        optimizer="sgd",
         shuffle=False,
         progress=False,
         num_workers=stages,

@@ -33,6 +33,7 @@ def run_one(spark: Any, frames: tuple[Any, Any], split: Any, **overrides: Any) -
             "epochs": 10,
             "batch_size": 32,
             "lr": 0.1,
+            "optimizer": "sgd",
             "optimizer_kwargs": {"momentum": 0.9},
             "progress": False,
             "comm_timeout": 60.0,

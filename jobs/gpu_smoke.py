@@ -125,6 +125,7 @@ def check_fit(spark: Any, device: str, epochs: int) -> str:
         epochs=epochs,
         batch_size=32,
         lr=0.05,
+        optimizer="sgd",
         optimizer_kwargs={"momentum": 0.9},
         num_workers=1,
         device=device,

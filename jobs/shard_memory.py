@@ -83,6 +83,7 @@ def main(argv: list[str]) -> int:
             epochs=1,
             batch_size=8,
             lr=1e-4,
+            optimizer="sgd",
             num_workers=args.workers,
             progress=False,
             comm_timeout=300.0,

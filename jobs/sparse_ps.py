@@ -78,6 +78,7 @@ def main(argv: list[str]) -> int:
                 epochs=2,
                 batch_size=args.batch,
                 lr=0.05,
+                optimizer="sgd",
                 num_workers=args.workers,
                 progress=False,
                 comm_timeout=300.0,

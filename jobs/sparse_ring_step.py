@@ -55,7 +55,12 @@ def _rank(rank: int, args: dict[str, Any], conn: Any) -> None:
         models = {}
         for mode in ("auto", "off"):
             cfg = TrainConfig(
-                strategy="ring", lr=0.1, sparse_embeddings=mode, overlap=False, num_workers=2
+                strategy="ring",
+                lr=0.1,
+                optimizer="sgd",
+                sparse_embeddings=mode,
+                overlap=False,
+                num_workers=2,
             )
             spec = JobSpec("bench", 0, SECRET, cfg, None, {}, 0, 1)
             ctx = WorkerContext(rank, 2, "127.0.0.1", lambda s: [s], lambda: None, spec)

@@ -9,16 +9,17 @@ run) is asked of the plug-in here, in :func:`check_job`, before any Spark work.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from sparktrain.config import TrainConfig
+from sparktrain.config import TrainConfig, changed_defaults_notice
 from sparktrain.data.columns import ColumnsSpec, parse_columns, parse_labels
 from sparktrain.driver.prepare import ColumnOptions, PreparedData, prepare
 from sparktrain.driver.resources import check_can_launch, check_transport_security
 from sparktrain.driver.spark_env import SparkEnv, check_data_kind, session_of, spark_env
-from sparktrain.errors import ConfigError
+from sparktrain.errors import ConfigError, DefaultsChangedWarning
 from sparktrain.strategies import registry
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class OpenJob:
     env: SparkEnv
     config: TrainConfig
     strategy: Strategy
+    way: Way = "fit"
 
     def prepare(
         self,
@@ -93,8 +95,20 @@ class OpenJob:
             cfg.num_workers,
             weight_col,
             ColumnOptions.of(cfg),
-            cfg.label_scaling,
+            *self.scaling(),
         )
+
+    def scaling(self) -> tuple[bool | str, bool | str]:
+        """``(label_scaling, feature_scaling)`` as this way in applies them: ``"auto"``
+        scales labels for an mse fit and features for a fit (where the data allows),
+        nothing under ``run()``, whose function builds its own model."""
+        cfg = self.config
+        labels, features = cfg.label_scaling, cfg.feature_scaling
+        if labels == "auto":
+            labels = "auto" if self.way == "fit" and cfg.loss == "mse" else False
+        if features == "auto" and self.way != "fit":
+            features = False
+        return labels, features
 
 
 def open_job(
@@ -128,4 +142,20 @@ def open_job(
     cfg = check_transport_security(env, cfg)
     if strategy.launcher == "barrier" or cfg.parallelism_pipeline > 1:
         check_can_launch(env, cfg.num_workers)
-    return OpenJob(session=session, env=env, config=cfg, strategy=strategy)
+    if way == "fit":
+        announce_changed_defaults(cfg)
+    return OpenJob(session=session, env=env, config=cfg, strategy=strategy, way=way)
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def announce_changed_defaults(cfg: TrainConfig) -> None:
+    """Say once a process (a :class:`~sparktrain.errors.DefaultsChangedWarning`) which
+    changed defaults a fit runs on; set the keys, or filter the warning, to silence it."""
+    notice = changed_defaults_notice(cfg)
+    # a rate given for SGD is said even after the general notice was
+    kind = "lr" if notice.startswith("lr=") else "defaults"
+    if notice and kind not in _ANNOUNCED:
+        _ANNOUNCED.add(kind)
+        warnings.warn(notice, DefaultsChangedWarning, stacklevel=4)
