@@ -20,7 +20,14 @@ MODEL = "sparktrain.models:digits_mlp"
 
 
 def config(**overrides: object) -> TrainConfig:
-    values = {"epochs": 2, "batch_size": 32, "lr": 0.05, "num_workers": 2, "progress": False}
+    values = {
+        "epochs": 2,
+        "batch_size": 32,
+        "lr": 0.05,
+        "optimizer": "sgd",
+        "num_workers": 2,
+        "progress": False,
+    }
     return TrainConfig(**{**values, **overrides})  # type: ignore[arg-type]
 
 

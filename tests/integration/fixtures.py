@@ -133,6 +133,7 @@ def fast_config(**overrides) -> TrainConfig:  # type: ignore[no-untyped-def]
         "epochs": 20,
         "batch_size": 32,
         "lr": 0.05,
+        "optimizer": "sgd",
         "optimizer_kwargs": {"momentum": 0.9},
         "num_workers": 2,
         "progress": False,

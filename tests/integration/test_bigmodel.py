@@ -43,6 +43,7 @@ def test_a_model_over_the_frame_cap_trains(spark, strategy):
         epochs=3,
         batch_size=1024,  # one step per epoch per worker
         lr=0.1,
+        optimizer="sgd",
         optimizer_kwargs={"momentum": 0.9},
         num_workers=2,
         validation_fraction=0.0,
