@@ -25,12 +25,14 @@ if TYPE_CHECKING:
     from sparktrain.errors import DefaultsChangedWarning
     from sparktrain.result import TrainResult
     from sparktrain.runner import RunResult, run
+    from sparktrain.torch_distributor import TorchDistributor
     from sparktrain.trainer import Trainer
 
 __all__ = [
     "Callback",
     "DefaultsChangedWarning",
     "RunResult",
+    "TorchDistributor",
     "TrainConfig",
     "TrainResult",
     "Trainer",
@@ -53,6 +55,7 @@ _HOMES["run"] = _HOMES["RunResult"] = "sparktrain.runner"
 # not sparktrain/torch_run.py: importing a submodule of that name would replace this
 # function by the module on the package
 _HOMES["torch_run"] = "sparktrain.distributor"
+_HOMES["TorchDistributor"] = "sparktrain.torch_distributor"
 _HOMES["Callback"] = "sparktrain.driver.services.loggers"
 _HOMES["DefaultsChangedWarning"] = "sparktrain.errors"
 

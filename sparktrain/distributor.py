@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import hmac
+import inspect
 import json
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,12 +49,17 @@ ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 """What ``torch.distributed``'s ``env://`` initialisation and ``torchrun`` scripts read."""
 
 
+OWN_KEYWORDS = ("num_workers", "config", "spark")
+""":func:`torch_run`'s own keyword options: any other keyword goes to ``fn``."""
+
+
 def torch_run(
-    fn: Callable[..., Any],
+    fn: Callable[..., Any] | str,
     *args: Any,
     num_workers: int | None = None,
     config: TrainConfig | None = None,
     spark: SparkSession | None = None,
+    **kwargs: Any,
 ) -> Any:
     """Call ``fn(*args)`` in each of ``num_workers`` tasks of one barrier stage, as
     ``TorchDistributor(num_processes=num_workers).run(fn, *args)`` would, and return
@@ -73,11 +82,64 @@ def torch_run(
     Raises :class:`~sparktrain.errors.ResourceError` when the config or Spark requires
     encryption: torch's store and collectives cannot provide it.
     """
-    from sparktrain.runner import run
-
+    given = {"num_workers": num_workers, "config": config, "spark": spark}
+    _check_own_keywords(fn, {k for k, v in given.items() if v is not None})
+    if config is not None and not isinstance(config, TrainConfig):
+        raise TypeError(
+            f"torch_run's config= takes a sparktrain.TrainConfig, got {type(config).__name__}; "
+            "to pass a keyword named 'config' to fn, use "
+            "sparktrain.TorchDistributor(...).run(fn, config=...)"
+        )
     cfg = config or TrainConfig()
     if num_workers is not None:
         cfg = cfg.replace(num_workers=num_workers)
+    return launch(fn, args, kwargs, cfg, spark, use_gpu=None)
+
+
+def _check_own_keywords(fn: Callable[..., Any] | str, given: set[str]) -> None:
+    """Refuse a keyword of torch_run's own that ``fn`` also names as a parameter: it would
+    go to torch_run, silently, not to ``fn``."""
+    if isinstance(fn, str) or not given:
+        return
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    clash = sorted(n for n in given if n in params and params[n].kind != params[n].VAR_KEYWORD)
+    if clash:
+        raise TypeError(
+            f"torch_run(..., {clash[0]}=...) is torch_run's own option, and fn also takes a "
+            f"parameter {clash[0]!r}: it is ambiguous. Pass fn's keywords through "
+            "sparktrain.TorchDistributor(num_processes=N, local_mode=False, use_gpu=False)"
+            f".run(fn, {clash[0]}=...), whose run() gives every keyword to fn"
+        )
+
+
+def launch(
+    fn: Callable[..., Any] | str,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    cfg: TrainConfig,
+    spark: SparkSession | None,
+    *,
+    use_gpu: bool | None,
+) -> Any:
+    """Run ``fn`` (a function, or the path of a Python file) on ``cfg.num_workers``
+    barrier tasks and return rank 0's value (``None`` for a file). ``use_gpu=False``
+    hides the GPUs from the tasks (``CUDA_VISIBLE_DEVICES=""``, as TorchDistributor
+    does); ``None`` leaves the variable alone."""
+    from sparktrain.runner import run
+
+    if isinstance(fn, str | os.PathLike):
+        path = script_path(fn, kwargs)
+        entry: TorchEntry = TorchEntry(path, tuple(args), {}, use_gpu=use_gpu)
+    elif callable(fn):
+        check_return_annotation(fn)
+        entry = TorchEntry(fn, tuple(args), dict(kwargs), use_gpu=use_gpu)
+    else:
+        raise TypeError(
+            f"torch_run takes a function or the path of a Python file, got {type(fn).__name__}"
+        )
     from sparktrain.driver.job import check_job
 
     check_job(cfg, "torch_run")  # not the ps: it would start a server fn never uses
@@ -90,17 +152,29 @@ def torch_run(
     from sparktrain.driver.spark_env import spark_env
 
     check_torch_transport(spark_wire_encryption(spark_env(session)), cfg, "torch_run")
-    return run(TorchEntry(fn, tuple(args)), config=cfg, spark=session).value
+    value = run(entry, config=cfg, spark=session).value
+    return unwrap_value(value, entry.key)
 
 
 class TorchEntry:
     """The ``train_fn`` :func:`torch_run` hands to the stage runner: rank 0 starts the
     store on its own address, the ranks meet through the authenticated all-gather, set
-    the environment, call ``fn(*args)``."""
+    the environment, call ``fn(*args, **kwargs)`` or run the Python file ``fn`` with
+    ``args`` as its command line."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any] | str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        *,
+        use_gpu: bool | None = None,
+    ) -> None:
         self.fn = fn
         self.args = args
+        self.kwargs = kwargs or {}
+        self.use_gpu = use_gpu
+        self.key = secrets.token_bytes(32)  # signs a pickled return value (see wrap_value)
 
     def __call__(self, ctx: RunContext) -> Any:
         task = ctx.task
@@ -114,15 +188,138 @@ class TorchEntry:
             **torch_env(ctx.rank, [p["host"] for p in peers], peers[0]["port"]),
             AGENT_STORE: "True",
         }
+        if self.use_gpu is False:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # as TorchDistributor(use_gpu=False) does
         try:
-            with patched_env(env), groups_kept_alive() as kept:
-                try:
-                    return self.fn(*self.args)
-                finally:
-                    _destroy_leftover_group()
-                    kept.clear()  # the groups' destructors run here, without the GIL
+            with patched_env(env):
+                if isinstance(self.fn, str):
+                    run_script(self.fn, self.args, rank=ctx.rank)
+                    return None
+                with groups_kept_alive() as kept:
+                    try:
+                        value = self.fn(*self.args, **self.kwargs)
+                    finally:
+                        _destroy_leftover_group()
+                        kept.clear()  # the groups' destructors run here, without the GIL
+            if ctx.rank != 0:  # the driver keeps rank 0's value only
+                return value if is_plain(value) else None
+            job = getattr(task, "job", None)
+            streamed = getattr(job, "state_address", None) is not None
+            return wrap_value(value, self.key, streamed=streamed)
         finally:
             del store  # the server stops with rank 0's fn (as it would inside fn)
+
+
+def script_path(path: str | os.PathLike[str], kwargs: Mapping[str, Any]) -> str:
+    """The absolute path of the user's Python file, checked on the driver."""
+    if kwargs:
+        raise ValueError("Running pytorch file does not support key-word type arguments.")
+    full = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(full):
+        raise FileNotFoundError(
+            f"the training script {os.fspath(path)!r} is not a file on the driver ({full}); "
+            "pass the path of a Python file that every executor can read at the same path"
+        )
+    return full
+
+
+def run_script(path: str, args: Sequence[Any], *, rank: int) -> None:
+    """Run the user's file as torchrun would run it on one rank: a fresh Python with the
+    rank's environment (already in ``os.environ``) and ``args`` as its command line."""
+    import subprocess
+    import sys
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"rank {rank}: the training script {path} is not on this host")
+    code = subprocess.call([sys.executable, path, *map(str, args)], env=dict(os.environ))
+    if code != 0:
+        raise RuntimeError(f"rank {rank}: {path} exited with code {code}")
+
+
+PICKLED_KEY = "__sparktrain_pickled__"
+"""The key of rank 0's pickled return value: one uint8 tensor, a 32-byte HMAC then the
+pickle."""
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` travels as JSON plus tensors (what :func:`sparktrain.run` returns)."""
+    import numpy as np
+    import torch
+
+    if value is None or isinstance(value, bool | int | float | str | np.generic):
+        return True
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return True
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and is_plain(v) for k, v in value.items()) and (
+            set(value) != {PICKLED_KEY}
+        )
+    if isinstance(value, list | tuple):
+        return all(is_plain(v) for v in value)
+    return False
+
+
+def wrap_value(value: Any, key: bytes, *, streamed: bool) -> Any:
+    """Rank 0's return value as the stage runner carries it: unchanged when it is plain;
+    otherwise pickled (cloudpickle) and signed with ``key``, but only when its tensors go
+    to the driver's state receiver, whose connection is authenticated. Through Spark's
+    task results (the tasks could not reach the receiver) no pickle travels."""
+    if is_plain(value):
+        return value
+    if not streamed:
+        from sparktrain import errors
+
+        raise errors.ConfigError(
+            f"fn returned a {type(value).__name__}, which only pickle carries, and this run "
+            "returns its value through Spark's task results, a channel sparktrain does not "
+            "authenticate, where no pickle travels: return tensors, state dicts, numbers, "
+            "strings, lists or dicts with string keys (model.state_dict(), not the model)"
+        )
+    import numpy as np
+    import torch
+    from pyspark import cloudpickle
+
+    blob = cloudpickle.dumps(value)
+    tag = hmac.new(key, blob, hashlib.sha256).digest()
+    return {PICKLED_KEY: torch.from_numpy(np.frombuffer(tag + blob, dtype=np.uint8).copy())}
+
+
+def unwrap_value(value: Any, key: bytes) -> Any:
+    """The driver's half of :func:`wrap_value`: unpickle only what carries ``key``'s HMAC."""
+    if not (isinstance(value, dict) and set(value) == {PICKLED_KEY}):
+        return value
+    import pickle
+
+    raw = value[PICKLED_KEY].numpy().tobytes()
+    tag, blob = raw[:32], raw[32:]
+    if not hmac.compare_digest(tag, hmac.new(key, blob, hashlib.sha256).digest()):
+        from sparktrain import errors
+
+        raise errors.HandshakeError(
+            "rank 0's pickled return value does not carry this run's signature: not unpickled"
+        )
+    return pickle.loads(blob)  # signed by this run's own rank 0
+
+
+UNPICKLABLE = ("Generator", "Iterator", "AsyncGenerator", "Coroutine", "GeneratorType")
+
+
+def check_return_annotation(fn: Callable[..., Any]) -> None:
+    """Refuse, before training, a function whose return annotation names a type neither
+    JSON nor pickle can carry (a generator, an iterator, a coroutine)."""
+    try:
+        ret = inspect.signature(fn).return_annotation
+    except (TypeError, ValueError):
+        return
+    if ret is inspect.Signature.empty:
+        return
+    name = ret if isinstance(ret, str) else getattr(ret, "__name__", None) or str(ret)
+    base = str(name).split("[", 1)[0].rsplit(".", 1)[-1]
+    if base in UNPICKLABLE:
+        raise TypeError(
+            f"fn is annotated to return {name}, which cannot travel back to the driver: "
+            "return its values (a list), a state dict or a tensor"
+        )
 
 
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
