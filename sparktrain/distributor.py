@@ -61,9 +61,12 @@ def torch_run(
     spark: SparkSession | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Call ``fn(*args)`` in each of ``num_workers`` tasks of one barrier stage, as
-    ``TorchDistributor(num_processes=num_workers).run(fn, *args)`` would, and return
-    rank 0's return value.
+    """Call ``fn(*args, **kwargs)`` in each of ``num_workers`` tasks of one barrier stage,
+    as ``TorchDistributor(num_processes=num_workers).run(fn, *args, **kwargs)`` would,
+    and return rank 0's return value; or, ``fn`` being the path of a Python file, run it
+    with ``args`` as its command line on every rank and return ``None``. A keyword of
+    torch_run's own (``num_workers``, ``config``, ``spark``) that ``fn`` also names is
+    refused (:class:`sparktrain.TorchDistributor` gives every keyword to ``fn``).
 
     Each call sees ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
     ``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's task address and the port of the
@@ -71,10 +74,11 @@ def torch_run(
     ``TORCHELASTIC_USE_AGENT_STORE=True``, so
     ``torch.distributed.init_process_group(backend)`` with the default ``env://``
     works and every rank joins that store; the environment is restored afterwards,
-    and a process group ``fn`` left initialised is destroyed. The return value travels
-    without pickle: tensors, state dicts, numbers, strings, lists and dicts (tuples come
-    back as lists), as with
-    :func:`sparktrain.run`. ``config`` supplies ``num_workers``, ``max_restarts`` (a
+    and a process group ``fn`` left initialised is destroyed. Tensors, state dicts,
+    numbers, strings, lists and string-keyed dicts travel back without pickle (tuples
+    come back as lists), as with :func:`sparktrain.run`; other values are pickled and
+    signed, over the authenticated state receiver only (:func:`wrap_value`).
+    ``config`` supplies ``num_workers``, ``max_restarts`` (a
     failed task resubmits the stage: ``fn`` starts again on every rank), ``progress``,
     ``comm_timeout`` and the security settings; ``strategy`` must stay ``"ring"`` or
     ``"tree"`` (the ranks meet over it; ``fn`` does its own communication).
