@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import torch
 from pyspark import inheritable_thread_target
-from pyspark.ml import Estimator
+from pyspark.ml.base import Predictor
+from pyspark.ml.classification import ProbabilisticClassifier
+from pyspark.ml.regression import Regressor
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable
 
 from sparktrain.data.columns import Layout, parse_columns
@@ -71,7 +73,7 @@ M = TypeVar("M", bound=TorchModel)
 
 
 class TorchEstimator(
-    Estimator[M],
+    Predictor[M],
     _TorchParams,
     _TorchEstimatorSetters,
     DefaultParamsWritable,
@@ -223,6 +225,7 @@ class TorchEstimator(
 class TorchClassifier(
     _TorchClassifierKeywords,
     TorchEstimator[TorchClassificationModel],
+    ProbabilisticClassifier,
     _TorchClassifierParams,
 ):
     """Train a torch classifier on a Spark DataFrame, as a pyspark.ml Estimator.
@@ -383,6 +386,7 @@ class TorchClassifier(
 class TorchRegressor(
     _TorchRegressorKeywords,
     TorchEstimator[TorchRegressionModel],
+    Regressor[TorchRegressionModel],
     _TorchRegressorParams,
 ):
     """Train a torch regressor on a Spark DataFrame, as a pyspark.ml Estimator.

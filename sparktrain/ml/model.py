@@ -52,7 +52,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from pyspark.ml import Model
+from pyspark.ml.base import PredictionModel
+from pyspark.ml.classification import ProbabilisticClassificationModel
+from pyspark.ml.linalg import DenseVector, Vector
+from pyspark.ml.regression import RegressionModel
 from pyspark.ml.util import MLReadable, MLWritable
 from torch import nn
 
@@ -86,10 +89,11 @@ log = logging.getLogger(__name__)
 _OUT = "__sparktrain_output"
 
 
-class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
+class TorchModel(PredictionModel[Vector], _TorchParams, MLWritable, MLReadable["TorchModel"]):
     """Base of the fitted sparktrain models (see :class:`TorchClassificationModel` and
     :class:`TorchRegressionModel`). Holds the trained weights and the params it was
     trained with; ``transform`` adds the prediction columns and keeps every input column.
+    A pyspark.ml ``PredictionModel``: :meth:`predict` scores one ml Vector on the driver.
     """
 
     _kind = "regression"
@@ -106,6 +110,8 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         # weights on this process's payload service (Spark Connect, large models):
         # (what they were shipped for, the reference), reused by later transforms
         self._served: tuple[str, ServedBytes] | None = None
+        # (key, module) of the module predict() scores with on the driver
+        self._driver_module: tuple[str, nn.Module] | None = None
 
     def copy(self, extra: Any = None) -> Self:
         """A copy with the same weights (pyspark.ml's ``copy``); it ships its weights
@@ -213,6 +219,65 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             module = LabelScaled(module, *self._label_stats)
         return module.eval()
 
+    # ------------------------------------------------------------------ one row
+    def predict(self, value: Vector) -> float:
+        """The prediction for one ml Vector of features, on the driver (MLlib's
+        ``PredictionModel.predict``): what ``transform`` puts in the prediction column for a
+        row with these features (the same float32 features and code; a regressor's in
+        label units)."""
+        return float(self._one_row(value, ("prediction",))["prediction"])
+
+    def _one_row(self, value: Vector, fields: tuple[str, ...]) -> dict[str, Any]:
+        """``fields`` of the output struct for one row of features, scored on the driver
+        through :meth:`_InferencePlan.predict`, as one Arrow batch of ``transform`` is."""
+        name = type(self).__name__
+        if not self.layout.is_plain:
+            raise ConfigError(
+                f"{name}.predict takes one ml Vector of features, but the "
+                f"{self.layout.describe()}; score such a model with transform"
+            )
+        if not self._state_bytes:
+            raise ConfigError(f"this {name} holds no weights: fit or load one")
+        values = value.toArray() if isinstance(value, Vector) else np.asarray(value, np.float64)
+        if values.ndim != 1:
+            raise DataError(f"{name}.predict takes one row of features, got shape {values.shape}")
+        flat = pa.array(np.asarray(values, np.float32))
+        features = pa.ListArray.from_arrays(pa.array([0, len(flat)], pa.int32()), flat)
+        plan = _InferencePlan(
+            token=self._token,
+            weights=InlineWeights(b""),  # unused: the driver's module is built below
+            model_fn=self.getModelFn(),
+            model_kwargs=self.getModelKwargsDict(),
+            num_features=self._num_features,
+            kind=self._kind,
+            threads=1,
+            fields=fields,
+            label_stats=self._label_stats,
+            thresholds=self._thresholds(),
+        )
+        with torch.inference_mode():
+            out = plan.predict(self._scoring_module(), features)
+        return {field: out.field(field)[0].as_py() for field in fields}
+
+    def _scoring_module(self) -> nn.Module:
+        """The module ``modelFn`` builds with the trained weights, in eval mode, built once
+        per weights, ``modelFn`` and ``modelKwargs`` (:meth:`predict` runs per row)."""
+        kwargs = json.dumps(self.getModelKwargsDict(), sort_keys=True)
+        key = f"{self._token}|{self.getModelFn()}|{kwargs}"
+        if self._driver_module is None or self._driver_module[0] != key:
+            module = self._build_module()
+            module.load_state_dict(state_from_bytes(self._state_bytes))
+            self._driver_module = (key, module.eval())
+        return self._driver_module[1]
+
+    def _thresholds(self) -> tuple[float, ...] | None:
+        """The classifier's ``thresholds`` when set (checked), else None."""
+        return None
+
+    def _output_metadata(self) -> dict[str, dict[str, Any]]:
+        """Column metadata by output field, as MLlib writes it (a classifier's)."""
+        return {}
+
     # ------------------------------------------------------------------ setters
     def setFeaturesCol(self, value: str) -> Self:
         """Sets the value of :py:attr:`featuresCol`."""
@@ -281,6 +346,7 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
             device=self.getDevice(),
             layout=typed,
             label_stats=self._label_stats,
+            thresholds=self._thresholds(),
         )
         fields = ", ".join(f"{field} {_FIELD_TYPES[field]}" for _, field in outputs)
         udf = arrow_udf(plan.run, f"struct<{fields}>")  # type: ignore[call-overload]
@@ -288,8 +354,19 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         columns: dict[str, Column] = {}
         for name, field in outputs:
             value = F.col(_OUT).getField(field)
-            columns[name] = value if field == "prediction" else array_to_vector(value)
-        return out.withColumns(columns).drop(_OUT)
+            # the UDF scores every row: coalesce only makes the column NOT NULL, as
+            # MLlib's prediction is (a projection, no second pass over the data)
+            columns[name] = (
+                F.coalesce(value, F.lit(float("nan")))
+                if field == "prediction"
+                else array_to_vector(value)
+            )
+        result = out.withColumns(columns).drop(_OUT)
+        metadata = self._output_metadata()
+        for name, field in outputs:
+            if field in metadata:
+                result = result.withMetadata(name, metadata[field])
+        return result
 
     def _shipped_weights(self, env: SparkEnv) -> Any:
         """:func:`ship_weights` of this model's weights. Weights put on a payload service
@@ -389,14 +466,22 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable["TorchModel"]):
         return TorchModelReader(cls, model_fn=model_fn).load(path)
 
 
-class TorchClassificationModel(TorchModel, _TorchClassifierParams):
+class TorchClassificationModel(
+    TorchModel, ProbabilisticClassificationModel, _TorchClassifierParams
+):
     """A classifier fitted by :class:`~sparktrain.ml.TorchClassifier`.
 
     ``transform`` adds ``rawPrediction`` (the model's logits as an ml Vector; for a
     single-logit binary model ``[-z, z]``, as MLlib's LogisticRegression does),
     ``probability`` (softmax, or ``[1 - sigmoid(z), sigmoid(z)]``) and ``prediction``
-    (the most probable class index, as a double). Set any of the three column params to
-    ``""`` to leave that column out.
+    (the most probable class index, as a double; with ``thresholds``, the class with the
+    largest ``probability / threshold``, as MLlib's). Set any of the three column params
+    to ``""`` to leave that column out. The prediction column is NOT NULL and carries
+    MLlib's nominal attribute (``{"ml_attr": {"num_vals": numClasses, "type":
+    "nominal"}}``), which ``IndexToString`` reads; the vectors carry ``{"ml_attr":
+    {"num_attrs": numClasses}}``, as MLlib's. A pyspark.ml
+    ``ProbabilisticClassificationModel``: :meth:`predict`, :meth:`predictRaw` and
+    :meth:`predictProbability` score one ml Vector on the driver.
 
     Examples
     --------
@@ -426,6 +511,45 @@ class TorchClassificationModel(TorchModel, _TorchClassifierParams):
         """Sets the value of :py:attr:`rawPredictionCol`."""
         return self._set(rawPredictionCol=value)
 
+    def setThresholds(self, value: list[float]) -> Self:
+        """Sets the value of :py:attr:`thresholds`: one per class, >= 0, at most one 0;
+        the prediction is the class with the largest ``probability / threshold``."""
+        return self._set(thresholds=value)
+
+    def predictRaw(self, value: Vector) -> DenseVector:
+        """The raw prediction (logits; ``[-z, z]`` for a single logit) for one ml Vector of
+        features, on the driver: ``transform``'s ``rawPrediction`` for such a row."""
+        return DenseVector(self._one_row(value, ("rawPrediction",))["rawPrediction"])
+
+    def predictProbability(self, value: Vector) -> DenseVector:
+        """The class probabilities for one ml Vector of features, on the driver:
+        ``transform``'s ``probability`` for such a row."""
+        return DenseVector(self._one_row(value, ("probability",))["probability"])
+
+    def _thresholds(self) -> tuple[float, ...] | None:
+        if not self.isDefined(self.thresholds):
+            return None
+        thresholds = tuple(float(t) for t in self.getThresholds())
+        k = self.numClasses
+        if len(thresholds) != k or any(not t >= 0 for t in thresholds) or thresholds.count(0) > 1:
+            raise ConfigError(
+                f"thresholds={list(thresholds)} must hold one value >= 0 per class ({k} "
+                "for this model), at most one of them 0; or clear it (model.clear("
+                "model.thresholds)) to predict the most probable class"
+            )
+        return thresholds
+
+    def _output_metadata(self) -> dict[str, dict[str, Any]]:
+        # what MLlib's classification models write: a NominalAttribute with numValues on
+        # the prediction, an AttributeGroup of numClasses on the vectors
+        k = self.numClasses
+        group = {"ml_attr": {"num_attrs": k}}
+        return {
+            "prediction": {"ml_attr": {"num_vals": k, "type": "nominal"}},
+            "rawPrediction": group,
+            "probability": group,
+        }
+
     def _output_columns(self) -> list[tuple[str, str]]:
         wanted = [
             (self.getRawPredictionCol(), "rawPrediction"),
@@ -435,11 +559,12 @@ class TorchClassificationModel(TorchModel, _TorchClassifierParams):
         return [(name, field) for name, field in wanted if name]
 
 
-class TorchRegressionModel(TorchModel, _TorchRegressorParams):
+class TorchRegressionModel(TorchModel, RegressionModel[Vector], _TorchRegressorParams):
     """A regressor fitted by :class:`~sparktrain.ml.TorchRegressor`: ``transform`` adds
     ``prediction`` (double): the model's single output, brought back to label units
     (``output * std + mean``) when it was trained with ``labelScaling``
-    (:attr:`labelStats`).
+    (:attr:`labelStats`), in a NOT NULL column. A pyspark.ml ``RegressionModel``:
+    :meth:`predict` scores one ml Vector on the driver, in label units too.
 
     Examples
     --------
@@ -584,6 +709,10 @@ class _InferencePlan:
     label_stats: tuple[float, float] | None = None
     """A regressor's ``(mean, std)`` (``labelScaling``): prediction = output * std + mean,
     in float64; ``None``: the output is the prediction."""
+    thresholds: tuple[float, ...] | None = None
+    """A classifier's ``thresholds`` (one per class): the prediction is the class with
+    the largest ``probability / threshold`` (a 0 threshold: infinity), as MLlib's;
+    ``None``: the most probable class."""
     device: str = "cpu"
     """The model's ``device`` Param: ``"cuda"`` or ``"auto"`` score on the task's GPU when
     Spark gave it one and CUDA works (:func:`inference_device`), else on the CPU."""
@@ -698,7 +827,11 @@ class _InferencePlan:
                 mean, std = self.label_stats
                 prediction = prediction * std + mean
             columns["prediction"] = pa.array(prediction.numpy())
-        elif "probability" not in self.fields and "rawPrediction" not in self.fields:
+        elif (
+            self.thresholds is None
+            and "probability" not in self.fields
+            and "rawPrediction" not in self.fields
+        ):
             columns["prediction"] = pa.array(_classes(out).numpy())
         else:
             logits = out.double()
@@ -712,10 +845,21 @@ class _InferencePlan:
                 prob = torch.softmax(logits, dim=1)
             columns["rawPrediction"] = _list_array(raw.numpy())
             columns["probability"] = _list_array(prob.numpy())
-            columns["prediction"] = pa.array(prob.argmax(dim=1).double().numpy())
+            columns["prediction"] = pa.array(_predicted(prob, self.thresholds).numpy())
         return pa.StructArray.from_arrays(
             [columns[f] for f in self.fields], names=list(self.fields)
         )
+
+
+def _predicted(prob: torch.Tensor, thresholds: tuple[float, ...] | None) -> torch.Tensor:
+    """The predicted class of each row of ``(n, k)`` probabilities as float64: the most
+    probable, or with ``thresholds`` the largest ``p / t`` (infinity where ``t`` is 0),
+    the first on a tie, as MLlib's ``ProbabilisticClassificationModel``."""
+    if thresholds is None:
+        return prob.argmax(dim=1).double()
+    t = torch.tensor(thresholds, dtype=prob.dtype)
+    scaled = torch.where(t == 0, torch.full_like(prob, float("inf")), prob / t)
+    return scaled.argmax(dim=1).double()
 
 
 def _classes(out: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any, Self
 
 from pyspark import keyword_only
+from pyspark.ml.base import _PredictorParams
+from pyspark.ml.classification import _ProbabilisticClassifierParams
 from pyspark.ml.param import Param, Params
 from pyspark.ml.param.shared import (
     HasFeaturesCol,
@@ -18,6 +20,7 @@ from pyspark.ml.param.shared import (
     HasProbabilityCol,
     HasRawPredictionCol,
     HasSeed,
+    HasThresholds,
     HasWeightCol,
 )
 
@@ -901,8 +904,9 @@ class HasDriverServicesPorts(Params):
 
 
 class _TorchParamsBase(
-    HasFeaturesCol,
+    _PredictorParams,
     HasLabelCol,
+    HasFeaturesCol,
     HasPredictionCol,
     HasWeightCol,
     HasModelFn,
@@ -953,7 +957,13 @@ class _TorchParamsBase(
         self._setDefault(seed=0)
 
 
-class _TorchClassifierParamsBase(_TorchParamsBase, HasProbabilityCol, HasRawPredictionCol):
+class _TorchClassifierParamsBase(
+    _ProbabilisticClassifierParams,
+    HasProbabilityCol,
+    HasThresholds,
+    HasRawPredictionCol,
+    _TorchParamsBase,
+):
     """The params of TorchClassifier and its model, with their defaults."""
 
     def __init__(self) -> None:
@@ -1161,6 +1171,7 @@ class _TorchClassifierKeywords(Params):
         predictionCol: str = "prediction",
         probabilityCol: str = "probability",
         rawPredictionCol: str = "rawPrediction",
+        thresholds: list[float] | None = None,
         weightCol: str | None = None,
         modelFn: str | None = None,
         modelKwargs: str | dict[str, Any] = "{}",
@@ -1214,6 +1225,7 @@ class _TorchClassifierKeywords(Params):
         predictionCol: str = "prediction",
         probabilityCol: str = "probability",
         rawPredictionCol: str = "rawPrediction",
+        thresholds: list[float] | None = None,
         weightCol: str | None = None,
         modelFn: str | None = None,
         modelKwargs: str | dict[str, Any] = "{}",
@@ -1265,6 +1277,10 @@ class _TorchClassifierKeywords(Params):
     def setRawPredictionCol(self, value: str) -> Self:
         """Sets the value of :py:attr:`rawPredictionCol`."""
         return self._set(rawPredictionCol=value)
+
+    def setThresholds(self, value: list[float]) -> Self:
+        """Sets the value of :py:attr:`thresholds`."""
+        return self._set(thresholds=value)
 
 
 class _TorchRegressorKeywords(Params):

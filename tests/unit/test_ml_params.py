@@ -86,7 +86,7 @@ STANDARD = {"featuresCol", "labelCol", "predictionCol", "weightCol"}
 def test_param_names_follow_mllib() -> None:
     clf_names = {p.name for p in TorchClassifier().params}
     reg_names = {p.name for p in TorchRegressor().params}
-    assert clf_names == OWN_PARAMS | STANDARD | {"probabilityCol", "rawPredictionCol"}
+    assert clf_names == OWN_PARAMS | STANDARD | {"probabilityCol", "rawPredictionCol", "thresholds"}
     assert reg_names == OWN_PARAMS | STANDARD | {"labelScaling"}
     assert {p.name for p in TorchClassificationModel().params} == clf_names
     assert {p.name for p in TorchRegressionModel().params} == reg_names

@@ -37,6 +37,7 @@ SAVED_NAMES = {
     "predictionCol": "",
     "probabilityCol": "",
     "rawPredictionCol": "",
+    "thresholds": "",
     "weightCol": "",
     "modelFn": "",
     "modelKwargs": "",

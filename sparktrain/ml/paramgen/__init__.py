@@ -50,6 +50,7 @@ from pyspark.ml.param.shared import (
     HasProbabilityCol,
     HasRawPredictionCol,
     HasSeed,
+    HasThresholds,
     HasWeightCol,
 )
 
@@ -195,6 +196,7 @@ INT = Kind("int", "int", lambda _: TypeConverters.toInt)
 FLOAT = Kind("float", "float", lambda _: TypeConverters.toFloat)
 BOOL = Kind("bool", "bool", lambda _: TypeConverters.toBoolean)
 NAMES = Kind("list[str]", "list[str]", lambda _: TypeConverters.toListString)
+FLOATS = Kind("list[float]", "list[float]", lambda _: TypeConverters.toListFloat)
 JSON = Kind(
     "str", "str | dict[str, Any]", _json_object, json.loads, hint=" (a dict or JSON object text)"
 )
@@ -206,7 +208,11 @@ COLUMNS = Kind(
 )
 
 _SIMPLE = {str: STR, int: INT, float: FLOAT, bool: BOOL}
-_PYSPARK: dict[Any, Kind] = {TypeConverters.toString: STR, TypeConverters.toInt: INT}
+_PYSPARK: dict[Any, Kind] = {
+    TypeConverters.toString: STR,
+    TypeConverters.toInt: INT,
+    TypeConverters.toListFloat: FLOATS,
+}
 
 
 def kind_of(hint: Any) -> Kind:
@@ -464,6 +470,7 @@ PARAMS: tuple[Spec, ...] = (
     shared(HasPredictionCol),
     shared(HasProbabilityCol, stage="classifier"),
     shared(HasRawPredictionCol, stage="classifier"),
+    shared(HasThresholds, stage="classifier"),
     shared(HasWeightCol),
     own(
         "modelFn",
@@ -747,6 +754,8 @@ from __future__ import annotations
 from typing import Any, Self
 
 from pyspark import keyword_only
+from pyspark.ml.base import _PredictorParams
+from pyspark.ml.classification import _ProbabilisticClassifierParams
 from pyspark.ml.param import Param, Params
 from pyspark.ml.param.shared import {{shared}}
 
@@ -887,6 +896,30 @@ def _keywords(stage: str) -> str:
     )
 
 
+# pyspark's predictor params in the order of their MLlib bases' MRO
+# (_ProbabilisticClassifierParams, _ClassifierParams, _PredictorParams): the stages
+# subclass those bases, so the generated mixins list them in that order first
+_MLLIB_ORDER = (
+    "HasProbabilityCol",
+    "HasThresholds",
+    "HasRawPredictionCol",
+    "HasLabelCol",
+    "HasFeaturesCol",
+    "HasPredictionCol",
+)
+
+
+def _mllib_first(names: list[str]) -> list[str]:
+    """``names`` with MLlib's predictor mixins first, in :data:`_MLLIB_ORDER`, after the
+    private pyspark class that groups them (``_PredictorParams`` for the stages' common
+    params, ``_ProbabilisticClassifierParams`` for the classifier's): a stage that is
+    also a pyspark ``PredictionModel`` / ``ProbabilisticClassificationModel`` then has a
+    method resolution order."""
+    first = [n for n in _MLLIB_ORDER if n in names]
+    group = "_PredictorParams" if "HasLabelCol" in first else "_ProbabilisticClassifierParams"
+    return [group, *first] + [n for n in names if n not in first]
+
+
 def render() -> str:
     """``shared_params.py`` as :func:`main` writes it, before ``ruff format``."""
     generated = [spec for spec in PARAMS if spec.mixin is None]
@@ -897,7 +930,7 @@ def render() -> str:
     out.append(
         _mixins(
             "_TorchParamsBase",
-            [spec.mixin_name for spec in stage_params("all")],
+            _mllib_first([spec.mixin_name for spec in stage_params("all")]),
             "The params every sparktrain.ml stage has (TorchEstimator's and TorchModel's); "
             "pyspark's that set a TrainConfig key default to TrainConfig's.",
             {spec.name: spec.default for spec in PARAMS if spec.mixin and spec.key},
@@ -908,7 +941,12 @@ def render() -> str:
         doc = f"The params of {estimator} and its model, with their defaults."
         out.append(
             _mixins(
-                f"_{estimator}ParamsBase", ["_TorchParamsBase", *extra], doc, stage_defaults(stage)
+                f"_{estimator}ParamsBase",
+                _mllib_first([*extra, "_TorchParamsBase"])
+                if set(extra) <= set(_MLLIB_ORDER)
+                else ["_TorchParamsBase", *extra],
+                doc,
+                stage_defaults(stage),
             )
         )
     out.append(
