@@ -147,7 +147,14 @@ class Trainer:
         # loss/optimizer settings.
         with ThreadPoolExecutor(1, thread_name_prefix="sparktrain-model") as pool:
             built = pool.submit(self._build_model)
-            prepared = opened.prepare(data, validation_data, features_col, label_col, weight_col)
+            prepared = opened.prepare(
+                data,
+                validation_data,
+                features_col,
+                label_col,
+                weight_col,
+                lambda: None if built.exception() else takes_indices(built.result()[0]),
+            )
             model, settings_error = built.result()
         layout = prepared.data_layout
         _check_layout_fits(layout, cfg, strategy.launcher)
@@ -299,3 +306,15 @@ def _check_float_inputs(layout: Layout, model: nn.Module) -> None:
                 f"are {name}: set feature_dtypes={{{column.key!r}: {name!r}}} (or cast the "
                 "model)"
             )
+
+
+def takes_indices(model: nn.Module) -> str | None:
+    """Why ``feature_scaling="auto"`` must leave ``model``'s features alone: an embedding
+    layer's inputs are row indices, which scaling would turn into other rows."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            return (
+                f"the model's {name or 'root'} is an {type(module).__name__}, whose inputs are "
+                "indices"
+            )
+    return None

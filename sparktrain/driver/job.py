@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sparktrain.config import TrainConfig, changed_defaults_notice
 from sparktrain.data.columns import ColumnsSpec, parse_columns, parse_labels
-from sparktrain.driver.prepare import ColumnOptions, PreparedData, prepare
+from sparktrain.driver.prepare import ColumnOptions, FeaturesVeto, PreparedData, prepare
 from sparktrain.driver.resources import check_can_launch, check_transport_security
 from sparktrain.driver.spark_env import SparkEnv, check_data_kind, session_of, spark_env
 from sparktrain.errors import ConfigError, DefaultsChangedWarning
@@ -83,9 +83,11 @@ class OpenJob:
         columns: ColumnsSpec,
         label_col: str | Sequence[str],
         weight_col: str | None,
+        features_veto: FeaturesVeto | None = None,
     ) -> PreparedData:
         """Repartition ``data`` over the workers with the validation split, in the
-        column layout the config's column options give."""
+        column layout the config's column options give (``features_veto``: see
+        :func:`~sparktrain.driver.prepare.prepare`)."""
         cfg = self.config
         return prepare(
             data,
@@ -96,6 +98,7 @@ class OpenJob:
             weight_col,
             ColumnOptions.of(cfg),
             *self.scaling(),
+            features_veto,
         )
 
     def scaling(self) -> tuple[bool | str, bool | str]:

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,10 @@ if TYPE_CHECKING:
     from sparktrain.result import TrainResult
 
 log = logging.getLogger(__name__)
+
+FeaturesVeto = Callable[[], "str | None"]
+"""Asked before ``feature_scaling="auto"`` scales: why the model needs its features as
+they are (a sentence), or None."""
 
 
 @dataclass
@@ -147,6 +151,7 @@ def prepare(
     options: ColumnOptions | None = None,
     label_scaling: bool | str = False,
     feature_scaling: bool | str = False,
+    features_veto: FeaturesVeto | None = None,
 ) -> PreparedData:
     """Normalise a DataFrame or RDD (plus optional validation set) for the barrier stage.
 
@@ -157,8 +162,9 @@ def prepare(
     training rows' mean and standard deviation (one aggregation job), and
     ``feature_scaling`` each feature of one numeric features column (one more);
     ``"auto"`` for either: where the data allows it (a DataFrame; a scalar label; one
-    plain features column), ``True``: an error where it does not. ``weight_col``
-    names a numeric column of non-negative sample weights in ``data`` (a DataFrame); see
+    plain features column, and a model that does not say no: ``features_veto``, asked
+    only then, returns why the features must stay as they are, e.g. indices into an
+    embedding), ``True``: an error where it does not. ``weight_col`` names a numeric column of non-negative sample weights in ``data`` (a DataFrame); see
     the module docstring for how they are normalised."""
     sc = _classic_context(data)
     held = contextlib.nullcontext() if sc is None else progress_bar_held(sc)
@@ -174,6 +180,7 @@ def prepare(
                 options or ColumnOptions(),
                 label_scaling,
                 feature_scaling,
+                features_veto,
             )
     finally:
         # No warm-up job may outlive the fit's data preparation (see warmup.settle):
@@ -207,6 +214,7 @@ def _prepare(
     options: ColumnOptions,
     label_scaling: bool | str,
     feature_scaling: bool | str,
+    features_veto: FeaturesVeto | None = None,
 ) -> PreparedData:
     from pyspark import RDD
     from pyspark.sql import DataFrame
@@ -224,6 +232,7 @@ def _prepare(
             options,
             label_scaling,
             feature_scaling,
+            features_veto,
         )
     if isinstance(data, RDD):
         if weight_col:
@@ -260,6 +269,7 @@ def _prepare_frame(
     options: ColumnOptions,
     label_scaling: bool | str = False,
     feature_scaling: bool | str = False,
+    features_veto: FeaturesVeto | None = None,
 ) -> PreparedData:
     from pyspark.sql import functions as F
 
@@ -267,7 +277,7 @@ def _prepare_frame(
     train = _select(df, plan, "data", weight_col)
     scale_labels = label_scaling is True or (label_scaling == "auto" and not plan.label_is_array)
     stats = _label_stats(train, plan) if scale_labels else None
-    features = _feature_stats(train, plan, feature_scaling)
+    features = _feature_stats(train, plan, feature_scaling, features_veto)
     train = _features_scaled(train, features)
     mean_weight = None
     if weight_col is not None:
@@ -355,7 +365,10 @@ ride in every query plan."""
 
 
 def _feature_stats(
-    train: DataFrame, plan: _Plan, feature_scaling: bool | str
+    train: DataFrame,
+    plan: _Plan,
+    feature_scaling: bool | str,
+    features_veto: FeaturesVeto | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Each feature's mean and (population) standard deviation over the training rows
     (one aggregation job), when ``feature_scaling`` applies to ``plan``'s inputs: one
@@ -381,6 +394,10 @@ def _feature_stats(
                 "or typed columns: scale them yourself (pyspark.ml.feature.StandardScaler) "
                 "and set feature_scaling=false"
             )
+        return None
+    reason = features_veto() if feature_scaling == "auto" and features_veto else None
+    if reason:
+        log.info("feature_scaling: %s; training on the features as they are", reason)
         return None
     rows = (
         train.select(F.posexplode(FEATURES).alias("i", "v"))
@@ -413,9 +430,7 @@ def _feature_stats(
     return means, stds
 
 
-def _features_scaled(
-    frame: DataFrame, stats: tuple[np.ndarray, np.ndarray] | None
-) -> DataFrame:
+def _features_scaled(frame: DataFrame, stats: tuple[np.ndarray, np.ndarray] | None) -> DataFrame:
     from pyspark.sql import functions as F
 
     if stats is None:

@@ -9,7 +9,6 @@ settings when the server hides them) is logged as not checked, and left to Spark
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -130,7 +129,7 @@ def check_transport_security(
     )
     if cfg.frame_integrity is not True:
         log.info("Spark encrypts its wire (%s): frame_integrity is forced on", keys)
-        return dataclasses.replace(cfg, frame_integrity=True)
+        return cfg.replace(frame_integrity=True)
     return cfg
 
 

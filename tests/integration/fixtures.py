@@ -13,11 +13,17 @@ never from each other.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from sparktrain import TrainConfig, datasets
+from sparktrain.driver import occupancy
 
 # The standalone cluster and its process-tree helpers: one implementation, shared with the
 # multi-host bench (tests/cluster/netcluster.py); re-exported for the tests.
@@ -147,3 +153,30 @@ def accuracy(model, x: np.ndarray, y: np.ndarray) -> float:  # type: ignore[no-u
 
     with torch.no_grad():
         return float((model(torch.from_numpy(x)).argmax(1).numpy() == y).mean())
+
+
+CALL_BOUND_S = 165.0
+"""A test's torch_run calls must have returned by then, or Spark's jobs are cancelled
+(:func:`bounded`), before the pytest-timeout above interrupts the driver mid-call."""
+
+
+@contextlib.contextmanager
+def bounded(spark: Any, seconds: float = CALL_BOUND_S) -> Iterator[None]:
+    """Cancel every Spark job if the block has not returned after ``seconds``, saying
+    what ran: a torch_run that waits on a stage which never ends (a rank that never
+    comes, a task deadlocked on its way out) then raises, and leaves no task holding one
+    of local[2]'s two slots for the tests after it."""
+
+    def cancel() -> None:
+        sc = spark.sparkContext
+        state = occupancy.describe(occupancy.active_jobs(sc), occupancy.running_tasks(sc))
+        print(f"\nno return after {seconds:g} s; cancelling: {state}", file=sys.__stderr__)
+        sc.cancelAllJobs()
+
+    timer = threading.Timer(seconds, cancel)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

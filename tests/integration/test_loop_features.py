@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from sparktrain import Callback, Trainer
+from sparktrain.builders import FeatureScaled
 from sparktrain.driver.job import check_job
 from sparktrain.errors import ConfigError
 from sparktrain.models import digits_mlp
@@ -87,6 +88,7 @@ def test_early_stopping_returns_the_best_epochs_model(spark):
     cfg = fast_config(
         epochs=30,
         early_stopping={"metric": "accuracy", "patience": 2, "restore_best": True},
+        feature_scaling=False,  # the figures below are the raw pixels' run
     )
     result = Trainer(DIGITS_MODEL, cfg, spark=spark).fit(train, validation_data=test)
     s, history = result.summary, result.history
@@ -187,8 +189,11 @@ def test_tensorboard_mlflow_and_a_callback_on_a_real_fit(spark, tmp_path, monkey
     assert run.data.metrics["summary.metric_value"] == pytest.approx(result.summary["metric_value"])
     local = Path(client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)))
     state = torch.load(local, weights_only=True)
-    model = digits_mlp()
+    # feature_scaling="auto" returns FeatureScaled(module, mean, std): the module's keys
+    # gain "inner.", beside the two figures
+    model = FeatureScaled(digits_mlp(), torch.zeros(64), torch.ones(64))
     model.load_state_dict(state)
+    assert torch.equal(model.get_buffer("feature_std"), result.model.get_buffer("feature_std"))
     trained = result.model.state_dict()
     assert set(state) == set(trained)
     assert all(torch.equal(state[k], trained[k]) for k in trained)

@@ -58,6 +58,8 @@ def test_a_sparse_table_trains_on_its_rows_like_the_dense_path(spark, sparse_mod
     ).fit(df)
     s = sparse.summary
     assert s["replicas_in_sync"] and s["sparse_tables"] == 1
+    # the features are row indices: feature_scaling="auto" leaves them to the embedding
+    assert "feature_scaling" not in s
     assert s["sparse_row_way"] > 0 and 0 < s["sparse_rows_per_step"] < 500
     assert 0 < s["sparse_bytes_sent"] < dense.summary["bytes_sent"]
     assert "sparse_tables" not in dense.summary

@@ -3,6 +3,7 @@ loopback): spark-submit the shipped job, then kill an executor JVM mid-training.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -230,10 +231,14 @@ def test_a_stage_waiting_for_slots_that_are_lost_is_cancelled(tmp_path):
 
 
 def _kill_worker(cluster: StandaloneCluster, index: int) -> None:
-    """SIGKILL a whole worker with its executor: nothing replaces it."""
+    """SIGKILL a whole worker with its executor: nothing replaces it. A process of the
+    tree may be gone by the time its turn comes (a Python worker exits with its executor
+    JVM): gone is what this wanted."""
     victim = cluster.worker_procs[index]
     for pid in [*descendants(victim.pid), victim.pid]:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    victim.wait(timeout=30)
 
 
 def _log(tmp_path: Path) -> str:

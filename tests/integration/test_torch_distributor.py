@@ -18,7 +18,7 @@ import torch
 import sparktrain
 from sparktrain import TorchDistributor, TrainConfig
 from sparktrain.driver import occupancy
-from tests.integration.test_torch_run import bounded
+from tests.integration.fixtures import bounded
 
 RANK_TIMEOUT_S = 60.0
 """A rank's ``init_process_group`` timeout: a peer that never comes fails the call in time."""

@@ -4,11 +4,7 @@ written the TorchDistributor way trains and returns its state dict; an exception
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +14,7 @@ import sparktrain
 from sparktrain import TrainConfig
 from sparktrain.driver import occupancy
 from sparktrain.errors import SparkTrainError
+from tests.integration.fixtures import bounded
 
 # a 2-task barrier stage on local[2] that cannot start waits for its slots without end:
 # fail long before setup.cfg's 600 s (the test function only: starting the shared session
@@ -28,32 +25,6 @@ RANK_TIMEOUT_S = 120.0
 """How long a rank's process group waits for a peer (``init_process_group``'s timeout;
 torch's default is 30 minutes): a rank whose peer never comes fails in time and frees
 its slot of local[2], instead of holding it for every barrier stage after it."""
-
-CALL_BOUND_S = 165.0
-"""A test's torch_run calls must have returned by then, or Spark's jobs are cancelled
-(:func:`bounded`), before the pytest-timeout above interrupts the driver mid-call."""
-
-
-@contextlib.contextmanager
-def bounded(spark: Any, seconds: float = CALL_BOUND_S) -> Iterator[None]:
-    """Cancel every Spark job if the block has not returned after ``seconds``, saying
-    what ran: a torch_run that waits on a stage which never ends (a rank that never
-    comes, a task deadlocked on its way out) then raises, and leaves no task holding one
-    of local[2]'s two slots for the tests after it."""
-
-    def cancel() -> None:
-        sc = spark.sparkContext
-        state = occupancy.describe(occupancy.active_jobs(sc), occupancy.running_tasks(sc))
-        print(f"\nno return after {seconds:g} s; cancelling: {state}", file=sys.__stderr__)
-        sc.cancelAllJobs()
-
-    timer = threading.Timer(seconds, cancel)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
 
 
 def ddp_digits(epochs: int, lr: float) -> dict[str, Any]:

@@ -149,3 +149,14 @@ def test_an_estimator_learning_rate_set_for_sgd_is_told_about_adam() -> None:
         modelFn="sparktrain.models:digits_mlp", learningRate=0.05, optimizer="adam"
     )
     assert "lr=0.05" not in changed_defaults_notice(chosen._train_config())
+
+
+def test_feature_scaling_auto_leaves_an_embeddings_indices_alone() -> None:
+    from torch import nn
+
+    from sparktrain.trainer import takes_indices
+
+    assert takes_indices(nn.Sequential(nn.Linear(4, 2))) is None
+    why = takes_indices(nn.Sequential(nn.Embedding(10, 3), nn.Flatten(), nn.Linear(3, 1)))
+    assert why == "the model's 0 is an Embedding, whose inputs are indices"
+    assert "EmbeddingBag" in str(takes_indices(nn.EmbeddingBag(10, 3)))
