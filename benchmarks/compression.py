@@ -274,6 +274,9 @@ def quality_plot(records: list[dict[str, Any]], path: Path) -> None:
 
 def quality_main(args: argparse.Namespace) -> int:
     """``--quality``: worlds x seeds x specs with paired gaps (:mod:`.compression_worlds`)."""
+    if getattr(args, "config", None):  # the shipped configs as they are (issue 34.3)
+        specs = args.specs if args.specs != DEFAULT_SPECS else compression_worlds.SHIPPED_SPECS
+        return compression_worlds.config_main(args, specs)
     specs = args.specs if args.specs != DEFAULT_SPECS else WORLD_SPECS
     return compression_worlds.main(args, specs, quality_run)
 

@@ -18,6 +18,18 @@ min and max, and the byte reduction: the uncompressed run's wire bytes over this
 of a row holds its *median* gap (and median reduction) to the spec's target
 (:data:`TARGETS`; top-k's DGC variants share ``topk:0.01+ef``'s).
 
+``--config conf/digits_mlp.toml [conf/digits_cnn.toml]`` measures the shipped configs
+instead (issue 34.3: "top-k out of the box"): what ``sparktrain train CONF --set
+num_workers=N --set compression=SPEC --master local[N]`` trains, at every world of
+``--worlds`` and seed of ``--seeds`` — the config's own recipe and per-worker batch, so
+the global batch grows with the world, and the spec as written (``topk:0.01+ef``: the
+job moves SGD's momentum into it, :mod:`sparktrain.compress.correction`). The table
+(:func:`shipped_table`) gives accuracy mean ± sd over the seeds, the paired gap, the
+wire-byte ratio and the path taken; ``--force-paths`` adds rows on forced paths::
+
+    sparktrain bench compression --quality --config conf/digits_mlp.toml \
+        --json docs/results/compression_shipped.json [--force-paths allgather]
+
 ``--ablation`` adds one row per DGC remedy (:func:`ablation_variants`): momentum masking
 off, local gradient clipping, sparsity warm-up and the allgather path forced through the
 ``compression_path`` config key. ``--time-to`` trains ``none`` and ``--time-to-spec``
@@ -394,6 +406,21 @@ def load_earlier(path: str, args: argparse.Namespace) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--quality")
     parser.add_argument(
+        "--config",
+        nargs="+",
+        metavar="TOML",
+        help="--quality: train these shipped configs as they are (their per-worker batch "
+        "and recipe; num_workers, seed and compression set per run) instead of the "
+        "fixed-global-batch grid",
+    )
+    parser.add_argument(
+        "--force-paths",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="--config: also train every compressed spec on these compression_path values",
+    )
+    parser.add_argument(
         "--global-batch",
         type=int,
         default=64,
@@ -535,4 +562,220 @@ def main(
     if args.plot:
         plot(rows, Path(args.plot))
         print(f"plot written to {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------- shipped configs
+SHIPPED_FORMAT = "compression_shipped/1"
+SHIPPED_SPECS = ["none", TOPK]
+
+
+def config_values(conf: str, world: int, seed: int, v: Variant) -> dict[str, Any]:
+    """The flat config values of ``sparktrain train conf --set num_workers=world --set
+    seed=seed --set compression=spec``: the file's, with the run's world, seed, spec and
+    forced path (a spec with ``+ef:momentum=M`` of its own runs the optimizer without
+    momentum, as the config requires). ``comm_timeout`` is raised to 600 s so that a
+    loaded machine does not fail a rendezvous; accuracy and bytes do not depend on it."""
+    from sparktrain.compress.registry import build
+    from sparktrain.config import load_toml
+
+    values = dict(load_toml(conf))
+    values.update(
+        num_workers=world,
+        seed=seed,
+        compression=v.spec,
+        progress=False,
+        comm_timeout=max(600.0, float(values.get("comm_timeout", 60.0))),
+    )
+    if v.path is not None:
+        values["compression_path"] = v.path
+    if getattr(build(v.spec), "momentum", 0.0):  # DGC written out: the optimizer's is 0
+        values["optimizer_kwargs"] = {**values.get("optimizer_kwargs", {}), "momentum": 0.0}
+    return values
+
+
+def config_run(
+    spark: Any, frames: Any, conf: str, v: Variant, world: int, seed: int
+) -> dict[str, Any]:
+    """One run of a shipped config as a record (the summary's figures)."""
+    import time
+
+    from sparktrain import Trainer
+    from sparktrain.cli import split_job_keys
+    from sparktrain.config import TrainConfig
+
+    job, rest = split_job_keys(config_values(conf, world, seed, v))
+    cfg = TrainConfig.from_dict(rest)
+    started = time.perf_counter()
+    trainer = Trainer(job["model"], cfg, model_kwargs=job["model_kwargs"], spark=spark)
+    s = trainer.fit(frames[0], validation_data=frames[1]).summary
+    return {
+        "model": Path(conf).stem,
+        "config": conf,
+        "strategy": str(s.get("strategy", cfg.strategy)),
+        "world": world,
+        "seed": seed,
+        "spec": v.label,
+        "compression": v.spec,
+        "trained_as": s.get("compression"),  # the spec the job ran (momentum moved in)
+        "compression_path": s.get("compression_path"),
+        "compression_path_forced": v.path,
+        "accuracy": float(s["metric_value"]),
+        "wire_bytes": int(s["wire_bytes"]),
+        "raw_bytes": int(s["bytes_sent"]),
+        "batch_size": int(cfg.batch_size),
+        "steps_per_epoch": int(s["steps_per_epoch"]),
+        "epochs": int(cfg.epochs),
+        "wall_s": time.perf_counter() - started,
+        "load1": os.getloadavg()[0],
+        "history": [
+            {"epoch": h["epoch"], "metric": h["metric"], "seconds": h["seconds"]}
+            for h in s["history"]
+        ],
+    }
+
+
+def _mean_sd(xs: Sequence[float]) -> str:
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{100 * statistics.fmean(xs):.2f} ± {100 * sd:.2f}"
+
+
+def shipped_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (config, world, spec label): accuracy mean and sd over the seeds, the mean
+    paired gap to ``none`` of the same seed (pp), the median wire-byte ratio, the paths
+    taken and the verdict against ``topk:0.01+ef``'s target (mean gap, median ratio)."""
+    base = {
+        (r["model"], int(r["world"]), int(r["seed"])): r for r in records if r["spec"] == "none"
+    }
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["model"], int(r["world"]), r["spec"]), []).append(r)
+    rows = []
+    for (model, world, spec), runs in groups.items():
+        accs = [r["accuracy"] for r in runs]
+        row: dict[str, Any] = {
+            "model": model,
+            "world": world,
+            "spec": spec,
+            "seeds": sorted(int(r["seed"]) for r in runs),
+            "accuracy_mean": statistics.fmean(accs),
+            "accuracy_sd": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+            "accuracy": _mean_sd(accs),
+            "wire_mb": statistics.fmean(r["wire_bytes"] for r in runs) / 1e6,
+            "paths": sorted({str(r.get("compression_path")) for r in runs}),
+            "trained_as": sorted({str(r.get("trained_as")) for r in runs}),
+            "batch_size": runs[0]["batch_size"],
+            "steps_per_epoch": runs[0]["steps_per_epoch"],
+        }
+        pairs = [
+            (base[(model, world, int(r["seed"]))], r)
+            for r in runs
+            if (model, world, int(r["seed"])) in base
+        ]
+        if pairs and spec != "none":
+            row["gap_mean"] = statistics.fmean(
+                100 * (b["accuracy"] - r["accuracy"]) for b, r in pairs
+            )
+            row["ratio"] = statistics.median(
+                b["wire_bytes"] / max(r["wire_bytes"], 1) for b, r in pairs
+            )
+            target = target_for(runs[0]["compression"])
+            if target is not None:
+                row["target"] = f"<= {target[0]:g} pp" + (
+                    f", >= {target[1]:g}x" if target[1] else ""
+                )
+                row["meets_target"] = row["gap_mean"] <= target[0] + 1e-9 and (
+                    target[1] is None or row["ratio"] >= target[1]
+                )
+        rows.append(row)
+    return rows
+
+
+def shipped_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one row per (config, world, spec)."""
+    lines = [
+        "| config | world | batch (per worker) | steps/epoch | compression | accuracy % "
+        "(mean ± sd) | gap (pp) | wire MB | ratio | path | trained as | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["model"], r["world"], r["spec"] != "none")):
+        gap = f"{r['gap_mean']:+.2f}" if "gap_mean" in r else "-"
+        ratio = f"{r['ratio']:.1f}x" if "ratio" in r else "-"
+        verdict = "-"
+        if "meets_target" in r:
+            verdict = "met" if r["meets_target"] else "MISSED"
+        paths = ", ".join(p for p in r["paths"] if p != "None") or "-"
+        trained = ", ".join(f"`{t}`" for t in r["trained_as"] if t not in ("None", r["spec"]))
+        lines.append(
+            f"| {r['model']} | {r['world']} | {r['batch_size']} | {r['steps_per_epoch']} "
+            f"| `{r['spec']}` | {r['accuracy']} | {gap} | {r['wire_mb']:.2f} | {ratio} "
+            f"| {paths} | {trained or '-'} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def render_shipped(data: dict[str, Any]) -> str:
+    """The results-page text of a ``compression_shipped.json``: the table and the load."""
+    if data.get("format") != SHIPPED_FORMAT:
+        raise KeyError(f"format {data.get('format')!r}, expected {SHIPPED_FORMAT!r}")
+    loads = [r["load1"] for r in data["records"]]
+    return (
+        shipped_table(data["rows"])
+        + f"\n\nLoad average (1 min) during the runs {min(loads):.1f}-{max(loads):.1f}."
+    )
+
+
+def config_main(args: argparse.Namespace, specs: Sequence[str]) -> int:
+    """``--quality --config``: the shipped configs at every world and seed."""
+    from sparktrain import datasets
+    from sparktrain.cli import split_job_keys
+    from sparktrain.session import get_or_create_session
+
+    worlds = sorted(set(args.worlds))
+    if min(worlds) < 1 or not args.seeds:
+        raise ConfigError("--worlds must be >= 1 and --seeds name one seed at least")
+    variants = [Variant(s) for s in dict.fromkeys(["none", *specs])]
+    variants += [
+        Variant(v.spec, p) for p in args.force_paths for v in list(variants) if v.spec != "none"
+    ]
+    check_variants(variants)
+    jobs = {}
+    for conf in args.config:
+        job, _ = split_job_keys(config_values(conf, worlds[0], args.seeds[0], variants[0]))
+        jobs[conf] = job
+    earlier = json.loads(Path(args.add_to).read_text()) if args.add_to else None
+    if earlier is not None and earlier.get("format") != SHIPPED_FORMAT:
+        raise ConfigError(f"--add-to {args.add_to}: not a {SHIPPED_FORMAT} file")
+    records: list[dict[str, Any]] = list(earlier["records"]) if earlier else []
+    done = {(r["config"], int(r["world"]), int(r["seed"]), r["spec"]) for r in records}
+    for world in worlds:
+        todo = [
+            (conf, seed, v)
+            for conf in args.config
+            for seed in args.seeds
+            for v in variants
+            if (conf, world, seed, v.label) not in done
+        ]
+        if not todo:
+            continue
+        spark = get_or_create_session(f"local[{world}]", app_name="sparktrain-bench-shipped")
+        frames = {}
+        for conf, job in jobs.items():
+            split = datasets.load(job["dataset"], **job["dataset_kwargs"])
+            frames[conf] = (
+                datasets.to_dataframe(spark, split.x_train, split.y_train, world),
+                datasets.to_dataframe(spark, split.x_test, split.y_test, world),
+            )
+        for conf, seed, v in todo:
+            rec = config_run(spark, frames[conf], conf, v, world, seed)
+            records.append(rec)
+            print(json.dumps({k: x for k, x in rec.items() if k != "history"}), flush=True)
+        spark.stop()
+    data = {"format": SHIPPED_FORMAT, "records": records, "rows": shipped_rows(records)}
+    print(render_shipped(data))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"records written to {path}")
     return 0

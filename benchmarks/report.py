@@ -94,6 +94,12 @@ def _compression_worlds(data: Any) -> str:
     return compression_worlds.render(data)
 
 
+def _compression_shipped(data: Any) -> str:
+    from benchmarks import compression_worlds
+
+    return compression_worlds.render_shipped(data)
+
+
 def _per_layer(data: Any) -> str:
     from benchmarks import compression
 
@@ -444,6 +450,19 @@ SECTIONS: tuple[Section, ...] = (
         "    --time-to 0.95 --link 5g --json docs/results/compression_worlds.json \\\n"
         "    --plot docs/results/compression_worlds.png",
         "compression_worlds.json", _compression_worlds, ("compression_worlds.png",),
+    ),
+    Section(
+        "compression_shipped", "Top-k out of the box: the shipped configs at worlds 2, 4, 8",
+        "sparktrain bench compression --quality --json docs/results/compression_shipped.json \\\n"
+        "    --config conf/digits_mlp.toml conf/digits_cnn.toml\n"
+        "# then, each with --add-to docs/results/compression_shipped.json --json (the same):\n"
+        "sparktrain bench compression --quality --config conf/digits_mlp.toml \\\n"
+        "    --force-paths allgather resparsify\n"
+        "sparktrain bench compression --quality --specs topk:0.01+ef:momentum=0 \\\n"
+        "    --force-paths resparsify --config conf/digits_mlp.toml conf/digits_cnn.toml\n"
+        "sparktrain bench compression --quality --config conf/digits_cnn.toml --worlds 8 \\\n"
+        "    --force-paths allgather",
+        "compression_shipped.json", _compression_shipped,
     ),
     Section(
         "compression_quality", "Compression: accuracy against bytes",

@@ -17,34 +17,42 @@ keeps one :class:`~sparktrain.compress.base.BucketState` per bucket and picks a 
   finished segments, ``2 (n - 1) / n`` payloads per rank. Each re-encoding loses a little;
   with ``+ef`` the rank that re-encoded puts that loss in its own residual, so the sum of
   what all ranks delivered still equals the sum of their inputs minus the residuals;
-- top-k under ``+ef`` on the ring from world 3 takes the same ring re-sparsifying each
-  hop (``"resparsify"``, gTop-k: Shi et al. 2019): a hop decodes the segment's sparse
-  partial sum, adds its own (error-fed) segment and keeps the top ``ratio * segment``
-  values; the dropped mass goes to that rank's residual. ``2 (n - 1) / n`` payloads per
-  rank, flat in ``n``, where the all-gather's ``n - 1`` grow with it. On the tree, from
-  world 3, each round of recursive doubling swaps ``k``-sparse vectors and re-sparsifies
-  their sum: ``log2(n)`` payloads instead of ``n - 1``. Momentum factor masking
-  (``+ef:momentum``) forgets the coordinates of the reduced result.
+- top-k under ``+ef`` may take the same ring re-sparsifying each hop (``"resparsify"``,
+  gTop-k: Shi et al. 2019): a hop decodes the segment's sparse partial sum, adds its own
+  (error-fed) segment and keeps the top ``ratio * segment`` values; the dropped mass
+  goes to that rank's residual. ``2 (n - 1) / n`` payloads per rank, flat in ``n``,
+  where the all-gather's ``n - 1`` grow with it. On the tree (``"resparsify"`` there,
+  ``"resparsify_tree"`` on the ring strategy's mesh) each round of recursive doubling
+  swaps ``k``-sparse vectors and re-sparsifies their sum: ``log2(n)`` payloads instead
+  of ``n - 1``, and ``log2(n)`` re-encodings where the ring makes ``n - 1``. Momentum
+  factor masking (``+ef:momentum``) forgets the coordinates of the reduced result.
 
 :func:`path_for` picks the path with the fewest predicted payload bytes per rank
 (:func:`path_bytes`; all-gather ``(n - 1) P``, ring ``2 (n - 1) / n P`` for a payload of
 ``P`` bytes); a tie goes to the all-gather, the exact path; :data:`COARSE` compressors
-stay on the all-gather. ``config.compression_path``
-may force another path that applies (:func:`choose_path`; the bench compares them).
-``CompressedAllreduce.path`` holds the choice and the step statistics report it
-(``compression_path``):
+stay on the all-gather. A *sparse* compressor (top-k) weighs accuracy too: every
+re-sparsification keeps ``k`` of a partial sum's coordinates where the all-gather
+delivers up to ``n k``, so it takes the path with the fewest re-encodings
+(:func:`reencodings`) among those within :data:`EXACT_BUDGET` (twice) the cheapest
+path's bytes: the all-gather to world 4 on the ring (5 on the tree), then the tree's
+``log2(n)`` rounds, on the ring strategy's mesh as ``"resparsify_tree"``, and the
+resparsify ring only where those cost over twice its bytes (world 16 and up).
+``config.compression_path`` may force another path that applies (:func:`choose_path`;
+the bench compares them). ``CompressedAllreduce.path`` holds the choice and the step
+statistics report it (``compression_path``):
 
-==============  ===========  ===========  ===========  ============
-compressor      world 2      world 3      world 4      tree (any)
-==============  ===========  ===========  ===========  ============
-fp16/bf16       reduce       reduce       reduce       reduce
-randomk         reduce       reduce       reduce       reduce
-powersgd        reduce       reduce       reduce       reduce
-int8            allgather    recompress   recompress   allgather
-sign            allgather    allgather    allgather    allgather
-topk            allgather    allgather    allgather    allgather
-topk +ef        allgather    resparsify   resparsify   resparsify
-==============  ===========  ===========  ===========  ============
+==============  ===========  ===========  ===========  ===============  ============
+compressor      world 2      world 3      world 4      world 5-8        tree (any)
+==============  ===========  ===========  ===========  ===============  ============
+fp16/bf16       reduce       reduce       reduce       reduce           reduce
+randomk         reduce       reduce       reduce       reduce           reduce
+powersgd        reduce       reduce       reduce       reduce           reduce
+int8            allgather    recompress   recompress   recompress       allgather
+sign            allgather    allgather    allgather    allgather        allgather
+topk            allgather    allgather    allgather    allgather        allgather
+topk +ef        allgather    allgather    allgather    resparsify_tree  allgather to
+                                                                        5, resparsify
+==============  ===========  ===========  ===========  ===============  ============
 
 Bitwise agreement: every rank ends with identical bits, because each rank applies the
 same decoded bytes with the same ops in the same order (all-gather, and the finished
@@ -93,9 +101,15 @@ from sparktrain.wire.ring import (
 )
 from sparktrain.wire.tree import TreeAllreduce, tree_raw_bytes_sent
 
-PATHS = ("reduce", "allgather", "recompress", "resparsify")
+PATHS = ("reduce", "allgather", "recompress", "resparsify", "resparsify_tree")
 """Every path's name, in the order ties are broken (the exact all-gather first among the
 non-summable ones); ``compression_path`` takes one of them or ``"auto"``."""
+
+EXACT_BUDGET = 2.0
+"""For a sparse compressor, ``auto`` takes the path with the fewest lossy re-encodings
+among those that send at most this many times the bytes of the cheapest path: a path
+within twice the cheapest keeps at least half the byte ratio the compressor can reach
+(top-k 1 %: 25-33x of its 50-67x)."""
 
 
 def _inner(comp: Compressor) -> Compressor:
@@ -121,6 +135,11 @@ def recompressible(comp: Compressor) -> bool:
     return ring_path(comp) is not None
 
 
+def _rounds(world: int) -> int:
+    """Rounds of recursive doubling at ``world``: log2 of its largest power of two."""
+    return (1 << (world.bit_length() - 1)).bit_length() - 1
+
+
 def path_bytes(comp: Compressor, numel: int, world: int, algo: str = "ring") -> dict[str, float]:
     """Predicted compressed payload bytes one rank sends per bucket, for each path
     ``comp`` may take at this world size (message headers left out)."""
@@ -130,8 +149,7 @@ def path_bytes(comp: Compressor, numel: int, world: int, algo: str = "ring") -> 
     if comp.summable:
         if algo == "ring":
             return {"reduce": 2 * (world - 1) / world * payload}
-        rounds = (1 << (world.bit_length() - 1)).bit_length() - 1
-        return {"reduce": float(rounds * payload)}
+        return {"reduce": float(_rounds(world) * payload)}
     out = {"allgather": float((world - 1) * payload)}
     ring = ring_path(comp)
     if algo == "ring" and ring is not None:
@@ -139,26 +157,50 @@ def path_bytes(comp: Compressor, numel: int, world: int, algo: str = "ring") -> 
         # sized for its segment (top-k: k = ratio * segment, a narrower index type)
         segs = [b - a for a, b in ring_segments(numel, world)]
         out[ring] = float(2 * sum(comp.payload_nbytes(m) for m in segs[1:]))
-    elif algo == "tree" and ring == "resparsify":
+    if ring == "resparsify":
         # one k-sparse payload per round of recursive doubling (folding left out, as
-        # for the summable tree)
-        rounds = (1 << (world.bit_length() - 1)).bit_length() - 1
-        out[ring] = float(rounds * payload)
+        # for the summable tree): the tree's own path, and on the ring's mesh
+        # "resparsify_tree"
+        out["resparsify" if algo == "tree" else "resparsify_tree"] = float(_rounds(world) * payload)
     return out
 
 
-def path_for(comp: Compressor, world: int = 2, algo: str = "ring") -> str:
-    """The path that moves the fewest bytes: ``"reduce"`` (summable, inside the
-    ring/tree), ``"allgather"``, ``"recompress"`` (decompress-add-recompress ring) or
-    ``"resparsify"`` (the same ring for top-k under ``+ef``, re-sparsifying each hop).
+def reencodings(path: str, world: int, algo: str = "ring") -> int:
+    """How many times a path may re-encode (lossily) a value on its way: 0 for the exact
+    all-gather and the in-place reduction, ``n - 1`` hops on the recompress and resparsify
+    rings, one per round of recursive doubling on the tree's resparsify rounds (one more
+    where a folded rank encodes its own input first)."""
+    if path in ("allgather", "reduce") or world <= 1:
+        return 0
+    if path == "resparsify_tree" or (path == "resparsify" and algo == "tree"):
+        return _rounds(world) + (world & (world - 1) != 0)
+    return world - 1
 
-    Ties go to the all-gather, which is exact: at world 2 both move one payload, and
-    the ring would re-quantise the partial sums (and send two frames instead of one).
+
+def path_for(comp: Compressor, world: int = 2, algo: str = "ring") -> str:
+    """The path ``auto`` takes: ``"reduce"`` (summable, inside the ring/tree),
+    ``"allgather"``, ``"recompress"`` (decompress-add-recompress ring), ``"resparsify"``
+    (the same ring for top-k under ``+ef``, re-sparsifying each hop; on the tree strategy,
+    its rounds of recursive doubling) or ``"resparsify_tree"`` (those rounds on the ring
+    strategy's mesh).
+
+    Dense compressors take the path that moves the fewest bytes; ties go to the
+    all-gather, which is exact: at world 2 both move one payload, and the ring would
+    re-quantise the partial sums (and send two frames instead of one). A sparse
+    compressor (its class says ``sparse = True``) keeps only ``k`` of a partial sum's
+    coordinates at each re-encoding, where the all-gather delivers up to ``n k``: it
+    takes the path with the fewest re-encodings (:func:`reencodings`) among those within
+    :data:`EXACT_BUDGET` times the cheapest path's bytes, then the fewest bytes. On
+    digits, top-k 1 % lost 1.4-3.3 pp more on the resparsify ring than on the all-gather
+    at world 4 (docs/compression.md).
     """
     options = path_bytes(comp, 1 << 20, world, algo)
     if ability(comp, "coarse"):  # forced only by compression_path="recompress"
         options.pop("recompress", None)
     best = min(options.values())
+    if getattr(_inner(comp), "sparse", False):
+        within = [p for p in PATHS if p in options and options[p] <= EXACT_BUDGET * best]
+        return min(within, key=lambda p: (reencodings(p, world, algo), options[p], PATHS.index(p)))
     for name in PATHS:
         if name in options and options[name] <= best:
             return name
@@ -217,6 +259,7 @@ class CompressedAllreduce:
         # `path` is config.compression_path: "auto" or a forced path (the bench compares)
         self.path = choose_path(comp, algo.mesh.world_size, algo_name, path)
         self._count = 1.0
+        self._doubling: TreeAllreduce | None = None  # "resparsify_tree"'s rounds
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's compressor state (every bucket's), for a checkpoint shard."""
@@ -225,9 +268,20 @@ class CompressedAllreduce:
     def load_state_dict(self, data: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s output (same spec, same rank)."""
         if data.get("spec") != self.comp.spec:
+            saved, spec = str(data.get("spec")), self.comp.spec
+            hint = ""
+            if "momentum=" in spec and "momentum=" not in saved and "+ef" in saved:
+                # 34.3 moves SGD's momentum into top-k+ef; the checkpoint kept it outside
+                keep = saved + (
+                    ",momentum=0" if saved.rpartition("+")[2] != "ef" else ":momentum=0"
+                )
+                hint = (
+                    f"; this run moved SGD's momentum into the compressor, compression={keep!r} "
+                    "keeps it in the optimizer, as the checkpoint did"
+                )
             raise ConfigError(
-                f"the checkpoint's compressor state is for {data.get('spec')!r}, this run "
-                f"compresses with {self.comp.spec!r}: resume with the same compression"
+                f"the checkpoint's compressor state is for {saved!r}, this run compresses "
+                f"with {spec!r}: resume with the same compression{hint}"
             )
         self._count = float(data["count"])
         self.states = load_states(data["buckets"])
@@ -275,7 +329,9 @@ class CompressedAllreduce:
         try:
             if self.path == "reduce":
                 total_count = self._reduce(grads, state, count)
-            elif self.path == "resparsify" and isinstance(self.algo, TreeAllreduce):
+            elif self.path == "resparsify_tree" or (
+                self.path == "resparsify" and isinstance(self.algo, TreeAllreduce)
+            ):
                 total_count = self._tree_resparsify(grads, state, count)
             elif self.path in ("recompress", "resparsify"):
                 total_count = self._recompress(grads, state, count)
@@ -427,11 +483,14 @@ class CompressedAllreduce:
         and receives the result exactly (every nonzero) at the end.
         """
         comp = self.comp
-        assert isinstance(comp, ErrorFeedback) and isinstance(self.algo, TreeAllreduce)
+        assert isinstance(comp, ErrorFeedback)
+        if self._doubling is None:  # the tree's rounds, on the ring strategy's mesh too
+            algo = self.algo
+            self._doubling = algo if isinstance(algo, TreeAllreduce) else TreeAllreduce(self.mesh)
         inner = comp.inner
         x, scale = comp._input(grads, state)
         err = torch.zeros_like(x)
-        algo, mesh, numel = self.algo, self.mesh, x.numel()
+        algo, mesh, numel = self._doubling, self.mesh, x.numel()
         n, r, p = mesh.world_size, mesh.rank, algo.pow2
         rounds = p.bit_length() - 1
         # one state per round (and one for a folded rank's own encoding), like the ring's

@@ -32,6 +32,10 @@ train with momentum: ``sign:chunk=32+ef:momentum=0.9`` (optimizer momentum 0, an
 uncompressed run on the digits models, where ``sign+ef`` with the
 optimizer's momentum diverges (see :mod:`sparktrain.compress.sign`).
 
+``+ef:momentum=M,nesterov=1`` is the Nesterov form of momentum correction (DGC's
+appendix; torch's ``SGD(nesterov=True)``): ``u = M u + g``; ``x = e + g + M u``. What the
+optimizer does with ``nesterov=True`` moves into the compressor as the plain form does.
+
 ``+ef:momentum=M,mask=0`` turns momentum factor masking off for a sparse compressor
 (the default is on for sparse compressors, off for dense ones; ``mask=1`` on a dense
 compressor is refused: it would clear all momentum every step).
@@ -45,7 +49,8 @@ without bound on a rank whose gradient spikes, and what it sends later is stale.
 is apart from the loop's global ``clip_grad_norm`` (after the exchange). The steps
 seen and the steps clipped are counted in the state (:func:`clip_fraction`).
 
-Spec options print in a fixed order (``reset``, ``momentum``, ``mask``, ``local_clip``)
+Spec options print in a fixed order (``reset``, ``momentum``, ``nesterov``, ``mask``,
+``local_clip``)
 and only when they differ from the default, so a spec round-trips through
 :func:`sparktrain.compress.registry.build` and checkpoints of older runs still match.
 """
@@ -101,9 +106,10 @@ class ErrorFeedback(BaseCompressor):
     """Error feedback around ``inner`` (see the module docstring).
 
     ``reset``: zero the residual every N steps (0 = never). ``momentum``: DGC momentum
-    correction factor (0 = off). ``mask``: momentum factor masking (None = on for sparse
-    compressors, off for dense ones). ``local_clip``: per-rank L2 clip ``C`` of the
-    per-sample gradient, scaled by ``1/sqrt(world)`` (0 = off).
+    correction factor (0 = off); ``nesterov``: its Nesterov form. ``mask``: momentum
+    factor masking (None = on for sparse compressors, off for dense ones).
+    ``local_clip``: per-rank L2 clip ``C`` of the per-sample gradient, scaled by
+    ``1/sqrt(world)`` (0 = off).
     """
 
     def __init__(
@@ -113,10 +119,12 @@ class ErrorFeedback(BaseCompressor):
         momentum: float = 0.0,
         mask: bool | None = None,
         local_clip: float = 0.0,
+        nesterov: bool = False,
     ) -> None:
         self.inner = inner
         self.reset = int(reset)
         self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
         self.local_clip = float(local_clip)
         self.summable = inner.summable
         sparse = bool(getattr(inner, "sparse", False))
@@ -124,6 +132,11 @@ class ErrorFeedback(BaseCompressor):
             raise ConfigError(
                 f"compression {inner.spec}+ef: mask= only applies with momentum=M (it masks "
                 "the momentum at the coordinates sent); add momentum=0.9 or drop mask="
+            )
+        if self.nesterov and not self.momentum:
+            raise ConfigError(
+                f"compression {inner.spec}+ef: nesterov=1 is a form of momentum correction: "
+                "add momentum=0.9 or drop nesterov="
             )
         if mask and not sparse:
             raise ConfigError(
@@ -140,6 +153,8 @@ class ErrorFeedback(BaseCompressor):
         opts = [f"reset={self.reset}"] * bool(self.reset) + [f"momentum={self.momentum:g}"] * bool(
             self.momentum
         )
+        if self.nesterov:
+            opts.append("nesterov=1")
         if self.momentum and self.mask != sparse:
             opts.append(f"mask={int(self.mask)}")
         if self.local_clip:
@@ -176,7 +191,8 @@ class ErrorFeedback(BaseCompressor):
             else:
                 u.mul_(self.momentum).add_(g)
             state.slots[MOMENTUM] = u
-            g = u
+            # Nesterov: the step looks ahead along the momentum (torch's SGD nesterov=True)
+            g = g.add(u, alpha=self.momentum) if self.nesterov else u
         residual = state.slots.get(RESIDUAL)
         if residual is None or residual.numel() != g.numel():
             x = g.clone()

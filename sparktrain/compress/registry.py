@@ -106,6 +106,9 @@ def build(spec: str) -> Compressor | None:
         mask = int_option(ef, "mask", -1, low=0)
         if mask > 1:
             raise fail(ef, f"mask={mask} must be 0 (off) or 1 (on)")
+        nesterov = int_option(ef, "nesterov", 0, low=0)
+        if nesterov > 1:
+            raise fail(ef, f"nesterov={nesterov} must be 0 (off) or 1 (on)")
         local_clip = float_option(ef, "local_clip", 0.0, 0.0, math.inf)
         if not math.isfinite(local_clip):
             raise fail(ef, f"local_clip={local_clip} must be a finite number > 0")
@@ -115,6 +118,7 @@ def build(spec: str) -> Compressor | None:
             momentum=momentum,
             mask=None if mask < 0 else bool(mask),
             local_clip=local_clip,
+            nesterov=bool(nesterov),
         )
     return comp
 

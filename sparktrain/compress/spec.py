@@ -21,7 +21,7 @@ Spec grammar
     powersgd    rank          rank=R (1), warm (on) / cold         summable factors
     delta                     -                                    prefix: delta+<base>
     ef                        reset=N (0 = never), momentum=M,     suffix: <base>+ef
-                              mask=0|1, local_clip=C
+                              nesterov=0|1, mask=0|1, local_clip=C
 
 Examples: ``none``, ``fp16``, ``int8:chunk=256,stochastic+ef``, ``topk:0.01+ef``,
 ``topk:0.01,sampled+ef:reset=500``, ``randomk:0.05+ef``, ``sign+ef``,
@@ -58,10 +58,10 @@ FORMS = (
     "none, fp16, bf16, int8[:chunk=N,stochastic], topk:R[,sampled][,sample=S][,warmup=S], "
     "randomk:R, "
     "sign[:chunk=N], powersgd:R[,cold], optionally prefixed by delta+ and/or suffixed by "
-    "+ef[:reset=N][,momentum=M][,mask=0|1][,local_clip=C] "
+    "+ef[:reset=N][,momentum=M][,nesterov=1][,mask=0|1][,local_clip=C] "
     "(e.g. topk:0.01+ef, int8+ef, powersgd:2+ef, delta+int8)"
 )
-EF_OPTIONS = ("reset", "momentum", "mask", "local_clip")
+EF_OPTIONS = ("reset", "momentum", "nesterov", "mask", "local_clip")
 """The options of the ``+ef`` suffix (:mod:`sparktrain.compress.feedback`)."""
 # bare words that are flags, never the positional argument (a ratio or a rank)
 _FLAGS = ("stochastic", "sampled", "exact", "cold", "warm")

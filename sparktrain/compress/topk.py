@@ -110,6 +110,9 @@ class TopK(BaseCompressor):
     # keeps the segment's own top k and the loss must go to a +ef residual
     ring_path = "resparsify"
     sparse = True  # sends a few coordinates: ``+ef:momentum`` masks what was sent
+    # under SGD momentum, ``+ef`` takes the optimizer's momentum (DGC momentum correction,
+    # sparktrain/compress/correction.py): the largest accumulated coordinates go out
+    momentum_correction = True
 
     def __init__(
         self, ratio: float, sampled: bool = False, sample: float = 0.01, warmup: int = 0
@@ -194,6 +197,9 @@ class RandomK(BaseCompressor):
     summable = True
     parts_summable = True  # equal seeds pick equal indices: the values add
     sparse = True
+    # no momentum_correction: random positions leave a coordinate's momentum to build up
+    # for about 1/ratio steps, and digits diverges with momentum of either kind
+    # (docs/compression.md); randomk wants the optimizer's momentum at 0
 
     def __init__(self, ratio: float) -> None:
         self.ratio = float(ratio)

@@ -127,8 +127,14 @@ def open_job(
     """Check ``cfg`` for ``way``, check the column specs (when there is data), find the
     session (``spark``, else the one ``data`` belongs to, else the active one), check the
     data's kind, pass the encryption gate and, for a barrier stage, that the cluster has
-    the slots. Every failure comes before any Spark job."""
+    the slots. Every failure comes before any Spark job. A fit whose top-k with ``+ef``
+    meets SGD momentum gets the momentum moved into the compressor
+    (:mod:`sparktrain.compress.correction`; logged once)."""
     strategy = check_job(cfg, way)
+    if way == "fit":  # the built-in loop's optimizer: top-k+ef takes its momentum (DGC)
+        from sparktrain.compress.correction import apply_momentum_correction
+
+        cfg = apply_momentum_correction(cfg)
     if columns is not None:
         parse_columns(columns)
         parse_labels(label_col)

@@ -285,3 +285,67 @@ def test_add_to_keeps_an_earlier_run_and_trains_only_what_is_missing(tmp_path: P
     args = parser.parse_args([a for a in argv if a != "--drop-last"])
     with pytest.raises(ConfigError, match="drop_last"):
         compression_worlds.main(args, args.specs, must_not_train)
+
+
+# ---------------------------------------------------------------------- shipped configs
+def _shipped(spec: str, world: int, seed: int, acc: float, wire: int, **extra: Any) -> dict:
+    return {
+        "model": "digits_mlp",
+        "config": "conf/digits_mlp.toml",
+        "strategy": "ring",
+        "world": world,
+        "seed": seed,
+        "spec": spec,
+        "compression": extra.pop("compression", spec),
+        "trained_as": extra.pop("trained_as", spec),
+        "compression_path": extra.pop("path", None),
+        "accuracy": acc,
+        "wire_bytes": wire,
+        "batch_size": 32,
+        "steps_per_epoch": 22 if world == 2 else 6,
+        "load1": 3.0,
+        **extra,
+    }
+
+
+def test_shipped_configs_run_as_the_cli_would_and_tabulate_mean_and_sd(tmp_path: Path) -> None:
+    """--config (issue 34.3): the file's recipe with the run's world, seed and spec; the
+    table gives mean +- sd over the seeds, the mean paired gap and the median ratio."""
+    conf = str(Path(__file__).parents[2] / "conf/digits_mlp.toml")
+    values = compression_worlds.config_values(conf, 8, 2, Variant("topk:0.01+ef", "allgather"))
+    assert (values["num_workers"], values["seed"], values["compression"]) == (8, 2, "topk:0.01+ef")
+    assert values["compression_path"] == "allgather" and values["batch_size"] == 32
+    assert values["optimizer_kwargs"] == {"momentum": 0.9}  # the job moves it, not the bench
+    dgc = compression_worlds.config_values(conf, 4, 0, Variant("topk:0.01+ef:momentum=0.9"))
+    assert dgc["optimizer_kwargs"] == {"momentum": 0.0}  # written out: the config's rule
+    recs = []
+    for seed, base in enumerate((0.97, 0.98, 0.96)):
+        recs.append(_shipped("none", 2, seed, base, 3_000_000))
+        recs.append(
+            _shipped(
+                "topk:0.01+ef", 2, seed, base - 0.005, 60_000,
+                trained_as="topk:0.01+ef:momentum=0.9", path="allgather",
+            )
+        )  # fmt: skip
+        recs.append(_shipped("none", 8, seed, base, 6_000_000))
+        recs.append(_shipped("topk:0.01+ef", 8, seed, base - 0.04, 200_000, path="resparsify_tree"))
+    rows = {(r["world"], r["spec"]): r for r in compression_worlds.shipped_rows(recs)}
+    two, eight = rows[(2, "topk:0.01+ef")], rows[(8, "topk:0.01+ef")]
+    assert two["gap_mean"] == pytest.approx(0.5) and two["ratio"] == pytest.approx(50.0)
+    assert two["meets_target"] and not eight["meets_target"]  # 4 pp at world 8
+    assert rows[(2, "none")]["accuracy"] == "97.00 ± 1.00"
+    data = {
+        "format": compression_worlds.SHIPPED_FORMAT,
+        "records": recs,
+        "rows": list(rows.values()),
+    }
+    (tmp_path / "compression_shipped.json").write_text(json.dumps(data))
+    section = next(s for s in report.SECTIONS if s.key == "compression_shipped")
+    text = report.render_section(section, tmp_path, "results/")
+    assert "| digits_mlp | 2 | 32 | 22 | `topk:0.01+ef` | 96.50 ± 1.00 | +0.50 |" in text
+    assert (
+        "`topk:0.01+ef:momentum=0.9` | met |" in text and "| resparsify_tree | - | MISSED |" in text
+    )
+    assert "Load average (1 min) during the runs 3.0-3.0." in text
+    with pytest.raises(KeyError, match="format"):
+        compression_worlds.render_shipped({"records": []})

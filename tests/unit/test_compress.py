@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparktrain.compress import BucketState, Ctx, build, decode_message, encode_message
-from sparktrain.compress.collective import bytes_per_rank
+from sparktrain.compress.collective import EXACT_BUDGET, bytes_per_rank, path_bytes
 from sparktrain.compress.registry import parse_spec
 from sparktrain.compress.sign import pack_bits, unpack_bits
 from sparktrain.errors import ConfigError, FrameError
@@ -357,11 +357,16 @@ def test_honest_byte_figures():
     assert topk.payload_nbytes(50_000) == 500 * 6  # uint16 indices up to 65,536 elements
     assert 4 * n / topk.payload_nbytes(n) == 50
     # a sparse all-gather grows with the world (plain top-k); the resparsify ring
-    # (top-k+ef) and a summable reduce do not
+    # (top-k+ef) and a summable reduce do not. top-k+ef keeps the exact all-gather while
+    # it is within twice the cheapest path's bytes (world 4), then fewer re-encodings
     plain = build("topk:0.01")
     assert plain is not None
     assert bytes_per_rank(plain, n, 4) == 3 * bytes_per_rank(plain, n, 2)
-    assert bytes_per_rank(topk, n, 4) == pytest.approx(1.5 * bytes_per_rank(topk, n, 2))
+    assert bytes_per_rank(topk, n, 4) == bytes_per_rank(plain, n, 4)
+    ring = path_bytes(topk, n, 4)["resparsify"]
+    assert ring == pytest.approx(1.5 * bytes_per_rank(topk, n, 2))
+    assert bytes_per_rank(topk, n, 4) <= EXACT_BUDGET * ring
+    assert bytes_per_rank(topk, n, 8) == path_bytes(topk, n, 8)["resparsify_tree"]
     fp16 = build("fp16")
     assert fp16 is not None
     assert bytes_per_rank(fp16, n, 4) == pytest.approx(1.5 * 2 * n)
@@ -392,7 +397,8 @@ def test_path_choice_moves_the_fewest_bytes():
     assert choose_path(comp("sign+ef"), 4, "ring", "recompress") == "recompress"
     assert {path_for(comp("topk:0.01"), w) for w in (2, 3, 4)} == {"allgather"}
     assert path_for(comp("topk:0.01,sampled+ef"), 2) == "allgather"
-    assert path_for(comp("topk:0.01,sampled+ef"), 4) == "resparsify"  # test_compress_gtopk
+    assert path_for(comp("topk:0.01,sampled+ef"), 4) == "allgather"  # test_compress_gtopk
+    assert path_for(comp("topk:0.01,sampled+ef"), 8) == "resparsify_tree"
     n = 1 << 20
     int8 = comp("int8")
     b = path_bytes(int8, n, 4)

@@ -258,11 +258,17 @@ def test_spec_errors(spec, message):
 def test_config_still_refuses_optimizer_momentum_with_momentum_correction():
     for spec in ("topk:0.01+ef:momentum=0.9,mask=0", "topk:0.01,warmup=5+ef:momentum=0.9"):
         with pytest.raises(ConfigError, match="optimizer_kwargs.momentum=0"):
-            TrainConfig(compression=spec, optimizer_kwargs={"momentum": 0.9}).validate()
-        TrainConfig(compression=spec, optimizer_kwargs={"momentum": 0.0}).validate()
+            TrainConfig(
+                compression=spec, optimizer_kwargs={"momentum": 0.9}, optimizer="sgd"
+            ).validate()
+        TrainConfig(
+            compression=spec, optimizer_kwargs={"momentum": 0.0}, optimizer="sgd"
+        ).validate()
     # clipping and warm-up alone leave the optimizer's momentum alone
     TrainConfig(
-        compression="topk:0.01,warmup=5+ef:local_clip=1", optimizer_kwargs={"momentum": 0.9}
+        compression="topk:0.01,warmup=5+ef:local_clip=1",
+        optimizer_kwargs={"momentum": 0.9},
+        optimizer="sgd",
     ).validate()
 
 
@@ -375,7 +381,7 @@ def test_sign_without_drop_last_warns_what_to_set(caplog: pytest.LogCaptureFixtu
     from sparktrain.config import TrainConfig
 
     spec = "sign:chunk=32+ef:momentum=0.9"
-    kw = {"compression": spec, "optimizer_kwargs": {"momentum": 0.0}}
+    kw = {"compression": spec, "optimizer": "sgd", "optimizer_kwargs": {"momentum": 0.0}}
     with caplog.at_level("WARNING", logger="sparktrain.strategies.base"):
         check_job(TrainConfig(**kw))
     assert any("drop_last=true" in r.getMessage() for r in caplog.records)
