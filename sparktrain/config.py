@@ -204,6 +204,13 @@ class TrainConfig:
         From Python, ``decode`` and ``collate`` also take callables.
     progress, metrics_jsonl:
         Show a live progress bar on the driver; append per-epoch metrics to this file.
+    stream_output:
+        What the tasks print (``print``, ``sys.stdout``/``sys.stderr`` of a ``train_fn``,
+        ``torch_run``'s function or script, a model's code) reaches the driver's own
+        ``sys.stdout``/``sys.stderr`` (a notebook's cell), each line as ``[rank r]
+        line``, over the job's authenticated channel; capped per task (line length,
+        lines and bytes a second), beyond which lines stay in the executor's log only.
+        ``false``: the executors' logs only, as before (see docs/torch.md).
     ps_mode, staleness, ps_shards, staleness_lr:
         Parameter server (``strategy="ps"``): ``sync`` | ``async`` | ``ssp`` (a worker may
         run at most ``staleness`` steps ahead of the slowest), the number of shards the
@@ -347,6 +354,7 @@ class TrainConfig:
     gpus_per_task: int = 0
     progress: bool = True
     metrics_jsonl: str = ""
+    stream_output: bool = True
     encryption: str = "none"
     frame_integrity: bool | str = "auto"
     allow_unencrypted: bool = False

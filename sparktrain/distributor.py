@@ -233,9 +233,29 @@ def run_script(path: str, args: Sequence[Any], *, rank: int) -> None:
     import subprocess
     import sys
 
+    from sparktrain.task import output
+
     if not os.path.isfile(path):
         raise FileNotFoundError(f"rank {rank}: the training script {path} is not on this host")
-    code = subprocess.call([sys.executable, path, *map(str, args)], env=dict(os.environ))
+    argv = [sys.executable, path, *map(str, args)]
+    if not output.captured():  # stream_output off: the script writes to the task's own fds
+        code = subprocess.call(argv, env=dict(os.environ))
+    else:  # its lines go through the task's streams to the driver (stream_output)
+        pipe = subprocess.PIPE
+        child = subprocess.Popen(argv, env=dict(os.environ), stdout=pipe, stderr=pipe)
+        assert child.stdout is not None and child.stderr is not None
+        pumps = [
+            output.pump(child.stdout, sys.stdout.write),
+            output.pump(child.stderr, sys.stderr.write),
+        ]
+        try:
+            code = child.wait()
+        finally:
+            if child.poll() is None:  # the task is ending some other way: no orphan
+                child.kill()
+                child.wait()
+            for thread in pumps:  # the pumps close the pipes once they read their end
+                thread.join(5.0)  # unless a grandchild holds them open
     if code != 0:
         raise RuntimeError(f"rank {rank}: {path} exited with code {code}")
 

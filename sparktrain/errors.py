@@ -89,6 +89,131 @@ class CheckpointError(SparkTrainError):
     """A checkpoint cannot be written, listed or read."""
 
 
+class UserCodeError(SparkTrainError):
+    """The user's own code raised inside a task (a ``train_fn``, ``torch_run``'s
+    function or script, a model's forward, a loss...): final, never resubmitted, since
+    the same code on the same data would raise again. Lost tasks and executors
+    (:class:`WorkerError`, :class:`CommError`) are still retried.
+
+    ``rank`` is the rank that raised, ``type_name`` the exception's class (``ValueError``,
+    ``mypkg.MyError``), ``user_message`` its message and ``traceback_text`` the rank's
+    traceback (empty when only Spark's text reached the driver). When the class is a
+    built-in one, the driver raises a subclass of it too (:func:`user_code_error`), so
+    ``except ValueError`` catches it as it would in local code.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        type_name: str = "",
+        user_message: str = "",
+        traceback_text: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.type_name = type_name
+        self.user_message = user_message
+        self.traceback_text = traceback_text
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only fields survive pickling
+        return (
+            _rebuild_user_error,
+            (
+                str(self),
+                self.rank,
+                self.type_name,
+                self.user_message,
+                self.traceback_text,
+            ),
+        )
+
+    @classmethod
+    def headline(cls, rank: int, type_name: str, message: str) -> str:
+        """The one line a task's error names: ``rank 1 raised ValueError: bad value``
+        (the message's first line; Spark's text keeps one line per error)."""
+        first = message.strip().splitlines()[0] if message.strip() else ""
+        return f"rank {rank} raised {type_name}" + (f": {first}" if first else "")
+
+    @classmethod
+    def parse(cls, line: str) -> UserCodeError:
+        """The error a headline (:meth:`headline`) recovered from Spark's text names."""
+        match = _USER_HEADLINE.match(line)
+        if match is None:
+            return user_code_error(line)
+        rank, type_name, message = int(match.group(1)), match.group(2), match.group(3) or ""
+        return user_code_error(line, rank=rank, type_name=type_name, user_message=message)
+
+
+_USER_HEADLINE = re.compile(r"rank (\d+) raised ([\w.]+)(?:: (.*))?$")
+
+# Built-in exception classes a driver-side UserCodeError also derives from, so the
+# caller's ``except ValueError`` behaves as with local code. Only classes whose
+# constructor takes one message (a UnicodeDecodeError needs five arguments).
+_BUILTIN_BASES: dict[str, type[Exception]] = {
+    c.__name__: c
+    for c in (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        LookupError,
+        RuntimeError,
+        AssertionError,
+        ArithmeticError,
+        ZeroDivisionError,
+        OverflowError,
+        AttributeError,
+        NameError,
+        NotImplementedError,
+        ImportError,
+        ModuleNotFoundError,
+        FileNotFoundError,
+        PermissionError,
+        OSError,
+        RecursionError,
+    )
+}
+_USER_CLASSES: dict[str, type[UserCodeError]] = {}
+
+
+def user_code_error(message: str, **fields: object) -> UserCodeError:
+    """A :class:`UserCodeError` for ``message``; when ``type_name`` names a built-in
+    exception class, of a subclass deriving from that class too."""
+    base = _BUILTIN_BASES.get(str(fields.get("type_name", "")))
+    cls: type[UserCodeError] = UserCodeError
+    if base is not None:
+        cls = _USER_CLASSES.setdefault(
+            base.__name__,
+            type(
+                "UserCodeError",
+                (UserCodeError, base),
+                {
+                    "__module__": __name__,
+                    "__qualname__": f"UserCodeError[{base.__name__}]",
+                    # KeyError's own __str__ quotes its argument: say the message as is
+                    "__str__": Exception.__str__,
+                },
+            ),
+        )
+    err = cls.__new__(cls)
+    UserCodeError.__init__(err, message, **fields)  # type: ignore[arg-type]
+    return err
+
+
+def _rebuild_user_error(
+    message: str, rank: int | None, type_name: str, user_message: str, traceback_text: str
+) -> UserCodeError:
+    return user_code_error(
+        message,
+        rank=rank,
+        type_name=type_name,
+        user_message=user_message,
+        traceback_text=traceback_text,
+    )
+
+
 class WorkerError(SparkTrainError):
     """An error raised inside a Spark task, surfaced on the driver."""
 
@@ -108,6 +233,8 @@ class WorkerError(SparkTrainError):
                 found = match  # the innermost (last) one is the cause
         if found is None:
             return cls(f"the training stage failed: {_cause(text)}")
+        if found.group(1) == UserCodeError.__name__:
+            return UserCodeError.parse(found.group(2).strip())
         error_cls = _BY_NAME.get(found.group(1), cls)
         return error_cls(found.group(2).strip())
 
@@ -143,6 +270,7 @@ _BY_NAME: dict[str, type[SparkTrainError]] = {
         WorkerError,
         CheckpointError,
         DivergedError,
+        UserCodeError,
     )
 }
 # PeerLostError's constructor takes a rank; its text already says everything.

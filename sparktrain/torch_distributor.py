@@ -26,12 +26,14 @@ Python file with ``args`` as its command line (no keywords), with ``RANK``,
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -145,9 +147,11 @@ def run_local(n: int, argv: list[str], extra_env: Mapping[str, str]) -> None:
     would, with the store on the loopback address only, and wait for them all; the first
     that fails stops the others and raises."""
     from sparktrain.comm_backend import bound_store
+    from sparktrain.task.output import pump
 
     store = bound_store("127.0.0.1", n, datetime.timedelta(minutes=30))
     procs: list[subprocess.Popen[bytes]] = []
+    pumps: list[threading.Thread] = []
     try:
         for rank in range(n):
             env = {
@@ -162,7 +166,14 @@ def run_local(n: int, argv: list[str], extra_env: Mapping[str, str]) -> None:
                 "MASTER_PORT": str(store.port),
                 AGENT_STORE: "True",
             }
-            procs.append(subprocess.Popen([sys.executable, *argv], env=env))
+            pipe = subprocess.PIPE
+            proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=pipe, stderr=pipe)
+            procs.append(proc)
+            assert proc.stdout is not None and proc.stderr is not None
+            # as pyspark's local mode: each line to the driver's current sys.stdout/stderr
+            # (a notebook cell), named by its rank as sparktrain's tasks' lines are
+            pumps.append(pump(proc.stdout, functools.partial(_say, rank, "out")))
+            pumps.append(pump(proc.stderr, functools.partial(_say, rank, "err")))
         while True:
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
@@ -180,7 +191,16 @@ def run_local(n: int, argv: list[str], extra_env: Mapping[str, str]) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for thread in pumps:
+            thread.join(5.0)
         del store
+
+
+def _say(rank: int, stream: str, text: str) -> None:
+    """One line of a local rank's output, on the driver's stream as it is now."""
+    target = sys.stderr if stream == "err" else sys.stdout
+    target.write(f"[rank {rank}] {text}" if text.endswith("\n") else f"[rank {rank}] {text}\n")
+    target.flush()
 
 
 def _worker(fn_file: str, out_file: str) -> None:

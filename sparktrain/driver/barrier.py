@@ -25,6 +25,7 @@ from sparktrain.driver.prepare import PreparedData
 from sparktrain.driver.services import rendezvous
 from sparktrain.errors import ConfigError, SparkTrainError, WorkerError
 from sparktrain.result import Record
+from sparktrain.task import output
 from sparktrain.task.context import JobSpec, WorkerContext
 from sparktrain.task.memory import reset_peak_anon
 from sparktrain.wire.listen import address_of, open_listener
@@ -205,12 +206,14 @@ def _arrow_task(
     spec: JobSpec, entry: TaskEntry, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     ctx = worker_context(spec)
-    reset_peak_anon()
-    data = from_arrow(batches, spec.data_layout, ctx.rank, spill_plan(spec, ctx.rank))
-    try:
-        records = entry(ctx, data)
-    finally:
-        data.close()  # the spill file goes with the task, on failure too
+    # the task's prints reach the driver; the user's exceptions become final
+    with output.capture(spec, ctx.rank):
+        reset_peak_anon()
+        data = from_arrow(batches, spec.data_layout, ctx.rank, spill_plan(spec, ctx.rank))
+        try:
+            records = entry(ctx, data)
+        finally:
+            data.close()  # the spill file goes with the task, on failure too
     yield pa.RecordBatch.from_pylist(
         [{"rank": r.rank, "kind": r.kind, "seq": r.seq, "data": r.data} for r in records],
         schema=OUTPUT_SCHEMA,
@@ -234,5 +237,7 @@ def _rows_task(
     spec: JobSpec, entry: TaskEntry, rows: Iterable[tuple[object, ...]]
 ) -> Iterator[tuple[int, str, int, bytes]]:
     ctx = worker_context(spec)
-    for r in entry(ctx, from_rows(rows, spec.feature_width, ctx.rank)):
+    with output.capture(spec, ctx.rank):
+        records = entry(ctx, from_rows(rows, spec.feature_width, ctx.rank))
+    for r in records:
         yield (r.rank, r.kind, r.seq, r.data)

@@ -6,7 +6,9 @@ receiver (each naming the attempt, so a straggler of an earlier attempt cannot r
 into this one), sets a job group, watches for free slots on a cluster, launches one
 barrier stage over the prepared data (:func:`launch`) and, when a task fails, resubmits
 the stage up to ``max_restarts`` times from where the strategy's driver half says it
-resumes. Data and config errors are final.
+resumes. Data and config errors are final, and so is an exception the user's code
+raised (:class:`~sparktrain.errors.UserCodeError`, :mod:`sparktrain.task.output`): only
+lost tasks, executors and links are retried.
 
 :func:`train_data_parallel` is a barrier strategy's whole fit: the job spec, the
 checkpoint store, the strategy's driver half, the stage, the result.
@@ -40,6 +42,7 @@ from sparktrain.driver.services.metrics_server import MetricsServer, ProgressDis
 from sparktrain.driver.services.payload_server import ClosureShipper
 from sparktrain.driver.services.rendezvous import RendezvousServer
 from sparktrain.driver.services.state_receiver import StateReceiver
+from sparktrain.driver.services.task_output import OutputSink
 from sparktrain.errors import CommError, ResourceError, SparkTrainError, WorkerError
 from sparktrain.result import Record, TrainResult, assemble
 from sparktrain.task.context import JobSpec
@@ -286,15 +289,24 @@ def run_stage(
     for attempt in itertools.count():
         driver.begin_attempt(attempt)
         spec = dataclasses.replace(base, attempt=attempt, resume_step=step, resume_history=history)
+        # every rank's printed lines and failure reports (task/output.py) arrive here
+        sink = OutputSink(stream=cfg.stream_output, bar=display.live_bar)
         try:
             records, met_here, closure = _attempt(
-                env, prepared, spec, display, entry, model, senders, received
+                env, prepared, spec, display, entry, model, senders, received, sink
             )
             return StageOutcome(
                 records, restarts, steps_redone, time.perf_counter() - launched, met_here, closure
             )
-        except (WorkerError, CommError) as exc:  # data and config errors are final
-            if attempt >= cfg.max_restarts:
+        except SparkTrainError as exc:
+            # The attempt's services have stopped: every report the ranks sent is in. An
+            # exception of the user's code is final (the same code would raise again);
+            # Spark may have named a peer's reaction to it (a lost connection) first.
+            user = None if isinstance(exc, ResourceError) else sink.user_failure()
+            if user is not None:
+                raise user from exc
+            # data and config errors are final; lost tasks and links are retried
+            if not isinstance(exc, WorkerError | CommError) or attempt >= cfg.max_restarts:
                 raise
             reached = display.last_global_step
             step, history = driver.resume_after_failure()
@@ -319,7 +331,8 @@ def _attempt(
     entry: TaskEntry,
     model: nn.Module | None,
     senders: Mapping[int, Collection[str]] | None,
-    received: dict[str, torch.Tensor] | None = None,
+    received: dict[str, torch.Tensor] | None,
+    sink: OutputSink,
 ) -> tuple[list[Record], bool, dict[str, Any] | None]:
     """One barrier stage with its own progress channel, rendezvous and state receiver:
     the ranks stream their trained state straight into ``model``
@@ -329,7 +342,8 @@ def _attempt(
     ``allGather`` and returned their state as task results) and, under Spark Connect,
     how the task was shipped: in the plan, or from a payload service when it is too big
     for Connect's request cap
-    (:class:`~sparktrain.driver.services.payload_server.ClosureShipper`)."""
+    (:class:`~sparktrain.driver.services.payload_server.ClosureShipper`). The ranks'
+    printed lines and failure reports go to ``sink``."""
     host = driver_host(env, spec.config)
     # every service authenticates this job's tasks of this attempt only
     job: dict[str, Any] = {
@@ -342,7 +356,7 @@ def _attempt(
     try:
         receiver = StateReceiver(host, model, senders=senders, **job)
         services.append(receiver)
-        server = MetricsServer(host, on_message=display, **job)
+        server = MetricsServer(host, on_message=display, on_output=sink, **job)
         services.append(server)
         meeting = RendezvousServer(host, world_size=spec.config.num_workers, **job)
         services.append(meeting)
@@ -356,6 +370,8 @@ def _attempt(
             metrics_address=server.address,
             rendezvous_address=meeting.address,
             state_address=receiver.address,
+            # local mode: the executors' streams are this terminal; say each line once
+            echo_output=env.connect or not env.is_local(),
         )
         # the spec pickled here, as the task carries it: functions of a script or notebook
         # too (sparktrain.driver.pickling), and an unpicklable part fails now, by its name

@@ -67,6 +67,9 @@ class JobSpec:
     # (compress.registry.plugins()), pickled as the strategy is; the task installs them
     # (compress.registry.install) before it builds any compressor
     compressors: dict[str, Any] = field(default_factory=dict)
+    # the tasks' own output also stays on the executor's streams (its log); False in
+    # local mode, where those streams are the driver's terminal (task/output.py)
+    echo_output: bool = True
 
     @property
     def data_layout(self) -> Layout:

@@ -1,5 +1,9 @@
 """Progress and metrics, the driver's end: the server rank 0 reports to, and the display.
 
+Every rank also streams its printed lines and its failure report here
+(:mod:`sparktrain.task.output`), handed to ``on_output`` with the rank its handshake
+proved (:mod:`sparktrain.driver.services.task_output`).
+
 Rank 0 (:mod:`sparktrain.task.metrics_client`) sends JSON messages (``start``,
 ``step``, ``epoch``; ``report`` under ``sparktrain.run``) over the same wire as the
 allreduce (``KIND_METRICS`` frames, never pickle). The driver's :class:`MetricsServer`
@@ -29,6 +33,7 @@ from sparktrain.task.metrics_client import (  # noqa: F401
     MetricsClient,
     start_reporter,
 )
+from sparktrain.task.output import MESSAGE_TYPES as OUTPUT_MESSAGES
 from sparktrain.wire.connection import Connection
 from sparktrain.wire.frames import KIND_METRICS
 from sparktrain.wire.security import WireSecurity
@@ -66,9 +71,13 @@ class MetricsServer(DriverService):
         on_message: Callable[[dict[str, Any]], None],
         idle_timeout: float = 24 * 3600.0,
         security: WireSecurity | None = None,
+        on_output: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> None:
         super().__init__(host, secret=secret, job_id=job_id, attempt=attempt, security=security)
         self._on_message = on_message
+        # every rank's output and failure reports (sparktrain.task.output), with the rank
+        # its handshake proved (driver/services/task_output.py); None: ignored
+        self._on_output = on_output
         self._idle_timeout = idle_timeout
         self._conns: list[Connection] = []
         self._lock = threading.Lock()
@@ -93,7 +102,13 @@ class MetricsServer(DriverService):
                     return
                 with self._lock:
                     self._waiting[id(conn)] = None
-                if isinstance(message, dict):
+                if isinstance(message, dict) and message.get("type") in OUTPUT_MESSAGES:
+                    if self._on_output is not None:
+                        try:
+                            self._on_output(conn.peer_rank, message)
+                        except Exception:  # a sink bug must not end the reader
+                            log.exception("task output sink failed")
+                elif isinstance(message, dict):
                     try:
                         self._on_message(message)
                     except Exception:  # a display bug must not end the reader
@@ -188,6 +203,10 @@ class ProgressDisplay:
                 self._epoch(message)
             elif kind == "report":
                 self._record(message)
+
+    def live_bar(self) -> Any:
+        """The tqdm bar on screen now, or None: the tasks' printed lines go above it."""
+        return self._bar
 
     def _start(self, message: dict[str, Any]) -> None:
         self._steps_per_epoch = int(message.get("steps_per_epoch", 0))
