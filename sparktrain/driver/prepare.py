@@ -164,8 +164,9 @@ def prepare(
     ``"auto"`` for either: where the data allows it (a DataFrame; a scalar label; one
     plain features column, and a model that does not say no: ``features_veto``, asked
     only then, returns why the features must stay as they are, e.g. indices into an
-    embedding), ``True``: an error where it does not. ``weight_col`` names a numeric column of non-negative sample weights in ``data`` (a DataFrame); see
-    the module docstring for how they are normalised."""
+    embedding), ``True``: an error where it does not. ``weight_col`` names a numeric
+    column of non-negative sample weights in ``data`` (a DataFrame); see the module
+    docstring for how they are normalised."""
     sc = _classic_context(data)
     held = contextlib.nullcontext() if sc is None else progress_bar_held(sc)
     try:
