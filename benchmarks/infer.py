@@ -10,14 +10,16 @@ partitions, cached and materialised before any timing. The module is the 64-128-
 (``sparktrain.models:digits_mlp``) trained for a few hundred full-batch Adam steps in this
 process, so the predictions mean something; its weights go into a
 :class:`~sparktrain.ml.TorchClassificationModel` and into ``predict_batch_udf``'s
-``make_predict_fn`` alike. Each contender writes only a prediction column to the ``noop``
-sink (the whole query runs, nothing is stored):
+``make_predict_fn`` alike. Each contender writes an ``id`` and what it selects to the
+``noop`` sink (the whole query runs, nothing is stored):
 
-* ``transform``: ``model.transform(df).select("prediction")`` with the model's defaults
-  (a new user's call; the probability and rawPrediction columns are computed too, since a
-  UDF cannot see which of its outputs the query keeps);
+* ``transform``: ``model.transform(df).select("id", "prediction")`` with the model's
+  defaults (a new user's call: the probability and rawPrediction columns are there, and
+  unselected; Spark prunes their expressions, sparktrain.ml.model);
 * ``transform_prediction_only``: the same with ``probabilityCol=""`` and
   ``rawPredictionCol=""``, the pyspark.ml way to switch those columns off;
+* ``transform_all``: the defaults with all three columns selected (two ml Vectors and a
+  double per row);
 * ``predict_batch_udf``: ``df.select(predict_fn(vector_to_array("features", "float32")))``
   with ``batch_size=--batch-size`` and ``input_tensor_shapes=[[64]]``, returning the
   argmax class as a double.
@@ -27,13 +29,16 @@ compiles the query), then ``--repeats`` rounds time each once, the order rotated
 so that the machine's other load falls on all of them alike. Records are
 ``{contender, times_s, median_s, min_s, max_s}``; ``ratios`` are each transform's median
 over ``predict_batch_udf``'s (``met``: at most 1.0). Before timing, both ways predict the
-1,797 distinct rows and ``agreement`` is the share of equal predictions.
+1,797 distinct rows and ``agreement`` is the share of equal predictions. ``load`` is the
+1-minute load average before and after the timed rounds (``os.getloadavg``): on a machine
+whose other work moves it above the cores' count the figures are not evidence.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +48,7 @@ from typing import Any
 from sparktrain.errors import ConfigError
 
 MODEL_FN = "sparktrain.models:digits_mlp"
-CONTENDERS = ("transform", "transform_prediction_only", "predict_batch_udf")
+CONTENDERS = ("transform", "transform_prediction_only", "transform_all", "predict_batch_udf")
 BASELINE = "predict_batch_udf"
 ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
 
@@ -89,7 +94,7 @@ def table(report: dict[str, Any]) -> str:
         f"{report['repeats']} interleaved repeats, Arrow batches of "
         f"{report['arrow_batch']:,} rows, predict_batch_udf batch_size "
         f"{report['batch_size']:,}; predictions agree on {report['agreement']:.2%} of the "
-        "distinct rows.",
+        f"distinct rows.{_load(report)}",
         "",
         "| contender | median | min | max | rows/s (median) |",
         "|---|---:|---:|---:|---:|",
@@ -104,6 +109,15 @@ def table(report: dict[str, Any]) -> str:
         verdict = "met" if r["met"] else "MISSED"
         lines.append(f"- {name} / {BASELINE}, medians: {r['ratio']:.2f} (target <= 1.0: {verdict})")
     return "\n".join(lines)
+
+
+def _load(report: dict[str, Any]) -> str:
+    """The table's note of the load average around the timed rounds (older reports have
+    none)."""
+    load = report.get("load")
+    if not load:
+        return ""
+    return f" Load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after."
 
 
 # ---------------------------------------------------------------------- the run
@@ -253,16 +267,21 @@ def main(args: argparse.Namespace) -> int:
     runs: dict[str, Callable[[], None]] = {
         "transform": lambda: noop(model.transform(df).select("id", "prediction")),
         "transform_prediction_only": lambda: noop(lean.transform(df).select("id", "prediction")),
+        "transform_all": lambda: noop(
+            model.transform(df).select("id", "prediction", "probability", "rawPrediction")
+        ),
         "predict_batch_udf": lambda: noop(theirs(df)),
     }
     for name in CONTENDERS:  # warm-up
         runs[name]()
     times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    load_before = os.getloadavg()[0]
     for name in rounds(CONTENDERS, args.repeats):
         started = time.perf_counter()
         runs[name]()
         times[name].append(time.perf_counter() - started)
         print(f"{name}: {times[name][-1]:.2f} s", flush=True)
+    load_after = os.getloadavg()[0]
     df.unpersist()
     report: dict[str, Any] = {
         "rows": args.rows,
@@ -272,6 +291,7 @@ def main(args: argparse.Namespace) -> int:
         "arrow_batch": args.arrow_batch,
         "master": master,
         "agreement": agreement,
+        "load": {"before": load_before, "after": load_after},
         **summarise(times),
     }
     print(table(report))

@@ -11,12 +11,15 @@ an iterator Arrow UDF over the features column: every Arrow batch (Spark's
 ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows) becomes one ``(n, width)`` float32
 tensor and one forward pass under ``torch.inference_mode``, on the task's GPU when the
 ``device`` Param allows it and Spark gave the task one (:func:`inference_device`).
-There is no per-row Python. The UDF returns a struct of ``prediction`` (double) and, for
-classifiers, ``rawPrediction`` / ``probability`` as ``array<double>``, turned into ml
-Vectors by the JVM's ``array_to_vector``; every input column is kept. Only the columns
-whose Params are non-empty are computed: a Python UDF cannot see which of its fields a
-query keeps, so ``probabilityCol=""`` and ``rawPredictionCol=""`` are how a classifier
-scores predictions alone (its classes then come from the logits, no probabilities).
+There is no per-row Python. The UDF returns the model's outputs alone (``array<double>``
+for a classifier, one ``double`` for a regressor); the output columns are Spark
+expressions over them (:func:`_output_columns_of`): ``array_to_vector`` for
+``rawPrediction``, a softmax of higher-order functions for ``probability``,
+``array_position(s, array_max(s))`` for the prediction, ``s * std + mean`` for a scaled
+regressor. A Python UDF runs whole whatever a query keeps of its result, but Spark prunes
+expressions nobody selects: ``model.transform(df).select("prediction")`` runs the UDF
+once and builds no vector (``tests/integration/test_ml_pruning.py`` checks the plans).
+Every input column is kept.
 
 A model trained on several or typed columns (``featuresCols``, ``featureShapes``...) keeps
 the trained :class:`~sparktrain.data.columns.Layout`, saved in its metadata as
@@ -44,7 +47,7 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
@@ -86,7 +89,8 @@ __all__ = ["TorchClassificationModel", "TorchModel", "TorchRegressionModel"]
 
 log = logging.getLogger(__name__)
 
-_OUT = "__sparktrain_output"
+_OUT = "__sparktrain_scores"
+_PROBABILITY = "__sparktrain_probability"
 
 
 class TorchModel(PredictionModel[Vector], _TorchParams, MLWritable, MLReadable["TorchModel"]):
@@ -229,7 +233,9 @@ class TorchModel(PredictionModel[Vector], _TorchParams, MLWritable, MLReadable["
 
     def _one_row(self, value: Vector, fields: tuple[str, ...]) -> dict[str, Any]:
         """``fields`` of the output struct for one row of features, scored on the driver
-        through :meth:`_InferencePlan.predict`, as one Arrow batch of ``transform`` is."""
+        through :meth:`_InferencePlan.predict`: the forward pass of one Arrow batch of
+        ``transform``, the columns computed in torch (``transform`` computes them as Spark
+        expressions, :func:`_output_columns_of`, by the same formulas)."""
         name = type(self).__name__
         if not self.layout.is_plain:
             raise ConfigError(
@@ -310,7 +316,6 @@ class TorchModel(PredictionModel[Vector], _TorchParams, MLWritable, MLReadable["
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         require_spark_frame(dataset, "transform's dataset")
-        from pyspark.ml.functions import array_to_vector
         from pyspark.sql import functions as F
         from pyspark.sql.functions import arrow_udf
 
@@ -348,20 +353,28 @@ class TorchModel(PredictionModel[Vector], _TorchParams, MLWritable, MLReadable["
             label_stats=self._label_stats,
             thresholds=self._thresholds(),
         )
-        fields = ", ".join(f"{field} {_FIELD_TYPES[field]}" for _, field in outputs)
-        udf = arrow_udf(plan.run, f"struct<{fields}>")  # type: ignore[call-overload]
-        out = dataset.withColumn(_OUT, udf(features))
-        columns: dict[str, Column] = {}
-        for name, field in outputs:
-            value = F.col(_OUT).getField(field)
-            # the UDF scores every row: coalesce only makes the column NOT NULL, as
-            # MLlib's prediction is (a projection, no second pass over the data)
-            columns[name] = (
-                F.coalesce(value, F.lit(float("nan")))
-                if field == "prediction"
-                else array_to_vector(value)
-            )
-        result = out.withColumns(columns).drop(_OUT)
+        udf = arrow_udf(plan.run, plan.scores_type())  # type: ignore[call-overload]
+        # the UDF emits the model's outputs only; each output column is an expression
+        # over them, so the optimizer drops the columns a query does not select (a
+        # Python UDF's result is computed whole, whatever the query keeps of it)
+        scored = dataset.withColumn(_OUT, udf(features))
+        wanted = {field for _, field in outputs}
+        thresholds = plan.thresholds
+        scores = F.col(_OUT)
+        probability: Column | None = None
+        if self._kind == "classification" and (
+            "probability" in wanted or ("prediction" in wanted and thresholds is not None)
+        ):
+            # its own column: used twice (probability and a thresholded prediction) it
+            # is computed once per row, used once Spark inlines it
+            scored = scored.withColumn(_PROBABILITY, _probability(scores))
+            probability = F.col(_PROBABILITY)
+        exprs = _output_columns_of(
+            scores, self._kind, probability, thresholds=thresholds, label_stats=self._label_stats
+        )
+        result = scored.withColumns({name: exprs[field] for name, field in outputs}).drop(
+            _OUT, _PROBABILITY
+        )
         metadata = self._output_metadata()
         for name, field in outputs:
             if field in metadata:
@@ -475,11 +488,12 @@ class TorchClassificationModel(
     single-logit binary model ``[-z, z]``, as MLlib's LogisticRegression does),
     ``probability`` (softmax, or ``[1 - sigmoid(z), sigmoid(z)]``) and ``prediction``
     (the most probable class index, as a double; with ``thresholds``, the class with the
-    largest ``probability / threshold``, as MLlib's). Set any of the three column params
-    to ``""`` to leave that column out. The prediction column is NOT NULL and carries
-    MLlib's nominal attribute (``{"ml_attr": {"num_vals": numClasses, "type":
-    "nominal"}}``), which ``IndexToString`` reads; the vectors carry ``{"ml_attr":
-    {"num_attrs": numClasses}}``, as MLlib's. A pyspark.ml
+    largest ``probability / threshold``, as MLlib's): Spark expressions over the model's
+    outputs, so a query computes only the columns it selects. Set any of the three
+    column params to ``""`` to leave that column out. The prediction column is NOT NULL
+    and carries MLlib's nominal attribute (``{"ml_attr": {"num_vals": numClasses,
+    "type": "nominal"}}``), which ``IndexToString`` reads; the vectors carry
+    ``{"ml_attr": {"num_attrs": numClasses}}``, as MLlib's. A pyspark.ml
     ``ProbabilisticClassificationModel``: :meth:`predict`, :meth:`predictRaw` and
     :meth:`predictProbability` score one ml Vector on the driver.
 
@@ -584,11 +598,7 @@ def build_module(model_fn: str, model_kwargs: dict[str, Any]) -> nn.Module:
     return build_model(lambda: fn(**model_kwargs))
 
 
-_FIELD_TYPES = {
-    "prediction": "double",
-    "rawPrediction": "array<double>",
-    "probability": "array<double>",
-}
+_SCORES = pa.list_(pa.float64())
 
 
 def _features_as_float_array(dataset: DataFrame, col: str, what: str) -> Column:
@@ -741,7 +751,8 @@ class _InferencePlan:
         return module
 
     def run(self, batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
-        """The Arrow UDF body: one forward pass per Arrow batch."""
+        """The Arrow UDF body: one forward pass per Arrow batch, the batch's
+        :meth:`scores` out (the output columns are Spark expressions over them)."""
         # torch's default is one thread per core in every Python worker: with one worker
         # per task slot they would oversubscribe the cores the tasks were given
         torch.set_num_threads(max(1, self.threads))
@@ -752,17 +763,41 @@ class _InferencePlan:
             collator = Collator(self.layout)
             with torch.inference_mode():
                 for inputs in batches:
-                    yield self.predict_typed(module, collator, inputs, device)
+                    yield self.scores(self.forward_typed(module, collator, inputs, device))
             return
         with torch.inference_mode():
             for features in batches:
-                yield self.predict(module, features, device)
+                yield self.scores(self.forward(module, features, device))
+
+    def scores_type(self) -> str:
+        """The UDF's return type: a classifier's outputs per row, or a regressor's one."""
+        return "double" if self.kind == "regression" else "array<double>"
+
+    def scores(self, out: torch.Tensor | None) -> pa.Array:
+        """One batch's model outputs as the UDF returns them (:meth:`scores_type`), in
+        float64 (exact for any model dtype, and the rawPrediction column's type): a
+        regressor's first output (label scaling is the prediction column's expression),
+        a classifier's outputs per row (``None``: an empty batch)."""
+        if out is None:
+            return pa.array([], pa.float64() if self.kind == "regression" else _SCORES)
+        out = out.detach().cpu()
+        out = out.flatten(1) if out.ndim > 1 else out.unsqueeze(1)
+        if self.kind == "regression":
+            return pa.array(out[:, 0].double().numpy())
+        return _list_array(out.double().numpy())
 
     def predict(
         self, module: nn.Module, features: pa.Array, device: torch.device | None = None
     ) -> pa.Array:
+        """The output struct of one Arrow batch of ``array<float>`` feature rows
+        (:meth:`forward`, then :meth:`outputs`): what ``predict`` on the driver reads."""
+        return self.outputs(self.forward(module, features, device))
+
+    def forward(
+        self, module: nn.Module, features: pa.Array, device: torch.device | None = None
+    ) -> torch.Tensor:
         """One Arrow batch of ``array<float>`` feature rows: one ``(n, width)`` tensor,
-        one forward pass on ``device`` (default the CPU), the output struct."""
+        one forward pass on ``device`` (default the CPU), the model's outputs."""
         n = len(features)
         width = self.num_features
         if features.null_count:
@@ -779,7 +814,8 @@ class _InferencePlan:
         x = torch.from_numpy(np.array(values, dtype=np.float32).reshape(n, width))  # writable
         if device is not None and device.type != "cpu":
             x = x.to(device, non_blocking=True)
-        return self.outputs(module(x))
+        out: torch.Tensor = module(x)
+        return out
 
     def predict_typed(
         self,
@@ -788,12 +824,24 @@ class _InferencePlan:
         inputs: pa.Array,
         device: torch.device | None = None,
     ) -> pa.Array:
+        """The output struct of one Arrow batch of the struct of input columns
+        (:meth:`forward_typed`, then :meth:`outputs`)."""
+        return self.outputs(self.forward_typed(module, collator, inputs, device))
+
+    def forward_typed(
+        self,
+        module: nn.Module,
+        collator: Collator,
+        inputs: pa.Array,
+        device: torch.device | None = None,
+    ) -> torch.Tensor | None:
         """One Arrow batch of the struct of input columns: rows as the training workers
-        read them, one :class:`~sparktrain.data.batch.Batch`, one forward pass."""
+        read them, one :class:`~sparktrain.data.batch.Batch`, one forward pass; the
+        model's outputs (``None`` for an empty batch)."""
         layout = collator.layout
         n = len(inputs)
         if not n:
-            return self.outputs(None)
+            return None
         children = inputs.flatten()
         columns = [_rows(c, values, n) for c, values in zip(layout.columns, children, strict=True)]
         batch = collator.batch(columns, None, None, partition=-1)
@@ -805,10 +853,13 @@ class _InferencePlan:
                 f"the model returned {type(out).__name__}; transform needs one output tensor "
                 "of shape (batch, outputs)"
             )
-        return self.outputs(out)
+        return out
 
     def outputs(self, out: torch.Tensor | None) -> pa.Array:
-        """The output struct of one batch's model outputs (``None``: an empty batch)."""
+        """The output struct of one batch's model outputs (``None``: an empty batch),
+        computed in torch: what :meth:`TorchModel.predict` and its kin return for one
+        row. ``transform`` computes the same columns as Spark expressions
+        (:func:`_output_columns_of`); the two agree to float64 rounding."""
         if out is None:
             empty = {
                 "prediction": pa.array([], pa.float64()),
@@ -874,6 +925,112 @@ def _classes(out: torch.Tensor) -> torch.Tensor:
         p1 = torch.sigmoid(logits[:, 0])
         return (p1 > 1 - p1).double()
     return logits.argmax(dim=1).double()
+
+
+# ---------------------------------------------------------------------- output columns
+def _output_columns_of(
+    scores: Column,
+    kind: str,
+    probability: Column | None = None,
+    *,
+    thresholds: tuple[float, ...] | None = None,
+    label_stats: tuple[float, float] | None = None,
+) -> dict[str, Column]:
+    """The output columns by field, as Spark expressions over the UDF's ``scores``
+    (:meth:`_InferencePlan.scores`): the values :meth:`_InferencePlan.outputs` computes in
+    torch, to float64 rounding (the prediction exactly, but for rows with NaN outputs).
+    ``probability``: a column that holds :func:`_probability` of the scores (default that
+    expression itself). Spark evaluates only the expressions a query selects.
+
+    The classifier's columns: ``rawPrediction`` the outputs (``[-z, z]`` for a single
+    logit ``z``), ``probability`` their softmax (``[1 - sigmoid(z), sigmoid(z)]``), and
+    ``prediction`` the first largest output (a single logit: ``sigmoid(z) > 1 -
+    sigmoid(z)``, as the probabilities' argmax), or with ``thresholds`` the first largest
+    ``probability / threshold`` (infinity for a 0 threshold), as MLlib's. A regressor's
+    ``prediction`` is its output, ``* std + mean`` with ``label_stats``."""
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    nan = F.lit(float("nan"))
+    if kind == "regression":
+        prediction = scores
+        if label_stats is not None:
+            mean, std = label_stats
+            # a float64 product, then a sum, as outputs() in torch: Java fuses no
+            # multiply-add, so the two agree bit for bit
+            prediction = prediction * F.lit(std) + F.lit(mean)
+        # the UDF scores every row: coalesce only makes the column NOT NULL, as MLlib's
+        # prediction is (a projection, no second pass over the data)
+        return {"prediction": F.coalesce(prediction, nan)}
+    single = F.size(scores) == 1
+    z = F.element_at(scores, 1)
+    prob = _probability(scores) if probability is None else probability
+    if thresholds is None:
+        # softmax is monotonic: the most probable class is the largest output's, and no
+        # probability need be computed for it; a single logit compares as the
+        # probabilities do, so that sigmoid's rounding ties fall as they do there
+        p1 = _sigmoid(z)
+        classes = F.when(single, (p1 > F.lit(1.0) - p1).cast("double")).otherwise(_argmax(scores))
+    else:
+        t = F.array(*(F.lit(float(v)) for v in thresholds))
+        scaled = F.zip_with(
+            prob, t, lambda p, ti: F.when(ti == 0, F.lit(float("inf"))).otherwise(p / ti)
+        )
+        classes = _let(scaled, _argmax)
+    return {
+        "rawPrediction": array_to_vector(F.when(single, F.array(-z, z)).otherwise(scores)),
+        "probability": array_to_vector(prob),
+        "prediction": F.coalesce(classes, nan),
+    }
+
+
+def _probability(scores: Column) -> Column:
+    """The class probabilities of each row's outputs as a Spark expression: the softmax,
+    or for a single logit ``z`` ``[1 - sigmoid(z), sigmoid(z)]``."""
+    from pyspark.sql import functions as F
+
+    p1 = _sigmoid(F.element_at(scores, 1))
+    return F.when(F.size(scores) == 1, F.array(F.lit(1.0) - p1, p1)).otherwise(_softmax(scores))
+
+
+def _softmax(scores: Column) -> Column:
+    """``exp(s - max(s)) * (1 / sum)`` per row, as torch's float64 softmax computes it,
+    each intermediate bound once (:func:`_let`): written inline, the maximum and the sum
+    inside the lambdas would be evaluated again for every element."""
+    from pyspark.sql import functions as F
+
+    def normalised(e: Column) -> Column:
+        total = F.aggregate(e, F.lit(0.0), lambda acc, x: acc + x)
+        return _let(F.lit(1.0) / total, lambda r: F.transform(e, lambda x: x * r))
+
+    return _let(
+        F.array_max(scores),
+        lambda m: _let(F.transform(scores, lambda x: F.exp(x - m)), normalised),
+    )
+
+
+def _sigmoid(z: Column) -> Column:
+    """``1 / (1 + exp(-z))``, torch's float64 sigmoid."""
+    from pyspark.sql import functions as F
+
+    return F.lit(1.0) / (F.lit(1.0) + F.exp(-z))
+
+
+def _argmax(values: Column) -> Column:
+    """The index of each row's first largest value as a double (NaN counts as the
+    largest and equals itself, as in torch's ``argmax``)."""
+    from pyspark.sql import functions as F
+
+    return (F.array_position(values, F.array_max(values)) - 1).cast("double")
+
+
+def _let(value: Column, body: Callable[[Column], Column]) -> Column:
+    """``body(value)`` with ``value`` evaluated once per row: the lambda of a
+    one-element array's ``transform`` binds it. Spark has no ``let``, and inlines an
+    expression a lambda reads into the lambda, once per element."""
+    from pyspark.sql import functions as F
+
+    return F.element_at(F.transform(F.array(value), body), 1)
 
 
 def inference_device(requested: str) -> torch.device:

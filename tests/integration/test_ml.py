@@ -114,8 +114,9 @@ def test_pipeline_model_save_load_gives_identical_predictions(  # type: ignore[n
 def test_switched_off_columns_are_left_out_and_predictions_unchanged(  # type: ignore[no-untyped-def]
     digits_pipeline, monkeypatch
 ):
-    """probabilityCol="" and rawPredictionCol="": the UDF returns the prediction alone
-    (its struct has no other field) and predicts the same classes."""
+    """probabilityCol="" and rawPredictionCol="": those columns are left out and the
+    classes are the same; the UDF returns the model's outputs either way (the columns
+    are expressions over them: tests/integration/test_ml_pruning.py)."""
     from pyspark.sql import functions as F
 
     returns = []
@@ -132,7 +133,7 @@ def test_switched_off_columns_are_left_out_and_predictions_unchanged(  # type: i
     lean = torch_model.copy().setProbabilityCol("").setRawPredictionCol("")
     out = lean.setPredictionCol("lean").transform(scaled)
     assert "probability" not in out.columns and "rawPrediction" not in out.columns
-    assert returns == ["struct<prediction double>"]
+    assert returns == ["array<double>"]
     both = torch_model.transform(out).select("lean", "prediction").collect()
     assert len(both) == test.count()
     assert all(r.lean == r.prediction for r in both)

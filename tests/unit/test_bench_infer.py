@@ -44,9 +44,10 @@ def test_arguments_the_bench_cannot_measure_with_are_refused(flag):
 
 
 def test_every_contender_runs_once_a_round_and_leads_in_turn():
-    order = list(infer.rounds(infer.CONTENDERS, 3))
-    assert Counter(order) == {c: 3 for c in infer.CONTENDERS}
-    firsts = [order[i * 3] for i in range(3)]
+    n = len(infer.CONTENDERS)
+    order = list(infer.rounds(infer.CONTENDERS, n))
+    assert Counter(order) == {c: n for c in infer.CONTENDERS}
+    firsts = [order[i * n] for i in range(n)]
     assert sorted(firsts) == sorted(infer.CONTENDERS)
 
 
@@ -76,7 +77,8 @@ def _report() -> dict:
     }
     return {
         "rows": 1000, "partitions": 2, "repeats": 2, "batch_size": 1024, "arrow_batch": 10000,
-        "master": "local[2]", "agreement": 1.0, **infer.summarise(times),
+        "master": "local[2]", "agreement": 1.0, "load": {"before": 0.52, "after": 1.4},
+        **infer.summarise(times),
     }  # fmt: skip
 
 
@@ -90,6 +92,10 @@ def test_the_json_round_trips_and_the_page_renders_it(tmp_path: Path):
         "transform_prediction_only / predict_batch_udf, medians: 0.69 (target <= 1.0: met)" in text
     )
     assert "agree on 100.00%" in text
+    assert "Load average (1 min) 0.52 before, 1.40 after." in text
+    # a report from before the load was recorded renders without it
+    old = {k: v for k, v in _report().items() if k != "load"}
+    assert "Load average" not in infer.table(old)
 
 
 def test_a_missing_json_is_reported_not_run(tmp_path: Path):

@@ -1,5 +1,6 @@
-"""transform's UDF body without Spark: the module is built once per Python worker, a
-prediction-only transform computes no probabilities, and where it scores."""
+"""transform's UDF body without Spark: the module is built once per Python worker, the
+UDF returns the model's outputs alone, the driver's one-row columns of predictions only
+compute no probabilities, and where it scores."""
 
 from __future__ import annotations
 
@@ -60,17 +61,33 @@ def test_the_module_is_built_once_for_many_batches_and_tasks(monkeypatch, empty_
         outs = list(plan.run(iter(batches)))
         assert [len(o) for o in outs] == [10] * 5
     assert built == ["sparktrain.models:digits_mlp"]
-    # the trained weights, not a fresh module's
-    got = np.concatenate([o.field("prediction").to_numpy() for o in outs])
+    # the trained weights, not a fresh module's; the UDF returns the outputs in float64
+    # (the columns are Spark expressions over them)
+    got = np.concatenate([np.array(o.to_pylist()) for o in outs])
     with torch.no_grad():
-        want = module(torch.from_numpy(x)).argmax(1).double().numpy()
+        want = module(torch.from_numpy(x)).double().numpy()
     np.testing.assert_array_equal(got, want)
     # other weights (another model's token) get their own module
     list(_plan(digits_mlp(), ALL, "weights-b").run(iter(batches[:1])))
     assert len(built) == 2
 
 
-def test_a_prediction_only_transform_computes_no_probabilities(monkeypatch):  # type: ignore[no-untyped-def]
+def test_the_udf_returns_the_outputs_and_a_regressor_its_first_unscaled() -> None:
+    out = torch.tensor([[1.5, -2.0], [0.25, 3.0]])
+    clf = _plan(digits_mlp(), ALL, "t")
+    assert clf.scores_type() == "array<double>"
+    assert clf.scores(out).to_pylist() == [[1.5, -2.0], [0.25, 3.0]]
+    assert clf.scores(None).type == pa.list_(pa.float64()) and len(clf.scores(None)) == 0
+    reg = _plan(digits_mlp(), ("prediction",), "t")
+    reg.kind, reg.label_stats = "regression", (10.0, 2.0)
+    assert reg.scores_type() == "double"
+    # label scaling is the prediction column's expression, not the UDF's
+    assert reg.scores(out[:, :1]).to_pylist() == [1.5, 0.25]
+    assert reg.scores(torch.tensor([0.5])).to_pylist() == [0.5]
+    assert reg.scores(None).type == pa.float64()
+
+
+def test_a_prediction_only_row_computes_no_probabilities(monkeypatch):  # type: ignore[no-untyped-def]
     calls = []
     real_list, real_softmax = ml_model._list_array, torch.softmax
 
