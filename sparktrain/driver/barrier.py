@@ -207,7 +207,7 @@ def _arrow_task(
 ) -> Iterator[pa.RecordBatch]:
     ctx = worker_context(spec)
     # the task's prints reach the driver; the user's exceptions become final
-    with output.capture(spec, ctx.rank):
+    with output.capture(spec, ctx.rank, functools.partial(_reaches_driver, ctx)):
         reset_peak_anon()
         data = from_arrow(batches, spec.data_layout, ctx.rank, spill_plan(spec, ctx.rank))
         try:
@@ -218,6 +218,11 @@ def _arrow_task(
         [{"rank": r.rank, "kind": r.kind, "seq": r.seq, "data": r.data} for r in records],
         schema=OUTPUT_SCHEMA,
     )
+
+
+def _reaches_driver(ctx: WorkerContext) -> bool:
+    """False once the task met its peers without the driver (:func:`without_driver`)."""
+    return ctx.spec is None or bool(ctx.spec.metrics_address)
 
 
 def spill_plan(spec: JobSpec, rank: int) -> SpillPlan | None:
@@ -237,7 +242,7 @@ def _rows_task(
     spec: JobSpec, entry: TaskEntry, rows: Iterable[tuple[object, ...]]
 ) -> Iterator[tuple[int, str, int, bytes]]:
     ctx = worker_context(spec)
-    with output.capture(spec, ctx.rank):
+    with output.capture(spec, ctx.rank, functools.partial(_reaches_driver, ctx)):
         records = entry(ctx, from_rows(rows, spec.feature_width, ctx.rank))
     for r in records:
         yield (r.rank, r.kind, r.seq, r.data)

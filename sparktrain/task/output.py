@@ -229,8 +229,11 @@ class TaskOutput:
             return
         while True:
             with self._lock:
-                if self._dead:  # close() gave up on a stuck send meanwhile
-                    return
+                dead = self._dead  # close() gave up meanwhile (a stuck send, no driver)
+            if dead:
+                self._close_conn()
+                return
+            with self._lock:
                 if not self._queue and not self._failures and not self._closing:
                     self._wake.wait(self.limits.flush_s)
                 closing = self._closing
@@ -290,14 +293,19 @@ class TaskOutput:
             with contextlib.suppress(Exception):
                 conn.close()
 
-    def close(self) -> None:
+    def close(self, reachable: bool = True) -> None:
         """Queue any unfinished line, let the sender deliver what waits (at most
-        ``limits.close_s``), then close the channel. Never raises."""
+        ``limits.close_s``), then close the channel. Never raises. ``reachable=False``:
+        the task learned it cannot reach the driver (its rendezvous failed), so nothing
+        waits for a connection that is still being tried."""
         self.flush_partial()
+        if not reachable and self._conn is None:
+            self._go_dead("the task could not reach the driver's services")
         with self._lock:
             self._closing = True
             self._wake.notify()
-        if self._thread is not None:
+            dead = self._dead
+        if self._thread is not None and not dead:  # dead: nothing left for it to send
             self._thread.join(self.limits.close_s)
             if self._thread.is_alive():  # a stuck send: give up on the rest
                 self._go_dead(f"it took over {self.limits.close_s:.0f} s to deliver")
@@ -381,11 +389,15 @@ def channel(spec: JobSpec, rank: int) -> Connect | None:
 
 
 @contextlib.contextmanager
-def capture(spec: JobSpec | None, rank: int) -> Iterator[TaskOutput | None]:
+def capture(
+    spec: JobSpec | None, rank: int, reachable: Callable[[], bool] | None = None
+) -> Iterator[TaskOutput | None]:
     """Around a barrier task's work: stream its output (``stream_output``) and turn an
     exception the user's code raised into a final
     :class:`~sparktrain.errors.UserCodeError` (reported with its traceback over the
-    channel first). Without a job spec (benchmarks), nothing changes."""
+    channel first). Without a job spec (benchmarks), nothing changes. ``reachable``
+    says at the end whether the task could still reach the driver's services (False
+    once its rendezvous fell back to Spark's), so the end waits for no connection."""
     if spec is None:
         yield None
         return
@@ -424,7 +436,7 @@ def capture(spec: JobSpec | None, rank: int) -> Iterator[TaskOutput | None]:
         if stream:
             sys.stdout, sys.stderr = saved
         if out is not None:
-            out.close()
+            out.close(reachable=reachable() if reachable is not None else True)
 
 
 def captured() -> bool:

@@ -127,7 +127,7 @@ def test_an_unreachable_driver_is_said_once_and_output_stays_on_the_executor():
 
     original = {"out": io.StringIO(), "err": io.StringIO()}
     out = TaskOutput(refuse, rank=3, original=original, echo=False)
-    until(lambda: out._dead)
+    until(lambda: "no longer reaches" in original["err"].getvalue())
     out.write("out", "a\nb\n")
     out.close()
     assert original["out"].getvalue() == "a\nb\n"
@@ -327,3 +327,21 @@ def test_local_mode_processes_lines_reach_the_driver_with_their_rank(tmp_path, c
     out, err = capsys.readouterr()
     assert "[rank 0] hi 0\n" in out and "[rank 1] hi 1\n" in out
     assert "[rank 0] e\n" in err and "[rank 1] e\n" in err
+
+
+def test_a_task_that_met_without_the_driver_does_not_wait_for_its_connection():
+    release = threading.Event()
+
+    def slow_dial() -> Any:
+        release.wait(30)  # a dial to an unreachable driver, still being retried
+        return FakeConn()
+
+    original = {"out": io.StringIO(), "err": io.StringIO()}
+    out = TaskOutput(
+        slow_dial, rank=0, original=original, echo=False, limits=OutputLimits(close_s=600)
+    )
+    out.write("out", "kept\n")
+    out.close(reachable=False)  # returns at once, not after close_s
+    release.set()
+    assert original["out"].getvalue() == "kept\n"
+    assert "could not reach the driver's services" in original["err"].getvalue()
