@@ -465,6 +465,12 @@ SECTIONS: tuple[Section, ...] = (
         "compression_shipped.json", _compression_shipped,
     ),
     Section(
+        "compression_defaults", "Top-k on the defaults: model, data, workers and `topk:0.01+ef`",
+        "sparktrain bench compression --quality --config conf/digits_defaults.toml \\\n"
+        "    --specs topk:0.01+ef --worlds 2 4 8 --json docs/results/compression_defaults.json",
+        "compression_defaults.json", _compression_shipped,
+    ),
+    Section(
         "compression_quality", "Compression: accuracy against bytes",
         "sparktrain bench compression --quality --json docs/results/compression_quality.json \\\n"
         "    --plot docs/results/compression_quality.png",
