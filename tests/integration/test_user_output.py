@@ -97,6 +97,33 @@ def test_a_trainer_fit_prints_reach_the_driver(spark, capsys):  # type: ignore[n
         assert f"[rank {rank}] first forward of a batch of 64 features\n" in out
 
 
+class FailingMLP(torch.nn.Module):
+    """The digits MLP whose first training step raises (the driver's check of the model
+    runs it in eval mode), noting each raise in ``path``."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.inner = digits_mlp()
+        self.path = path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with open(self.path, "a") as f:
+                f.write("raised\n")
+            raise ValueError("this batch is not for me")
+        return self.inner(x)
+
+
+def test_a_trainer_fit_reports_its_models_error_once(spark, tmp_path):  # type: ignore[no-untyped-def]
+    train, _ = digits_frames(spark)
+    path = tmp_path / "raised"
+    cfg = fast_config(epochs=1, feature_scaling=False, max_restarts=2)
+    trainer = Trainer(FailingMLP, cfg, model_kwargs={"path": str(path)}, spark=spark)
+    with pytest.raises(ValueError, match=r"rank \d raised ValueError: this batch is not for me"):
+        trainer.fit(train)
+    assert path.read_text().split() == ["raised", "raised"]  # each rank once: one attempt
+
+
 def attempts_train_fn(path: str) -> Any:
     def train_fn(ctx: Any) -> None:
         with open(path, "a") as f:
