@@ -1,0 +1,55 @@
+"""From a Spark Connect session (the shared server on loopback): what the tasks print
+reaches this client's sys.stdout with its rank (the driver services run here), and an
+exception of the user's code is reported after its first raise (issue 35.5/35.6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import sparktrain
+from sparktrain.errors import UserCodeError
+
+from .fixtures import fast_config
+
+pytestmark = [pytest.mark.connect, pytest.mark.timeout(300)]
+
+
+def hello(ctx: Any) -> int:
+    import torch
+
+    print(f"hello from {ctx.rank}")
+    ctx.allreduce(torch.zeros(1))
+    return int(ctx.rank)
+
+
+def test_prints_reach_the_connect_client_with_their_rank(connect_spark, capsys):  # type: ignore[no-untyped-def]
+    result = sparktrain.run(hello, num_workers=2, config=fast_config(), spark=connect_spark)
+    assert result.value == 0
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0\n" in out and "[rank 1] hello from 1\n" in out
+
+
+def attempts_train_fn(path: str) -> Any:
+    def train_fn(ctx: Any) -> None:
+        import torch
+
+        with open(path, "a") as f:
+            f.write(f"{ctx.rank}\n")
+        if ctx.rank == 1:
+            raise ValueError("rank one gives up")
+        ctx.allreduce(torch.zeros(1))
+
+    return train_fn
+
+
+def test_a_user_error_is_reported_once_under_connect(connect_spark, tmp_path):  # type: ignore[no-untyped-def]
+    attempts = tmp_path / "attempts"
+    cfg = fast_config(max_restarts=2)
+    with pytest.raises(ValueError, match="rank 1 raised ValueError: rank one gives up") as info:
+        sparktrain.run(
+            attempts_train_fn(str(attempts)), num_workers=2, config=cfg, spark=connect_spark
+        )
+    assert isinstance(info.value, UserCodeError) and "in train_fn" in info.value.traceback_text
+    assert sorted(attempts.read_text().split()) == ["0", "1"]
