@@ -35,6 +35,7 @@ from tests.integration.fixtures import (  # noqa: F401 - re-exported for the con
     digits_pipeline_of,
     fast_config,
     pixel_frames,
+    rank_1_gives_up,
     spark_home,
 )
 

@@ -11,7 +11,7 @@ import pytest
 import sparktrain
 from sparktrain.errors import UserCodeError
 
-from .fixtures import fast_config
+from .fixtures import fast_config, rank_1_gives_up
 
 pytestmark = [pytest.mark.connect, pytest.mark.timeout(300)]
 
@@ -31,25 +31,12 @@ def test_prints_reach_the_connect_client_with_their_rank(connect_spark, capsys):
     assert "[rank 0] hello from 0\n" in out and "[rank 1] hello from 1\n" in out
 
 
-def attempts_train_fn(path: str) -> Any:
-    def train_fn(ctx: Any) -> None:
-        import torch
-
-        with open(path, "a") as f:
-            f.write(f"{ctx.rank}\n")
-        if ctx.rank == 1:
-            raise ValueError("rank one gives up")
-        ctx.allreduce(torch.zeros(1))
-
-    return train_fn
-
-
 def test_a_user_error_is_reported_once_under_connect(connect_spark, tmp_path):  # type: ignore[no-untyped-def]
     attempts = tmp_path / "attempts"
     cfg = fast_config(max_restarts=2)
     with pytest.raises(ValueError, match="rank 1 raised ValueError: rank one gives up") as info:
         sparktrain.run(
-            attempts_train_fn(str(attempts)), num_workers=2, config=cfg, spark=connect_spark
+            rank_1_gives_up(str(attempts)), num_workers=2, config=cfg, spark=connect_spark
         )
     assert isinstance(info.value, UserCodeError) and "in train_fn" in info.value.traceback_text
     assert sorted(attempts.read_text().split()) == ["0", "1"]

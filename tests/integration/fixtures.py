@@ -180,3 +180,20 @@ def bounded(spark: Any, seconds: float = CALL_BOUND_S) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+def rank_1_gives_up(path: str) -> Any:
+    """A ``train_fn`` that appends its rank to ``path`` (one line per rank and attempt),
+    then raises ``ValueError`` on rank 1 while rank 0 waits for it in an allreduce: how
+    often the user's own error ran (issue 35.6)."""
+
+    def train_fn(ctx: Any) -> None:
+        import torch
+
+        with open(path, "a") as f:
+            f.write(f"{ctx.rank}\n")
+        if ctx.rank == 1:
+            raise ValueError("rank one gives up\nfor good")
+        ctx.allreduce(torch.zeros(1))
+
+    return train_fn

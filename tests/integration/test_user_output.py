@@ -18,7 +18,7 @@ from sparktrain import TrainConfig, Trainer
 from sparktrain.errors import UserCodeError
 from sparktrain.models import digits_mlp
 
-from .fixtures import bounded, digits_frames, fast_config
+from .fixtures import bounded, digits_frames, fast_config, rank_1_gives_up
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(400)]
 
@@ -124,22 +124,11 @@ def test_a_trainer_fit_reports_its_models_error_once(spark, tmp_path):  # type: 
     assert path.read_text().split() == ["raised", "raised"]  # each rank once: one attempt
 
 
-def attempts_train_fn(path: str) -> Any:
-    def train_fn(ctx: Any) -> None:
-        with open(path, "a") as f:
-            f.write(f"{ctx.rank}\n")
-        if ctx.rank == 1:
-            raise ValueError("rank one gives up\nfor good")
-        ctx.allreduce(torch.zeros(1))
-
-    return train_fn
-
-
 def test_a_user_error_is_reported_after_its_first_raise(spark, tmp_path):  # type: ignore[no-untyped-def]
     attempts = tmp_path / "attempts"
     cfg = fast_config(max_restarts=2)
     with pytest.raises(ValueError, match="rank 1 raised ValueError: rank one gives up") as info:
-        sparktrain.run(attempts_train_fn(str(attempts)), num_workers=2, config=cfg, spark=spark)
+        sparktrain.run(rank_1_gives_up(str(attempts)), num_workers=2, config=cfg, spark=spark)
     err = info.value
     assert isinstance(err, UserCodeError) and err.rank == 1 and err.type_name == "ValueError"
     assert err.user_message == "rank one gives up\nfor good"
