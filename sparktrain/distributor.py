@@ -79,7 +79,10 @@ def torch_run(
     come back as lists), as with :func:`sparktrain.run`; other values are pickled and
     signed, over the authenticated state receiver only (:func:`wrap_value`).
     ``config`` supplies ``num_workers``, ``max_restarts`` (a
-    failed task resubmits the stage: ``fn`` starts again on every rank), ``progress``,
+    lost task resubmits the stage: ``fn`` starts again on every rank; an exception
+    ``fn`` raises is final, a :class:`~sparktrain.errors.UserCodeError` with the rank's
+    traceback), ``progress``, ``stream_output`` (what ``fn`` or the script prints
+    reaches the driver's ``sys.stdout``/``sys.stderr`` as ``[rank r] ...``),
     ``comm_timeout`` and the security settings; ``strategy`` must stay ``"ring"`` or
     ``"tree"`` (the ranks meet over it; ``fn`` does its own communication).
 

@@ -97,8 +97,12 @@ def run(
     early stopping, checkpoints and restarts; ``num_workers`` overrides its
     ``num_workers``. ``callbacks`` get every
     report on the driver (``on_epoch_end(record, history)`` or a plain function).
-    A failed task resubmits the stage (``max_restarts``); ``ctx.restore()`` then gives
-    the newest checkpoint's state. ``fault_plan`` is for tests (failure injection).
+    A lost task or executor resubmits the stage (``max_restarts``); ``ctx.restore()``
+    then gives the newest checkpoint's state. An exception ``train_fn`` itself raises
+    is final: :class:`~sparktrain.errors.UserCodeError` (also the built-in type it
+    was, e.g. ``ValueError``), with the rank's traceback. What ``train_fn`` prints
+    reaches this process's ``sys.stdout``/``sys.stderr`` as ``[rank r] ...`` lines
+    (``stream_output``). ``fault_plan`` is for tests (failure injection).
     """
     started = time.perf_counter()
     cfg = config or TrainConfig()
