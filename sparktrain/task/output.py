@@ -87,6 +87,11 @@ class OutputLimits:
     close_s: float = 5.0  # what a task's end waits at most for unsent lines
 
 
+def _cost(line: str) -> int:
+    """What a line counts against the byte caps: its UTF-8 bytes and a little framing."""
+    return len(line.encode("utf-8", "replace")) + 8
+
+
 class _Bucket:
     """A token bucket: ``rate`` a second, at most ``burst`` saved up."""
 
@@ -189,7 +194,7 @@ class TaskOutput:
             if not self._echo:
                 self._write_original(stream, line)
             return
-        size = len(line.encode("utf-8", "replace")) + 8
+        size = _cost(line)
         if (
             self._queued + size > self.limits.queued_bytes
             or not self._lines.take(1)
@@ -241,7 +246,7 @@ class TaskOutput:
                 while self._queue and size < self.limits.batch_bytes:
                     stream, line = self._queue.popleft()
                     batch.append([stream, line])
-                    size += len(line) + 8
+                    size += _cost(line)
                 self._queued = max(0, self._queued - size) if self._queue else 0
                 failures, self._failures = self._failures, []
                 dropped = self.dropped
@@ -276,7 +281,9 @@ class TaskOutput:
             say = not self._said_dead
             self._said_dead = True
         if say:
-            log.warning("rank %d: output not streamed to the driver: %s", self.rank, why)
+            # said once, on the executor's stderr itself: a log warning would land there
+            # a second time (logging's last-resort handler writes to sys.stderr)
+            log.debug("rank %d: output not streamed to the driver: %s", self.rank, why)
             self._write_original(
                 "err",
                 f"sparktrain: rank {self.rank}'s output no longer reaches the driver: {why}; "
