@@ -76,8 +76,9 @@ def test_a_fit_whose_task_holds_the_weights_gets_it_from_the_driver(capped_spark
     size = sum(p.numel() * p.element_size() for p in pretrained.parameters())
     assert size > 2 * (4 << 20)
     train, test = digits_frames(capped_spark)
-    cfg = fast_config(strategy="ring", epochs=2, batch_size=64, optimizer="adam", lr=1e-3)
-    cfg = cfg.replace(optimizer_kwargs={}, optimizer="sgd")
+    cfg = fast_config(
+        strategy="ring", epochs=2, batch_size=64, optimizer="adam", lr=1e-3, optimizer_kwargs={}
+    )
     # fine-tuning a model held in memory: the factory closes over its weights
     result = Trainer(functools.partial(copy.deepcopy, pretrained), cfg).fit(
         train, validation_data=test

@@ -67,6 +67,7 @@ ps_shards = 2
 epochs = {epochs}
 batch_size = 32
 lr = 0.05
+optimizer = "sgd"
 num_workers = 2
 seed = 0
 comm_timeout = 30.0
