@@ -78,11 +78,23 @@ def test_digits_ps_delta_pulls_are_compressed(spark):
     assert s["replicas_in_sync"]
 
 
-def test_digits_tree_aggregate_compressed_payloads_shrink_sparks_own_bytes(spark):
+TREE_AGGREGATE = {"strategy": "tree_aggregate", "local_steps": 8, "epochs": 15}
+
+
+@pytest.fixture(scope="module")
+def tree_aggregate_uncompressed(_sessions):  # type: ignore[no-untyped-def]
+    """The uncompressed tree_aggregate run both compressed runs below are held against
+    (on the shared local[2] session, as the ``spark`` fixture's)."""
+    return _digits_run(_sessions.get("local[2]"), compression="none", **TREE_AGGREGATE)
+
+
+def test_digits_tree_aggregate_compressed_payloads_shrink_sparks_own_bytes(  # type: ignore[no-untyped-def]
+    spark, tree_aggregate_uncompressed
+):
     """Spark's status store (task result bytes) sees the compressed contributions."""
-    common = {"strategy": "tree_aggregate", "local_steps": 8, "epochs": 15}
-    runs = {spec: _digits_run(spark, compression=spec, **common) for spec in ("none", "int8+ef")}
-    base, q = runs["none"], runs["int8+ef"]
+    base = tree_aggregate_uncompressed
+    q = _digits_run(spark, compression="int8+ef", **TREE_AGGREGATE)
+    runs = {"none": base, "int8+ef": q}
     print({k: (v["metric_value"], v["spark_result_bytes"]) for k, v in runs.items()})
     assert q["metric_value"] >= base["metric_value"] - 0.01
     assert q["bytes_sent"] == base["bytes_sent"]
@@ -92,11 +104,12 @@ def test_digits_tree_aggregate_compressed_payloads_shrink_sparks_own_bytes(spark
     assert q["spark_result_bytes"] < 0.5 * base["spark_result_bytes"]
 
 
-def test_digits_tree_aggregate_delta_compresses_the_weight_downloads_too(spark):
+def test_digits_tree_aggregate_delta_compresses_the_weight_downloads_too(  # type: ignore[no-untyped-def]
+    spark, tree_aggregate_uncompressed
+):
     """delta+int8+ef: int8 deltas of the weights go down, int8+ef gradients come up."""
-    common = {"strategy": "tree_aggregate", "local_steps": 8, "epochs": 15}
-    base = _digits_run(spark, compression="none", **common)
-    both = _digits_run(spark, compression="delta+int8+ef", **common)
+    base = tree_aggregate_uncompressed
+    both = _digits_run(spark, compression="delta+int8+ef", **TREE_AGGREGATE)
     print({k: both[k] for k in ("metric_value", "download_wire_bytes", "mirror_fetches")})
     assert both["metric_value"] >= base["metric_value"] - 0.02
     assert both["download_bytes"] == base["download_bytes"]
