@@ -255,6 +255,12 @@ def _train(data: Any) -> str:
     return "\n".join(parts)
 
 
+def _steady(data: Any) -> str:
+    from benchmarks import train
+
+    return train.steady_table(data)
+
+
 def _overlap(data: Any) -> str:
     from benchmarks import overlap
 
@@ -513,6 +519,12 @@ SECTIONS: tuple[Section, ...] = (
         "sparktrain bench train --parts headline steady --repeats 3 --merge --out docs/results\n"
         "# also: spark-submit benchmarks/submit.py train",
         "bench_train.json", _train, ("bench_train.png",),
+    ),
+    Section(
+        "bench_steady", "Steady state against DDP: worlds 2 and 4, fp32 and bf16",
+        "sparktrain bench train --parts steady --steady-worlds 2 4 \\\n"
+        "    --steady-precisions fp32 bf16 --repeats 3 --json docs/results/bench_steady.json",
+        "bench_steady.json", _steady,
     ),
     Section(
         "bench_overlap", "Overlapping communication with the backward pass",

@@ -204,14 +204,16 @@ def fit_once(
     model_kwargs: dict[str, Any],
     keys: dict[str, Any],
     target: float | None,
+    workers: int = WORKERS,
 ) -> dict[str, Any]:
-    """One sparktrain fit in the shared session, with its time-to-target clock."""
+    """One sparktrain fit in the shared session (``workers`` ranks), with its
+    time-to-target clock."""
     from sparktrain import TrainConfig, Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "epochs.jsonl"
         cfg = TrainConfig(
-            **{"num_workers": WORKERS, "progress": False, "comm_timeout": 120.0, **keys},
+            **{"num_workers": workers, "progress": False, "comm_timeout": 120.0, **keys},
             metrics_jsonl=str(jsonl),
         )
         clock = EpochClock(jsonl)
@@ -329,10 +331,21 @@ def _progress(r: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- TorchDistributor
-def ddp_epoch(model: Any, opt: Any, x: Any, y: Any, batch: int, steps: int, seed: int) -> None:
+def ddp_epoch(
+    model: Any,
+    opt: Any,
+    x: Any,
+    y: Any,
+    batch: int,
+    steps: int,
+    seed: int,
+    precision: str = "fp32",
+) -> None:
     """One epoch of a DDP contender: ``steps`` shuffled batches (the order drawn from
     ``seed``) of cross-entropy and SGD; a shard shorter than ``steps`` batches repeats
-    its first batch, so every rank takes the same number of steps (DDP needs it)."""
+    its first batch, so every rank takes the same number of steps (DDP needs it).
+    ``precision="bf16"``: the forward pass and the loss under ``torch.autocast`` to
+    bfloat16, parameters and gradients float32 (sparktrain's ``precision="bf16"``)."""
     import torch
 
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
@@ -342,8 +355,24 @@ def ddp_epoch(model: Any, opt: Any, x: Any, y: Any, batch: int, steps: int, seed
         if len(idx) == 0:
             idx = order[:batch]
         opt.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        with autocast(precision):
+            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
         opt.step()
+
+
+def autocast(precision: str) -> Any:
+    """The forward pass's context of a DDP contender: none for fp32, CPU autocast to
+    bfloat16 for bf16 (as :class:`sparktrain.task.precision.Precision`)."""
+    import contextlib
+
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    raise SparkTrainError(f"unknown precision {precision!r}; use fp32 or bf16")
 
 
 def ddp_train(epochs: int, seed: int, target: float) -> dict[str, Any]:
@@ -398,7 +427,9 @@ def ddp_train(epochs: int, seed: int, target: float) -> dict[str, Any]:
     return out
 
 
-def ddp_synthetic(epochs: int, seed: int, samples: int, exchange: bool = True) -> dict[str, Any]:
+def ddp_synthetic(
+    epochs: int, seed: int, samples: int, exchange: bool = True, precision: str = "fp32"
+) -> dict[str, Any]:
     """The synthetic job under DDP, as the steady part trains it with the ring:
     ``SYNTHETIC_KWARGS``' MLP and ``SYNTHETIC_RECIPE`` (batch 256 per rank, SGD lr 0.05),
     every ``world``-th training row per rank, DDP's default buckets, one torch thread per
@@ -408,7 +439,9 @@ def ddp_synthetic(epochs: int, seed: int, samples: int, exchange: bool = True) -
 
     ``exchange=False`` trains the same loop without DDP: no gradient is exchanged, each
     rank steps alone. That is the compute floor: no data-parallel trainer with this
-    model, batch and one thread per rank can step faster on the same cores."""
+    model, batch and one thread per rank can step faster on the same cores.
+    ``precision="bf16"``: the forward passes (training and scoring) under autocast to
+    bfloat16 (:func:`autocast`)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -433,9 +466,9 @@ def ddp_synthetic(epochs: int, seed: int, samples: int, exchange: bool = True) -
     accuracy = 0.0
     for epoch in range(epochs):
         t = time.perf_counter()
-        ddp_epoch(model, opt, x, y, batch, steps, seed * 1000 + epoch * world + rank)
+        ddp_epoch(model, opt, x, y, batch, steps, seed * 1000 + epoch * world + rank, precision)
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), autocast(precision):
             right = (net(x_test).argmax(1) == y_test).sum().float()
         counts = torch.stack([right, torch.tensor(float(len(y_test)))])
         dist.all_reduce(counts)
@@ -686,69 +719,225 @@ def run_headline(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- steady state
+PRECISIONS = ("fp32", "bf16")
+# the steady part's contenders: (name stem, strategy key of its records)
+STEADY_KINDS = (("ring", "ring"), ("torchdistributor", "ddp-gloo"), ("compute-only", "none"))
+
+
+def steady_name(stem: str, precision: str) -> str:
+    """A steady contender's name: ``ring``, ``ring-bf16``, ``compute-only-bf16``..."""
+    return stem if precision == "fp32" else f"{stem}-{precision}"
+
+
+def steady_order(precisions: list[str], repeat: int) -> list[tuple[str, str]]:
+    """The steady part's (stem, precision) turns in repeat ``repeat``: every contender of
+    every precision, the list rotated by one per repeat, so each contender runs first,
+    last and in between across repeats and no one always follows the same neighbour."""
+    turns = [(stem, p) for p in precisions for stem, _ in STEADY_KINDS]
+    k = repeat % len(turns)
+    return turns[k:] + turns[:k]
+
+
 def run_steady(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Steady-state samples/s on the synthetic MLP: the sparktrain ring (a fit in this
-    process's session) and DDP (``TorchDistributor.run`` of :func:`ddp_synthetic`, local
-    mode) take turns, ``--repeats`` times each, the first of the two alternating; then
-    the compute floor (``ddp_synthetic(exchange=False)``, contender ``compute-only``)."""
+    """Steady-state samples/s on the synthetic MLP, at each ``--steady-worlds`` world and
+    each ``--steady-precisions`` precision: the sparktrain ring (a fit in this process's
+    session, ``precision`` in its TrainConfig), DDP (``TorchDistributor.run`` of
+    :func:`ddp_synthetic`, local mode, the forward under the same autocast) and the
+    compute floor (``ddp_synthetic(exchange=False)``, contender ``compute-only``) take
+    turns (:func:`steady_order`), ``--repeats`` times each; within a repeat every world
+    runs before the next repeat starts."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like ours
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     split = load_split("synthetic", args)
-    frames = (
-        datasets.to_dataframe(spark, split.x_train, split.y_train, WORKERS).cache(),
-        datasets.to_dataframe(spark, split.x_test, split.y_test, WORKERS).cache(),
-    )
-    frames[0].count(), frames[1].count()
+    worlds = list(getattr(args, "steady_worlds", [WORKERS]))
+    precisions = list(getattr(args, "steady_precisions", ["fp32"]))
+    frames = {}
+    for world in worlds:
+        frames[world] = (
+            datasets.to_dataframe(spark, split.x_train, split.y_train, world).cache(),
+            datasets.to_dataframe(spark, split.x_test, split.y_test, world).cache(),
+        )
+        frames[world][0].count(), frames[world][1].count()
     model, kwargs, base, _ = workload_job("synthetic", args)
-    keys = {**base, "strategy": "ring", "epochs": args.steady_epochs, "seed": 0}
+    strategies = dict(STEADY_KINDS)
     records = []
     for repeat in range(args.repeats):
-        order = ("ring", "torchdistributor") if repeat % 2 == 0 else ("torchdistributor", "ring")
-        for contender in (*order, "compute-only"):
-            record: dict[str, Any] = {
-                "contender": contender,
-                "strategy": {"ring": "ring", "torchdistributor": "ddp-gloo"}.get(contender, "none"),
-                "compression": "none",
-                "link": "none",
-                "workload": "synthetic",
-                "part": "steady",
-                "seed": 0,
-                "repeat": repeat,
-                "whole_process_s": None,
-                "load_avg_1m": load_average(),
-            }
-            try:
-                if contender == "ring":
-                    fit = fit_once(spark, frames, model, kwargs, keys, None)
-                    fit.pop("curve")
-                    record.update(fit)
-                    record["fit_samples_per_s"] = record.pop("samples_per_s")
-                else:
-                    t = time.perf_counter()
-                    ddp = TorchDistributor(
-                        num_processes=WORKERS, local_mode=True, use_gpu=False
-                    ).run(
-                        ddp_synthetic,
-                        args.steady_epochs,
-                        0,
-                        args.synthetic_samples,
-                        contender == "torchdistributor",
+        for world in worlds:
+            for stem, precision in steady_order(precisions, repeat):
+                contender = steady_name(stem, precision)
+                record: dict[str, Any] = {
+                    "contender": contender,
+                    "strategy": strategies[stem],
+                    "compression": "none",
+                    "link": "none",
+                    "workload": "synthetic",
+                    "part": "steady",
+                    "world": world,
+                    "precision": precision,
+                    "seed": 0,
+                    "repeat": repeat,
+                    "whole_process_s": None,
+                    "load_avg_1m": load_average(),
+                }
+                try:
+                    if stem == "ring":
+                        keys = {
+                            **base,
+                            "strategy": "ring",
+                            "epochs": args.steady_epochs,
+                            "seed": 0,
+                            "precision": precision,
+                        }
+                        fit = fit_once(spark, frames[world], model, kwargs, keys, None, world)
+                        fit.pop("curve")
+                        record.update(fit)
+                        record["fit_samples_per_s"] = record.pop("samples_per_s")
+                    else:
+                        t = time.perf_counter()
+                        ddp = TorchDistributor(
+                            num_processes=world, local_mode=True, use_gpu=False
+                        ).run(
+                            ddp_synthetic,
+                            args.steady_epochs,
+                            0,
+                            args.synthetic_samples,
+                            stem == "torchdistributor",
+                            precision,
+                        )
+                        if ddp is None:
+                            raise SparkTrainError("TorchDistributor returned nothing from rank 0")
+                        record.update(ddp)
+                        record["fit_s"] = time.perf_counter() - t
+                    record["samples_per_s"] = steady_rate(
+                        record["epoch_seconds"], record.get("train_samples")
                     )
-                    if ddp is None:
-                        raise SparkTrainError("TorchDistributor returned nothing from rank 0")
-                    record.update(ddp)
-                    record["fit_s"] = time.perf_counter() - t
-                record["samples_per_s"] = steady_rate(
-                    record["epoch_seconds"], record.get("train_samples")
-                )
-            except Exception as exc:  # one failed run, not the bench
-                record["error"] = f"{type(exc).__name__}: {exc}"
-            records.append(record)
-            _progress(record)
-    frames[0].unpersist(), frames[1].unpersist()
+                except Exception as exc:  # one failed run, not the bench
+                    record["error"] = f"{type(exc).__name__}: {exc}"
+                records.append(record)
+                _progress(record)
+    for train, test in frames.values():
+        train.unpersist(), test.unpersist()
     return records
+
+
+def steady_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (world, precision) of the steady part: medians of the ring, DDP and the
+    compute floor, ring / DDP of the same precision (the target, >= 1.2), ring / DDP in
+    fp32 (DDP as shipped), each against the floor, and their final test accuracies.
+    Records without ``world``/``precision`` (before both existed) are world 2, fp32."""
+    ok = [r for r in records if "error" not in r and r.get("part") == "steady"]
+
+    def runs(stem: str, world: int, precision: str) -> list[dict[str, Any]]:
+        name = steady_name(stem, precision)
+        return [
+            r
+            for r in ok
+            if r["contender"] == name
+            and r.get("world", WORKERS) == world
+            and r.get("precision", "fp32") == precision
+        ]
+
+    def med(rows: list[dict[str, Any]], key: str) -> float | None:
+        return _median([r.get(key) for r in rows])
+
+    worlds = sorted({int(r.get("world", WORKERS)) for r in ok})
+    seen = {r.get("precision", "fp32") for r in ok}
+    out = []
+    for world in worlds:
+        ddp32 = med(runs("torchdistributor", world, "fp32"), "samples_per_s")
+        for precision in [p for p in PRECISIONS if p in seen]:
+            ring = runs("ring", world, precision)
+            ddp = runs("torchdistributor", world, precision)
+            floor = runs("compute-only", world, precision)
+            if not (ring or ddp or floor):
+                continue
+            a, b, c = (med(x, "samples_per_s") for x in (ring, ddp, floor))
+            ratio = _ratio(a, b)
+            out.append(
+                {
+                    "world": world,
+                    "precision": precision,
+                    "ring_samples_per_s": a,
+                    "ddp_samples_per_s": b,
+                    "compute_only_samples_per_s": c,
+                    "ratio": ratio,
+                    "ratio_vs_ddp_fp32": _ratio(a, ddp32),
+                    "ring_of_floor": _ratio(a, c),
+                    "ddp_of_floor": _ratio(b, c),
+                    "ring_final_accuracy": med(ring, "final_accuracy"),
+                    "ddp_final_accuracy": med(ddp, "final_accuracy"),
+                    "compute_only_final_accuracy": med(floor, "final_accuracy"),
+                    "runs": min(len(ring), len(ddp)),
+                    "target": ">= 1.2",
+                    "met": ratio is not None and ratio >= 1.2,
+                    "load_avg_1m": _spread([r.get("load_avg_1m") for r in ring + ddp + floor]),
+                }
+            )
+    return out
+
+
+def steady_table(report: dict[str, Any]) -> str:
+    """Markdown of the steady part: one row per world, precision and contender (medians
+    and the min-max of samples/s over the repeats), then one verdict per world and
+    precision."""
+    lines = [
+        "| world | precision | contender | samples/s (median) | min-max | x DDP (same precision) "
+        "| x compute floor | final acc | runs | load (1 min) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    rows = {(r["world"], r["precision"]): r for r in steady_rows(report["runs"])}
+    steady = [
+        {"world": WORKERS, "precision": "fp32", **r}
+        for r in report["runs"]
+        if r.get("part") == "steady"
+    ]
+    groups = _group(steady, "world", "precision", "contender")
+    turn = {steady_name(s, p): i for p in PRECISIONS for i, (s, _) in enumerate(STEADY_KINDS)}
+
+    def place(key: tuple[Any, ...]) -> tuple[int, int, int]:
+        return (key[0], PRECISIONS.index(key[1]), turn.get(key[2], len(turn)))
+
+    for world, precision, contender in sorted(groups, key=place):
+        good = [r for r in groups[(world, precision, contender)] if "error" not in r]
+        head = f"| {world} | {precision} | {contender} | "
+        if not good:
+            lines.append(head + "error | - | - | - | - | 0 | - |")
+            continue
+        rates = [r["samples_per_s"] for r in good if r.get("samples_per_s") is not None]
+        rate = _median(rates)
+        row = rows.get((world, precision), {})
+        loads = _spread([r.get("load_avg_1m") for r in good])
+        cells = [
+            _fmt(rate, "{:,.0f}"),
+            f"{min(rates):,.0f}-{max(rates):,.0f}" if rates else "-",
+            _fmt(_ratio(rate, row.get("ddp_samples_per_s")), "{:.2f}"),
+            _fmt(_ratio(rate, row.get("compute_only_samples_per_s")), "{:.2f}"),
+            _fmt(_median([r.get("final_accuracy") for r in good]), "{:.4f}"),
+            str(len(good)),
+            f"{loads[0]:.1f}-{loads[1]:.1f}" if loads else "-",
+        ]
+        lines.append(head + " | ".join(cells) + " |")
+    verdicts = []
+    for r in rows.values():
+        cross = (
+            f"; against DDP in fp32 {_fmt(r['ratio_vs_ddp_fp32'], '{:.2f}')}"
+            if r["precision"] != "fp32"
+            else ""
+        )
+        verdicts.append(
+            f"- world {r['world']}, {r['precision']}: ring / DDP "
+            f"{_fmt(r['ring_samples_per_s'], '{:,.0f}')} / "
+            f"{_fmt(r['ddp_samples_per_s'], '{:,.0f}')} = {_fmt(r['ratio'], '{:.2f}')} "
+            f"(target {r['target']}: {'met' if r['met'] else 'missed'}){cross}; the compute "
+            f"floor {_fmt(r['compute_only_samples_per_s'], '{:,.0f}')} (ring "
+            f"{_fmt(r['ring_of_floor'], '{:.0%}')} of it, DDP "
+            f"{_fmt(r['ddp_of_floor'], '{:.0%}')}); final test accuracy ring "
+            f"{_fmt(r['ring_final_accuracy'], '{:.4f}')}, DDP "
+            f"{_fmt(r['ddp_final_accuracy'], '{:.4f}')}"
+        )
+    return "\n".join([*lines, "", *verdicts] if verdicts else lines)
 
 
 # ---------------------------------------------------------------------- tree_aggregate vs MLlib
@@ -903,8 +1092,13 @@ def derive(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
     whole = _whole_process_vs_peers(pick)
     if whole:
         out["whole_process_vs_peers"] = whole
-    steady_ring = pick(contender="ring", workload="synthetic", part="steady")
-    steady_td = pick(contender="torchdistributor", workload="synthetic", part="steady")
+
+    # the shipped world (2) in fp32; every world and precision is in "steady"
+    def shipped(contender: str) -> list[dict[str, Any]]:
+        rows = pick(contender=contender, workload="synthetic", part="steady")
+        return [r for r in rows if r.get("world", WORKERS) == WORKERS]
+
+    steady_ring, steady_td = shipped("ring"), shipped("torchdistributor")
     if steady_ring and steady_td:
         a = _median([r.get("samples_per_s") for r in steady_ring])
         b = _median([r.get("samples_per_s") for r in steady_td])
@@ -918,12 +1112,15 @@ def derive(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
             "met": ratio is not None and ratio >= 1.2,
             "load_avg_1m": _spread([r.get("load_avg_1m") for r in steady_ring + steady_td]),
         }
-        floor = pick(contender="compute-only", workload="synthetic", part="steady")
+        floor = shipped("compute-only")
         if floor:
             # the most any gradient exchange could reach: the same steps, no exchange
             c = _median([r.get("samples_per_s") for r in floor])
             out["steady_vs_ddp"]["compute_only_samples_per_s"] = c
             out["steady_vs_ddp"]["compute_only_ratio"] = _ratio(c, b)
+    steady = steady_rows(records)
+    if steady:
+        out["steady"] = steady
     ta = pick(contender="sparktrain-fast")
     ml = pick(contender="mllib")
     if ta and ml:
@@ -1235,6 +1432,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="synthetic epochs per run of the steady part (the first is left out of its rate)",
     )
     parser.add_argument(
+        "--steady-worlds",
+        type=int,
+        nargs="+",
+        default=[WORKERS],
+        help="worlds of the steady part (the session's master gets local[max(2, worlds)]: "
+        "a world above the machine's cores oversubscribes them, every contender alike)",
+    )
+    parser.add_argument(
+        "--steady-precisions",
+        nargs="+",
+        choices=list(PRECISIONS),
+        default=["fp32"],
+        help="precisions of the steady part: bf16 runs ring-bf16 (TrainConfig precision="
+        "'bf16'), torchdistributor-bf16 and compute-only-bf16 (the forward under CPU "
+        "autocast to bfloat16, float32 weights)",
+    )
+    parser.add_argument(
         "--parts",
         nargs="+",
         choices=["headline", "steady", "matrix", "mllib"],
@@ -1271,12 +1485,17 @@ def main(args: argparse.Namespace) -> int:
             f"--steady-epochs {args.steady_epochs}: the steady rate leaves the first epoch "
             "out, so it needs at least 2"
         )
+    if "steady" in args.parts and min(args.steady_worlds) < 2:
+        raise SparkTrainError(
+            f"--steady-worlds {args.steady_worlds}: a data-parallel comparison needs 2 ranks"
+        )
+    slots = max(WORKERS, *args.steady_worlds) if "steady" in args.parts else WORKERS
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
     if "headline" in args.parts:
         runs += run_headline(args)
     if {"steady", "matrix", "mllib"} & set(args.parts):
-        spark = get_or_create_session(f"local[{WORKERS}]", app_name="sparktrain-bench-train")
+        spark = get_or_create_session(f"local[{slots}]", app_name="sparktrain-bench-train")
         spark.sparkContext.parallelize(range(4), 2).count()
         warm_up(spark)
         if "steady" in args.parts:
@@ -1288,7 +1507,7 @@ def main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "target": args.target,
         "workers": WORKERS,
-        "master": f"local[{WORKERS}]",
+        "master": f"local[{slots}]",
         "args": {k: v for k, v in vars(args).items() if k not in ("func",)},
         "machine": machine(),
         "bench_s": time.perf_counter() - started,
@@ -1299,15 +1518,25 @@ def main(args: argparse.Namespace) -> int:
         report = merge_reports(json.loads(path.read_text()), report)
     report["derived"] = derive(report["runs"], args.target)
     print(table(report))
+    if "steady" in report["derived"]:
+        print(steady_table(report))
     print(json.dumps(report["derived"], indent=1))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, path.with_suffix(".png"))
-    print(f"report written to {path} and {path.with_suffix('.png')}")
+    if any(r.get("part") != "steady" for r in report["runs"]):  # the plot has no steady bars
+        plot(report, path.with_suffix(".png"))
+        print(f"report written to {path} and {path.with_suffix('.png')}")
+    else:
+        print(f"report written to {path}")
     return 0
 
 
 RUN_KEY = ("contender", "strategy", "compression", "link", "workload")
+
+
+def run_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """A run's cell for ``--merge``: ``RUN_KEY`` and the world (2 where not recorded)."""
+    return (*(r.get(k) for k in RUN_KEY), r.get("world", WORKERS))
 
 
 def merge_reports(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -1315,8 +1544,8 @@ def merge_reports(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     the date it was measured (``measured``), and ``merged`` lists the reruns' arguments."""
     stamp = time.strftime("%Y-%m-%d")
     fresh = [{**r, "measured": stamp} for r in new["runs"]]
-    cells = {tuple(r.get(k) for k in RUN_KEY) for r in fresh}
-    kept = [r for r in old.get("runs", []) if tuple(r.get(k) for k in RUN_KEY) not in cells]
+    cells = {run_key(r) for r in fresh}
+    kept = [r for r in old.get("runs", []) if run_key(r) not in cells]
     history = [*old.get("merged", []), {"date": stamp, "args": new["args"]}]
     return {
         **new,

@@ -363,3 +363,97 @@ def test_a_ddp_epoch_takes_its_steps_even_on_a_short_shard() -> None:
     ddp_epoch(model, opt, x, y, batch=2, steps=4, seed=0)  # 3 batches of rows, then a repeat
     assert len(stepped) == 4
     assert not torch.equal(before, model.weight)
+
+
+# ------------------------------------------------------------------ steady part: worlds, bf16
+def _steady(contender: str, world: int | None, rate: float, **kw: Any) -> dict[str, Any]:
+    stem = contender.removesuffix("-bf16")
+    extra = {} if world is None else {"world": world}
+    if world is not None:
+        extra["precision"] = "bf16" if contender.endswith("-bf16") else "fp32"
+    return _run(
+        contender=contender,
+        strategy=dict(bt.STEADY_KINDS)[stem],
+        workload="synthetic",
+        part="steady",
+        samples_per_s=rate,
+        final_accuracy=0.5,
+        **extra,
+        **kw,
+    )
+
+
+def test_steady_order_rotates_every_contender_of_every_precision():
+    first = bt.steady_order(["fp32", "bf16"], 0)
+    assert first[:3] == [("ring", "fp32"), ("torchdistributor", "fp32"), ("compute-only", "fp32")]
+    assert len(first) == 6 and len(set(first)) == 6
+    assert bt.steady_order(["fp32", "bf16"], 1) == first[1:] + first[:1]
+    firsts = {bt.steady_order(["fp32", "bf16"], r)[0] for r in range(6)}
+    assert firsts == set(first)  # each contender goes first once in six repeats
+    assert bt.steady_name("ring", "fp32") == "ring"
+    assert bt.steady_name("compute-only", "bf16") == "compute-only-bf16"
+
+
+def test_steady_rows_per_world_and_precision():
+    runs = [
+        # an older record without world/precision counts as world 2, fp32
+        _steady("ring", None, 10_000.0),
+        _steady("torchdistributor", 2, 10_000.0),
+        _steady("compute-only", 2, 12_500.0),
+        _steady("ring-bf16", 2, 24_000.0),
+        _steady("torchdistributor-bf16", 2, 20_000.0),
+        _steady("compute-only-bf16", 2, 30_000.0),
+        _steady("ring", 4, 9_000.0, load_avg_1m=1.5),
+        _steady("torchdistributor", 4, 6_000.0, load_avg_1m=2.5),
+        _steady("torchdistributor", 4, 99.0, error="boom"),
+        _steady("compute-only", 4, 12_000.0),
+    ]
+    d = bt.derive(runs, 0.95)
+    # the issue's headline figure stays world 2, fp32: world 4's runs are not mixed in
+    assert d["steady_vs_ddp"]["ratio"] == pytest.approx(1.0)
+    rows = {(r["world"], r["precision"]): r for r in d["steady"]}
+    assert set(rows) == {(2, "fp32"), (2, "bf16"), (4, "fp32")}
+    bf16 = rows[(2, "bf16")]
+    assert bf16["ratio"] == pytest.approx(1.2) and bf16["met"]
+    assert bf16["ratio_vs_ddp_fp32"] == pytest.approx(2.4)
+    assert bf16["ring_of_floor"] == pytest.approx(0.8)
+    w4 = rows[(4, "fp32")]
+    assert w4["ratio"] == pytest.approx(1.5) and w4["runs"] == 1 and w4["load_avg_1m"] == [1.5, 2.5]
+    assert not rows[(2, "fp32")]["met"]
+    text = bt.steady_table({"runs": runs})
+    assert "| 2 | bf16 | ring-bf16 | 24,000 | 24,000-24,000 | 1.20 | 0.80 | 0.5000 | 1 |" in text
+    assert "| 4 | fp32 | torchdistributor | 6,000 |" in text
+    assert "world 2, bf16: ring / DDP 24,000 / 20,000 = 1.20 (target >= 1.2: met); " in text
+    assert "against DDP in fp32 2.40" in text
+    assert text.index("| 2 | fp32 | ring |") < text.index("| 2 | bf16 |") < text.index("| 4 |")
+    assert rep._steady({"runs": runs}) == text
+
+
+def test_merge_keeps_other_worlds_apart():
+    old = {
+        "args": {},
+        "bench_s": 1.0,
+        "runs": [_steady("ring", None, 1.0), _steady("ring", 4, 2.0)],
+    }
+    new = {"args": {}, "bench_s": 1.0, "runs": [_steady("ring", 2, 3.0)]}
+    merged = bt.merge_reports(old, new)
+    assert sorted(r["samples_per_s"] for r in merged["runs"]) == [2.0, 3.0]
+
+
+def test_steady_arguments_and_the_bf16_ddp_step():
+    parser = argparse.ArgumentParser()
+    bt.add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.steady_worlds == [2] and args.steady_precisions == ["fp32"]
+    args = parser.parse_args(["--steady-worlds", "2", "4", "--steady-precisions", "fp32", "bf16"])
+    assert args.steady_worlds == [2, 4] and args.steady_precisions == ["fp32", "bf16"]
+    with pytest.raises(SparkTrainError, match="unknown precision"):
+        bt.autocast("fp8")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 3), torch.tensor([0, 1] * 4)
+    bt.ddp_epoch(model, opt, x, y, batch=4, steps=2, seed=0, precision="bf16")
+    assert model.weight.dtype == torch.float32  # float32 master weights under autocast
+    with bt.autocast("bf16"):
+        assert model(x).dtype == torch.bfloat16
