@@ -159,8 +159,9 @@ def prepare(
     mapping and ``label_col`` a name or a list of names (see
     :mod:`sparktrain.data.columns`); ``options`` holds the per-column shapes, dtypes,
     decoders and collates. ``label_scaling`` standardises a scalar label with the
-    training rows' mean and standard deviation (one aggregation job), and
-    ``feature_scaling`` each feature of one numeric features column (one more);
+    training rows' mean and standard deviation, and ``feature_scaling`` each feature of
+    one numeric features column: one aggregation job for both, which also measures the
+    columns' widths (otherwise a ``first()`` job reads them);
     ``"auto"`` for either: where the data allows it (a DataFrame; a scalar label; one
     plain features column, and a model that does not say no: ``features_veto``, asked
     only then, returns why the features must stay as they are, e.g. indices into an
@@ -277,9 +278,24 @@ def _prepare_frame(
     plan = _plan_columns(df, features_col, label_col, options)
     train = _select(df, plan, "data", weight_col)
     scale_labels = label_scaling is True or (label_scaling == "auto" and not plan.label_is_array)
-    stats = _label_stats(train, plan) if scale_labels else None
-    features = _feature_stats(train, plan, feature_scaling, features_veto)
-    train = _features_scaled(train, features)
+    if scale_labels:
+        _check_scalar_label(plan)
+    scale_features = _scales_features(plan, feature_scaling)
+    summary = None
+    if scale_labels or scale_features:
+        # one job for the statistics and the widths: a Spark job in a fresh application
+        # costs about a second of planning and scheduling, whatever its size
+        summary = _summarise(train, plan, scale_labels, scale_features, feature_scaling)
+    stats = summary.labels if summary is not None else None
+    features = summary.features if summary is not None else None
+    if features is not None and feature_scaling == "auto" and features_veto is not None:
+        # asked after the job, which so runs while the driver still builds the model
+        reason = features_veto()
+        if reason:
+            log.info("feature_scaling: %s; training on the features as they are", reason)
+            features = None
+    scaling = _scaling(plan, features)
+    train = _features_scaled(train, scaling)
     mean_weight = None
     if weight_col is not None:
         mean_weight = _mean_weight(train, weight_col)
@@ -287,11 +303,15 @@ def _prepare_frame(
     train = _scaled(train, stats).withColumn(IS_VALIDATION, F.lit(False))
     combined = train
     if val is not None:
-        tagged = _scaled(_features_scaled(_select(val, plan, "validation_data"), features), stats)
+        tagged = _scaled(_features_scaled(_select(val, plan, "validation_data"), scaling), stats)
         if weight_col is not None:  # validation metrics are unweighted
             tagged = tagged.withColumn(WEIGHT, F.lit(1.0))
         combined = train.unionByName(tagged.withColumn(IS_VALIDATION, F.lit(True)))
-    layout, samples = _measure(combined, plan)
+    if summary is not None and summary.widths is not None:
+        layout = _layout(plan, summary.widths, summary.label_width, "the rows")
+        samples: dict[str, bytes] = {}
+    else:
+        layout, samples = _measure(combined, plan)
     width = layout.width if layout.is_plain else 0
     if val is not None:
         # A union never feeds a barrier stage as it is (Spark refuses RDD chains whose
@@ -311,10 +331,11 @@ def _prepare_frame(
         )
     parts = _partitions(combined)
     if parts is None:
-        # A Spark Connect client cannot ask a plan for its partition count (no RDDs):
-        # one shuffle into exactly num_workers partitions is the price.
+        # A Spark Connect client cannot ask a plan for its partition count (no RDDs), and
+        # an adaptive plan knows it only once its shuffles ran, which the stage would run
+        # again: one shuffle into exactly num_workers partitions is the price.
         log.info(
-            "Spark Connect: the data's partition count is not visible from the client; "
+            "the data's partition count is not known before its shuffles run; "
             "shuffling it into num_workers=%d partitions",
             num_workers,
         )
@@ -325,31 +346,166 @@ def _prepare_frame(
     return PreparedData(combined, None, width, mean_weight, layout, samples, stats, features)
 
 
+# Logical plan nodes whose output has their input's partitions.
+_SAME_PARTITIONS = ("Project", "Filter", "BatchEvalPython", "ArrowEvalPython")
+
+
 def _partitions(frame: DataFrame) -> int | None:
-    """The frame's partition count; None under Spark Connect, which has no RDDs."""
+    """The frame's partition count where it is known without a Spark job; None under
+    Spark Connect (no RDDs) and for an adaptive plan (one with a shuffle) unless its last
+    shuffle is a ``repartition(n)``: such a plan runs its shuffles to say how many
+    partitions it has (adaptive execution may coalesce them), and the stage would run
+    them again."""
     from sparktrain.driver.spark_env import is_connect
 
     if is_connect(frame):
         return None
-    return int(frame.rdd.getNumPartitions())
+    execution = frame._jdf.queryExecution()
+    if execution.executedPlan().getClass().getSimpleName() != "AdaptiveSparkPlanExec":
+        return int(frame.rdd.getNumPartitions())  # no shuffle: planning alone says
+    node = execution.optimizedPlan()
+    while node.getClass().getSimpleName() in _SAME_PARTITIONS:
+        node = node.children().head()
+    kind = node.getClass().getSimpleName()
+    # a count the user gave: adaptive execution coalesces only the shuffles it sized
+    if kind == "Repartition" and node.shuffle():
+        return int(node.numPartitions())
+    if kind == "RepartitionByExpression" and node.optNumPartitions().isDefined():
+        return int(node.numPartitions())
+    return None
 
 
-def _label_stats(train: DataFrame, plan: _Plan) -> tuple[float, float]:
-    """One aggregation job: the training labels' mean and (population) standard
-    deviation; a constant label keeps a scale of 1."""
-    from pyspark.sql import functions as F
-
+def _check_scalar_label(plan: _Plan) -> None:
     if plan.label_is_array:
         raise DataError(
             f"label_scaling standardises one scalar label; label_col "
             f"{', '.join(plan.label_sources)!r} holds several values a row: scale them "
             "yourself (pyspark.ml.feature.StandardScaler) and set label_scaling=false"
         )
-    row = train.agg(F.mean(LABEL).alias("m"), F.stddev_pop(LABEL).alias("s")).first()
-    assert row is not None  # a global aggregate always has one row
-    if row["m"] is None:
+
+
+MAX_SCALED_FEATURES = 65_536
+"""``feature_scaling="auto"`` leaves wider features as they are: their figures would
+ride in every query plan."""
+
+
+def _scales_features(plan: _Plan, feature_scaling: bool | str) -> bool:
+    """Whether ``feature_scaling`` applies to ``plan``'s inputs: one fixed-width float
+    vector or array column (``True`` elsewhere is an error that says what to do)."""
+    if feature_scaling is False:
+        return False
+    inputs = plan.inputs
+    plain = (
+        plan.call == "single"
+        and len(inputs) == 1
+        and inputs[0].measure
+        and inputs[0].column.kind == DENSE
+        and inputs[0].column.dtype in ("float32", "float64")
+        and not inputs[0].column.shape
+    )
+    if not plain and feature_scaling is True:
+        raise DataError(
+            "feature_scaling standardises one column of numeric feature vectors; "
+            f"these inputs ({', '.join(p.column.source for p in inputs)}) are several "
+            "or typed columns: scale them yourself (pyspark.ml.feature.StandardScaler) "
+            "and set feature_scaling=false"
+        )
+    return plain
+
+
+# The summary's group keys below 0 (features are 0..width-1): the label, an array
+# label's width, then one per fixed-size input column (its row widths).
+_LABEL_KEY = -1
+_LABEL_WIDTH_KEY = -2
+_WIDTH_KEY = -3
+
+
+@dataclass
+class _Summary:
+    """What one aggregation job found in the training rows."""
+
+    widths: dict[int, int] | None
+    """Row width of each fixed-size input (by its index in the plan), when the job
+    measured them: every training row of a column has that many values."""
+    label_width: int | None
+    labels: tuple[float, float] | None
+    """The labels' ``(mean, std)``, when asked for."""
+    features: tuple[np.ndarray, np.ndarray] | None
+    """Each feature's ``(mean, std)``, when asked for (``None`` also for an ``"auto"``
+    fit whose features are wider than :data:`MAX_SCALED_FEATURES`)."""
+
+
+def _summarise(
+    train: DataFrame, plan: _Plan, labels: bool, features: bool, feature_scaling: bool | str
+) -> _Summary:
+    """One aggregation job over the training rows for every figure the driver needs of
+    them: the labels' mean and (population) standard deviation (``labels``), each
+    feature's (``features``), and the row widths of the fixed-size inputs and of an array
+    label, which are then not read from a first row (no binary column needs a sample).
+    Each figure is one group of ``(key, value)`` pairs: a feature's key is its index,
+    the others' are below 0. A constant label or feature keeps a scale of 1."""
+    from pyspark.sql import functions as F
+
+    # one SQL expression rather than a Python call per part: each call is a round trip
+    # to the JVM, and a fresh driver makes them while it imports torch on a thread
+    def pair(key: object, value: str) -> str:
+        return f"named_struct('k', {key}, 'v', cast({value} as double))"
+
+    def width(column: str) -> str:  # null for a null array (size() of null is -1 or null)
+        return f"if(`{column}` is null, null, size(`{column}`))"
+
+    parts = []
+    if features:
+        values = f"transform(`{FEATURES}`, (x, i) -> {pair('i', 'x')})"
+        parts.append(f"coalesce({values}, cast(array() as array<struct<k:int,v:double>>))")
+    markers = []
+    if labels:
+        markers.append(pair(_LABEL_KEY, f"`{LABEL}`"))
+    measured = not any(p.column.kind == BINARY for p in plan.inputs)
+    if measured:
+        for i, p in enumerate(plan.inputs):
+            if p.measure:
+                markers.append(pair(_WIDTH_KEY - i, width(p.column.wire)))
+        if plan.label_is_array and plan.label_width is None:
+            markers.append(pair(_LABEL_WIDTH_KEY, width(LABEL)))
+    if markers:
+        parts.append(f"array({', '.join(markers)})")
+    figures = (
+        "count(v) as n",
+        "mean(v) as m",
+        "stddev_pop(v) as s",
+        "min(v) as lo",
+        "max(v) as hi",
+    )
+    rows = (
+        train.selectExpr(f"inline(concat({', '.join(parts)}))")
+        .groupBy("k")
+        .agg(*(F.expr(f) for f in figures))
+        .collect()
+    )
+    groups = {int(row["k"]): row for row in rows}
+    label_stats = _label_figures(groups.get(_LABEL_KEY), plan) if labels else None
+    feature_stats = _feature_figures(groups, plan, feature_scaling) if features else None
+    if not measured:
+        return _Summary(None, plan.label_width, label_stats, feature_stats)
+    found = {
+        i: _one_width(groups.get(_WIDTH_KEY - i)) for i, p in enumerate(plan.inputs) if p.measure
+    }
+    label_width = plan.label_width
+    if plan.label_is_array and label_width is None:
+        label_width = _one_width(groups.get(_LABEL_WIDTH_KEY))
+        if label_width is None:
+            return _Summary(None, None, label_stats, feature_stats)
+    if any(w is None for w in found.values()):
+        return _Summary(None, label_width, label_stats, feature_stats)
+    widths = {i: w for i, w in found.items() if w is not None}
+    return _Summary(widths, label_width, label_stats, feature_stats)
+
+
+def _label_figures(group: Any, plan: _Plan) -> tuple[float, float]:
+    if group is None or group["m"] is None:
         raise DataError("the training data is empty: nothing to train on")
-    mean, std = float(row["m"]), float(row["s"] or 0.0)
+    mean, std = float(group["m"]), float(group["s"] or 0.0)
     if not math.isfinite(mean) or not math.isfinite(std):
         raise DataError(
             f"label column {plan.label_sources[0]!r} holds NaN or infinite values; drop "
@@ -360,89 +516,76 @@ def _label_stats(train: DataFrame, plan: _Plan) -> tuple[float, float]:
     return mean, std
 
 
-MAX_SCALED_FEATURES = 65_536
-"""``feature_scaling="auto"`` leaves wider features as they are: their figures would
-ride in every query plan."""
+def _one_width(group: Any) -> int | None:
+    """The one row width of a fixed-size column or array label, from its summary group;
+    None when its training rows have none (no rows, all null, empty arrays) or several:
+    then the first row decides, as it did, and the tasks' ingest names the rows that
+    differ."""
+    if group is None or not group["n"] or group["lo"] != group["hi"] or group["lo"] <= 0:
+        return None
+    return int(group["hi"])
 
 
-def _feature_stats(
-    train: DataFrame,
-    plan: _Plan,
-    feature_scaling: bool | str,
-    features_veto: FeaturesVeto | None = None,
+def _empty_arrays(column: Column, plan: _Plan) -> None:
+    if plan.call == "single" and column.dtype == DEFAULT_FLOAT and not column.shape:
+        raise DataError("the features column holds empty arrays; each row needs at least one value")
+    raise DataError(
+        f"column {column.source!r} holds empty arrays; each row needs at least one "
+        "value (or declare it variable-length: "
+        f"feature_shapes={{{column.key!r}: [-1]}})"
+    )
+
+
+def _feature_figures(
+    groups: dict[int, Any], plan: _Plan, feature_scaling: bool | str
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each feature's mean and (population) standard deviation over the training rows
-    (one aggregation job), when ``feature_scaling`` applies to ``plan``'s inputs: one
-    fixed-width float vector or array column. A constant feature keeps a scale of 1."""
-    from pyspark.sql import functions as F
-
-    if feature_scaling is False:
-        return None
-    inputs = plan.inputs
-    plain = (
-        plan.call == "single"
-        and len(inputs) == 1
-        and inputs[0].measure
-        and inputs[0].column.kind == DENSE
-        and inputs[0].column.dtype in ("float32", "float64")
-        and not inputs[0].column.shape
-    )
-    if not plain:
-        if feature_scaling is True:
-            raise DataError(
-                "feature_scaling standardises one column of numeric feature vectors; "
-                f"these inputs ({', '.join(p.column.source for p in inputs)}) are several "
-                "or typed columns: scale them yourself (pyspark.ml.feature.StandardScaler) "
-                "and set feature_scaling=false"
-            )
-        return None
-    reason = features_veto() if feature_scaling == "auto" and features_veto else None
-    if reason:
-        log.info("feature_scaling: %s; training on the features as they are", reason)
-        return None
-    rows = (
-        train.select(F.posexplode(FEATURES).alias("i", "v"))
-        .groupBy("i")
-        .agg(F.mean("v").alias("m"), F.stddev_pop("v").alias("s"))
-        .collect()
-    )
-    if not rows:
+    count = sum(1 for k in groups if k >= 0)
+    if not count:
         raise DataError("the training data is empty: nothing to train on")
-    if len(rows) > MAX_SCALED_FEATURES and feature_scaling == "auto":
+    if count > MAX_SCALED_FEATURES and feature_scaling == "auto":
         log.info(
             "feature_scaling: %d features are more than %d; training on them as they are",
-            len(rows),
+            count,
             MAX_SCALED_FEATURES,
         )
         return None
-    figures = np.zeros((2, len(rows)))
-    for row in rows:
-        if not 0 <= row["i"] < len(rows):
-            raise DataError("the features column's rows differ in length; give them one width")
-        figures[:, row["i"]] = (row["m"], row["s"] if row["s"] is not None else 0.0)
+    figures = np.zeros((2, count))
+    for k, row in groups.items():
+        if k >= 0:  # indices 0..count-1: a row of k values holds every lower index
+            figures[:, k] = (row["m"], row["s"] if row["s"] is not None else 0.0)
     if not np.isfinite(figures).all():
         raise DataError(
-            f"features column {inputs[0].column.source!r} holds NaN or infinite values; "
+            f"features column {plan.inputs[0].column.source!r} holds NaN or infinite values; "
             "drop or fill those rows first (pyspark.ml.feature.Imputer)"
         )
     means, stds = figures
     stds[stds <= 0] = 1.0
-    log.info("feature_scaling: %d features standardised with their mean and std", len(rows))
+    log.info("feature_scaling: %d features standardised with their mean and std", count)
     return means, stds
 
 
-def _features_scaled(frame: DataFrame, stats: tuple[np.ndarray, np.ndarray] | None) -> DataFrame:
+def _features_scaled(frame: DataFrame, scaling: Any) -> DataFrame:
+    return frame if scaling is None else frame.withColumn(FEATURES, scaling)
+
+
+def _scaling(plan: _Plan, stats: tuple[np.ndarray, np.ndarray] | None) -> Any:
+    """The expression that standardises the features column with ``stats`` (None: none),
+    as one SQL expression: built from one Python call per figure, it made a thousand
+    round trips to the JVM for 64 features. ``repr`` of a float reads back as the same
+    double."""
     from pyspark.sql import functions as F
 
     if stats is None:
-        return frame
-    element = dict(frame.dtypes)[FEATURES]  # array<float> or array<double>, as planned
-    means = F.array(*(F.lit(float(v)) for v in stats[0]))
-    stds = F.array(*(F.lit(float(v)) for v in stats[1]))
-    scaled = F.transform(
-        FEATURES, lambda x, i: (x - F.element_at(means, i + 1)) / F.element_at(stds, i + 1)
+        return None
+    element = "double" if plan.inputs[0].column.dtype == "float64" else "float"
+
+    def figures(values: np.ndarray) -> str:
+        return "array(" + ", ".join(f"{float(v)!r}D" for v in values) + ")"
+
+    return F.expr(
+        f"cast(transform(`{FEATURES}`, (x, i) -> (x - element_at({figures(stats[0])}, i + 1)) "
+        f"/ element_at({figures(stats[1])}, i + 1)) as array<{element}>)"
     )
-    return frame.withColumn(FEATURES, scaled.cast(element))
 
 
 def _scaled(frame: DataFrame, stats: tuple[float, float] | None) -> DataFrame:
@@ -675,40 +818,43 @@ def _measure(combined: DataFrame, plan: _Plan) -> tuple[Layout, dict[str, bytes]
     first = _first_row(frame.select(*selects, F.lit(1).alias("_")))
     if first is None:
         raise DataError("the training data is empty: nothing to train on")
-    columns = []
     sized_index = {id(p): i for i, p in enumerate(sized)}
-    for p in plan.inputs:
-        column = p.column
+    widths = {}
+    for i, p in enumerate(plan.inputs):
         if p.measure:
-            width = int(first[f"w{sized_index[id(p)]}"])
-            if width <= 0:
-                if plan.call == "single" and column.dtype == DEFAULT_FLOAT and not column.shape:
-                    raise DataError(
-                        "the features column holds empty arrays; each row needs at least one value"
-                    )
-                raise DataError(
-                    f"column {column.source!r} holds empty arrays; each row needs at least one "
-                    "value (or declare it variable-length: "
-                    f"feature_shapes={{{column.key!r}: [-1]}})"
-                )
-            shape = column.shape or (width,)
-            if math.prod(shape) != width:
-                raise DataError(
-                    f"feature_shapes[{column.key!r}] = {list(shape)} needs {math.prod(shape)} "
-                    f"values a row, but the first row of column {column.source!r} has {width}; "
-                    "fix the shape or the column"
-                )
-            column = dataclasses.replace(column, shape=tuple(shape))
-        columns.append(column)
+            widths[i] = int(first[f"w{sized_index[id(p)]}"])
+            if widths[i] <= 0:
+                _empty_arrays(p.column, plan)
     samples = {p.column.key: bytes(first[f"b{i}"]) for i, p in enumerate(binary)}
     label_width = plan.label_width
     if plan.label_is_array and label_width is None:
         label_width = int(first["lw"])
         if label_width <= 0:
             raise DataError(f"label column {plan.label_sources[0]!r} holds empty arrays")
+    return _layout(plan, widths, label_width, "the first row"), samples
+
+
+def _layout(plan: _Plan, widths: dict[int, int], label_width: int | None, seen: str) -> Layout:
+    """The layout of ``plan`` with the row ``widths`` of its fixed-size inputs (by index;
+    ``seen``: which rows had them, for the errors)."""
+    columns = []
+    for i, p in enumerate(plan.inputs):
+        column = p.column
+        if p.measure:
+            width = widths[i]
+            shape = column.shape or (width,)
+            if math.prod(shape) != width:
+                have = "has" if seen == "the first row" else "have"
+                raise DataError(
+                    f"feature_shapes[{column.key!r}] = {list(shape)} needs {math.prod(shape)} "
+                    f"values a row, but {seen} of column {column.source!r} {have} {width}; "
+                    "fix the shape or the column"
+                )
+            column = dataclasses.replace(column, shape=tuple(shape))
+        columns.append(column)
     layout = Layout(tuple(columns), plan.call, label_width, tuple(plan.label_sources))
     log.info("%s", layout.describe())
-    return layout, samples
+    return layout
 
 
 def _mean_weight(train: DataFrame, weight_col: str) -> float:
