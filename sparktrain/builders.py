@@ -252,7 +252,47 @@ def build_optimizer(
     if callable(name):
         factory: Callable[..., torch.optim.Optimizer] = name
         return factory(params, lr=lr, **kwargs)
-    classes: dict[str, Any] = {
+    cls = _optimizer_class(name)
+    try:
+        optimizer: torch.optim.Optimizer = cls(params, lr=lr, **kwargs)
+        return optimizer
+    except (TypeError, ValueError) as exc:
+        raise _misfit(name, kwargs, exc) from exc
+
+
+def check_optimizer(
+    name: str | Callable[..., torch.optim.Optimizer],
+    params: Iterable[nn.Parameter],
+    lr: float,
+    kwargs: dict[str, Any],
+) -> None:
+    """On the driver, before any task: do ``lr`` and ``kwargs`` fit the optimizer? Raises
+    the :class:`ConfigError` :func:`build_optimizer` would.
+
+    A built-in optimizer is tried on no parameters: its constructor checks every argument
+    and then stops at the empty list, before the first parameter group, whose setup
+    imports torch's compiler (some two thousand modules, seconds to load and to tear
+    down at exit) in a driver that never steps. A user's callable is built on
+    ``params``."""
+    if callable(name):
+        build_optimizer(name, params, lr, kwargs)
+        return
+    cls = _optimizer_class(name)
+    try:
+        cls([], lr=lr, **kwargs)
+    except ValueError as exc:
+        if str(exc) == _NO_PARAMETERS:
+            return  # every argument passed
+        raise _misfit(name, kwargs, exc) from exc
+    except TypeError as exc:
+        raise _misfit(name, kwargs, exc) from exc
+
+
+_NO_PARAMETERS = "optimizer got an empty parameter list"  # torch.optim.Optimizer's
+
+
+def _optimizer_class(name: str) -> Callable[..., torch.optim.Optimizer]:
+    classes: dict[str, Callable[..., torch.optim.Optimizer]] = {
         "sgd": torch.optim.SGD,
         "adam": torch.optim.Adam,
         "adamw": torch.optim.AdamW,
@@ -261,10 +301,8 @@ def build_optimizer(
     }
     if name not in classes:
         raise ConfigError(f"optimizer={name!r} unknown; allowed: {', '.join(classes)}")
-    try:
-        optimizer: torch.optim.Optimizer = classes[name](params, lr=lr, **kwargs)
-        return optimizer
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"optimizer_kwargs {kwargs} do not fit optimizer {name!r}: {exc}"
-        ) from exc
+    return classes[name]
+
+
+def _misfit(name: str, kwargs: dict[str, Any], exc: Exception) -> ConfigError:
+    return ConfigError(f"optimizer_kwargs {kwargs} do not fit optimizer {name!r}: {exc}")

@@ -22,7 +22,7 @@ from sparktrain.builders import (
     ModelFn,
     build_loss,
     build_model,
-    build_optimizer,
+    check_optimizer,
     check_weighted_loss,
     resolve_model_fn,
 )
@@ -190,7 +190,7 @@ class Trainer:
         model = build_model(resolve_model_fn(self.model_fn, self.model_kwargs))
         try:
             build_loss(cfg.loss, dict(cfg.loss_kwargs))
-            build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, dict(cfg.optimizer_kwargs))
+            check_optimizer(cfg.optimizer, model.parameters(), cfg.lr, dict(cfg.optimizer_kwargs))
         except Exception as exc:
             return model, exc
         return model, None
