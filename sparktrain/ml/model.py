@@ -352,6 +352,7 @@ class TorchModel(PredictionModel[Vector], _TorchParams, MLWritable, MLReadable["
             layout=typed,
             label_stats=self._label_stats,
             thresholds=self._thresholds(),
+            classes=self._num_outputs if self._kind == "classification" else None,
         )
         udf = arrow_udf(plan.run, plan.scores_type())  # type: ignore[call-overload]
         # the UDF emits the model's outputs only; each output column is an expression
@@ -367,10 +368,15 @@ class TorchModel(PredictionModel[Vector], _TorchParams, MLWritable, MLReadable["
         ):
             # its own column: used twice (probability and a thresholded prediction) it
             # is computed once per row, used once Spark inlines it
-            scored = scored.withColumn(_PROBABILITY, _probability(scores))
+            scored = scored.withColumn(_PROBABILITY, _probability(scores, plan.classes))
             probability = F.col(_PROBABILITY)
         exprs = _output_columns_of(
-            scores, self._kind, probability, thresholds=thresholds, label_stats=self._label_stats
+            scores,
+            self._kind,
+            probability,
+            outputs=plan.classes,
+            thresholds=thresholds,
+            label_stats=self._label_stats,
         )
         result = scored.withColumns({name: exprs[field] for name, field in outputs}).drop(
             _OUT, _PROBABILITY
@@ -726,6 +732,10 @@ class _InferencePlan:
     device: str = "cpu"
     """The model's ``device`` Param: ``"cuda"`` or ``"auto"`` score on the task's GPU when
     Spark gave it one and CUDA works (:func:`inference_device`), else on the CPU."""
+    classes: int | None = None
+    """A classifier's outputs per row, as fitted: the output columns' expressions read
+    that many (:func:`_output_columns_of`), so :meth:`scores` refuses a model that returns
+    another number; ``None``: not checked."""
 
     def module(self, device: torch.device | None = None) -> nn.Module:
         """The module with the trained weights on ``device`` (default the CPU), built once
@@ -784,6 +794,12 @@ class _InferencePlan:
         out = out.flatten(1) if out.ndim > 1 else out.unsqueeze(1)
         if self.kind == "regression":
             return pa.array(out[:, 0].double().numpy())
+        if self.classes is not None and out.shape[1] != self.classes:
+            raise DataError(
+                f"the model {self.model_fn!r} returns {out.shape[1]} outputs per row, this "
+                f"classifier was fitted with {self.classes}: score with the model function "
+                "and modelKwargs it was fitted with"
+            )
         return _list_array(out.double().numpy())
 
     def predict(
@@ -933,6 +949,7 @@ def _output_columns_of(
     kind: str,
     probability: Column | None = None,
     *,
+    outputs: int | None = None,
     thresholds: tuple[float, ...] | None = None,
     label_stats: tuple[float, float] | None = None,
 ) -> dict[str, Column]:
@@ -940,7 +957,9 @@ def _output_columns_of(
     (:meth:`_InferencePlan.scores`): the values :meth:`_InferencePlan.outputs` computes in
     torch, to float64 rounding (the prediction exactly, but for rows with NaN outputs).
     ``probability``: a column that holds :func:`_probability` of the scores (default that
-    expression itself). Spark evaluates only the expressions a query selects.
+    expression itself). ``outputs``: a classifier's outputs per row, when the UDF
+    guarantees it (the expressions then read each output by position); ``None``: any
+    number. Spark evaluates only the expressions a query selects.
 
     The classifier's columns: ``rawPrediction`` the outputs (``[-z, z]`` for a single
     logit ``z``), ``probability`` their softmax (``[1 - sigmoid(z), sigmoid(z)]``), and
@@ -962,35 +981,83 @@ def _output_columns_of(
         # the UDF scores every row: coalesce only makes the column NOT NULL, as MLlib's
         # prediction is (a projection, no second pass over the data)
         return {"prediction": F.coalesce(prediction, nan)}
-    single = F.size(scores) == 1
     z = F.element_at(scores, 1)
-    prob = _probability(scores) if probability is None else probability
+    single = F.lit(outputs == 1) if outputs is not None else F.size(scores) == 1
+    prob = _probability(scores, outputs) if probability is None else probability
     if thresholds is None:
         # softmax is monotonic: the most probable class is the largest output's, and no
         # probability need be computed for it; a single logit compares as the
         # probabilities do, so that sigmoid's rounding ties fall as they do there
         p1 = _sigmoid(z)
-        classes = F.when(single, (p1 > F.lit(1.0) - p1).cast("double")).otherwise(_argmax(scores))
+        by_logit = (p1 > F.lit(1.0) - p1).cast("double")
+        if outputs is None:
+            classes = F.when(single, by_logit).otherwise(_argmax(scores))
+        else:
+            classes = by_logit if outputs == 1 else _argmax(scores)
+    elif _unrolled(outputs, len(thresholds)):
+        inf = F.lit(float("inf"))
+        scaled = [
+            inf if t == 0 else prob.getItem(i) / F.lit(float(t)) for i, t in enumerate(thresholds)
+        ]
+        classes = _argmax(F.array(*scaled))
     else:
         t = F.array(*(F.lit(float(v)) for v in thresholds))
-        scaled = F.zip_with(
+        scaled_all = F.zip_with(
             prob, t, lambda p, ti: F.when(ti == 0, F.lit(float("inf"))).otherwise(p / ti)
         )
-        classes = _let(scaled, _argmax)
+        classes = _let(scaled_all, _argmax)
+    raw = scores if outputs is not None and outputs > 1 else F.array(-z, z)
+    if outputs is None:
+        raw = F.when(single, raw).otherwise(scores)
     return {
-        "rawPrediction": array_to_vector(F.when(single, F.array(-z, z)).otherwise(scores)),
+        "rawPrediction": array_to_vector(raw),
         "probability": array_to_vector(prob),
         "prediction": F.coalesce(classes, nan),
     }
 
 
-def _probability(scores: Column) -> Column:
+_UNROLL_MAX = 16
+"""Up to this many classes the softmax is one plain expression per class, which Spark
+compiles (whole-stage code generation, the maximum and each exponential shared by
+subexpression elimination): at 10 classes about half the time of higher-order functions
+over the array, which Spark interprets element by element. Each class's expression
+repeats the others' exponentials in the plan's tree, which grows with the square of the
+classes: above this, planning costs more than the compiled code saves."""
+
+
+def _unrolled(outputs: int | None, width: int) -> bool:
+    return outputs is not None and outputs == width and 1 < outputs <= _UNROLL_MAX
+
+
+def _probability(scores: Column, outputs: int | None = None) -> Column:
     """The class probabilities of each row's outputs as a Spark expression: the softmax,
-    or for a single logit ``z`` ``[1 - sigmoid(z), sigmoid(z)]``."""
+    or for a single logit ``z`` ``[1 - sigmoid(z), sigmoid(z)]``. ``outputs``: the number
+    of outputs every row has (``None``: any number)."""
     from pyspark.sql import functions as F
 
     p1 = _sigmoid(F.element_at(scores, 1))
-    return F.when(F.size(scores) == 1, F.array(F.lit(1.0) - p1, p1)).otherwise(_softmax(scores))
+    binary = F.array(F.lit(1.0) - p1, p1)
+    if outputs == 1:
+        return binary
+    if outputs is not None and _unrolled(outputs, outputs):
+        return _softmax_of(scores, outputs)
+    return F.when(F.size(scores) == 1, binary).otherwise(_softmax(scores))
+
+
+def _softmax_of(scores: Column, outputs: int) -> Column:
+    """:func:`_softmax` of exactly ``outputs`` values per row, as plain expressions: the
+    same operations in the same order (the sum from 0.0, left to right), so the same
+    doubles."""
+    from pyspark.sql import functions as F
+
+    values = [scores.getItem(i) for i in range(outputs)]
+    largest = F.greatest(*values)
+    exps = [F.exp(v - largest) for v in values]
+    total = F.lit(0.0)
+    for e in exps:
+        total = total + e
+    scale = F.lit(1.0) / total
+    return F.array(*(e * scale for e in exps))
 
 
 def _softmax(scores: Column) -> Column:

@@ -74,17 +74,20 @@ def test_selecting_the_prediction_builds_no_vector_and_runs_the_udf_once(frame):
     # the default columns, unselected, cost what switched-off ones do: nothing
     assert pruned == _plan(lean.transform(frame).select("id", "prediction"))
     assert pruned.count("ArrowEvalPython") == 1
-    # no softmax (its sum is an aggregate) and one Scala UDF: vector_to_array of the
-    # features; array_to_vector, which builds the output vectors, is one too
-    assert "aggregate(" not in pruned and pruned.count("UDF(") == 1
+    # no softmax (its exponentials) and one Scala UDF: vector_to_array of the features;
+    # array_to_vector, which builds the output vectors, is one too
+    assert "EXP(" not in pruned and pruned.count("UDF(") == 1
     everything = _plan(model.transform(frame))
     assert everything.count("ArrowEvalPython") == 1  # three columns, one forward pass
-    assert "aggregate(" in everything and everything.count("UDF(") == 3
+    assert "EXP(" in everything and everything.count("UDF(") == 3
+    # three classes: the softmax is plain expressions, which Spark compiles; no
+    # higher-order function, which it would interpret element by element
+    assert "lambdafunction" not in everything
     # the thresholded prediction reads the probabilities; alone, it still builds no vector
     ruled = model.copy().setThresholds([0.5, 0.2, 0.3])
     thresholded = _plan(ruled.transform(frame).select("prediction"))
-    assert thresholded.count("ArrowEvalPython") == 1 and "aggregate(" in thresholded
-    assert thresholded.count("UDF(") == 1
+    assert thresholded.count("ArrowEvalPython") == 1 and "EXP(" in thresholded
+    assert thresholded.count("UDF(") == 1 and "lambdafunction" not in thresholded
     assert (
         _plan(ruled.transform(frame).select("prediction", "probability")).count("ArrowEvalPython")
         == 1

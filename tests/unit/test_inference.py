@@ -131,3 +131,21 @@ def test_scoring_is_on_the_cpu_without_a_task_gpu(caplog):  # type: ignore[no-un
         # a model fitted with device='cuda' still scores on a CPU-only cluster
         assert inference_device("cuda") == torch.device("cpu")
     assert "transform scores on the CPU" in caplog.text
+
+
+def test_a_model_that_returns_another_number_of_classes_is_refused(empty_cache):  # type: ignore[no-untyped-def]
+    """The output columns read the fitted number of outputs by position: a model function
+    that returns another number (changed modelKwargs) fails with the fix, not with
+    probabilities of the wrong classes."""
+    import dataclasses
+
+    from sparktrain.errors import DataError
+
+    torch.manual_seed(0)
+    module = digits_mlp().eval()
+    x = np.random.default_rng(0).random((4, 64), dtype=np.float32)
+    fitted = dataclasses.replace(_plan(module, ALL, "classes-10"), classes=10)
+    assert len(next(fitted.run(iter([_features(x)])))[0]) == 10
+    other = dataclasses.replace(_plan(module, ALL, "classes-3"), classes=3)
+    with pytest.raises(DataError, match="returns 10 outputs per row, this classifier was fitted"):
+        next(other.run(iter([_features(x)])))
