@@ -271,7 +271,7 @@ def check_optimizer(
 
     A built-in optimizer is tried on no parameters: its constructor checks every argument
     and then stops at the empty list, before the first parameter group, whose setup
-    imports torch's compiler (some two thousand modules, seconds to load and to tear
+    imports torch's compiler (some eight hundred modules, seconds to load and to tear
     down at exit) in a driver that never steps. A user's callable is built on
     ``params``."""
     if callable(name):
