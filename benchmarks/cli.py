@@ -15,6 +15,7 @@
     sparktrain bench sparse --json docs/results/bench_sparse.json
     sparktrain bench multihost --rate-mbit 100 --json docs/results/bench_multihost.json
     sparktrain bench defaults --json docs/results/bench_defaults.json
+    sparktrain bench headline --links 5g --seeds 0 1 2 --json docs/results/bench_headline5g.json
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "data",
         "data path: worker memory and samples/s, in RAM vs spilled, prefetch on/off, "
         "vs a Petastorm/pyarrow peer",
+    ),
+    "headline": (
+        "headline",
+        "issue 36.1: time to accuracy on slow links, 5.3 M-parameter MLP: every compressor, "
+        "auto and DDP (plain, fp16 and PowerSGD hooks); 5g emulated, tbf:RATE namespaces",
     ),
     "defaults": (
         "defaults",

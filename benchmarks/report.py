@@ -297,6 +297,12 @@ def _multihost(data: Any) -> str:
     return multihost.table(data)
 
 
+def _headline(data: Any) -> str:
+    from benchmarks import headline
+
+    return headline.table(data)
+
+
 def _scaling(data: Any) -> str:
     parts = []
     if data.get("oversubscription"):
@@ -569,6 +575,19 @@ SECTIONS: tuple[Section, ...] = (
         "sparktrain bench multihost --rate-mbit 100 --parts compare busbw --merge \\\n"
         "    --json docs/results/bench_multihost.json   # the last two tables",
         "bench_multihost.json", _multihost,
+    ),
+    Section(
+        "bench_headline5g",
+        "The 5G headline: time to accuracy on slow links, a 5.3 M-parameter MLP, against DDP",
+        "sparktrain bench headline --links 5g --seeds 0 1 2 \\\n"
+        "    --json docs/results/bench_headline5g.json                # local[2], emulated\n"
+        "sparktrain bench headline --links tbf:100 tbf:1000 --seeds 0 --merge \\\n"
+        "    --json docs/results/bench_headline5g.json --plot docs/results/bench_headline5g.png"
+        "   # as root\n"
+        "# the tbf 100 Mbit/s PowerSGD rows are a rerun, interleaved, of three contenders:\n"
+        "sparktrain bench headline --links tbf:100 --seeds 0 --merge \\\n"
+        "    --contenders ddp-powersgd powersgd auto --json docs/results/bench_headline5g.json",
+        "bench_headline5g.json", _headline, ("bench_headline5g.png",),
     ),
     Section(
         "bench_defaults", "Defaults that train: TrainConfig's defaults against MLlib's",
