@@ -584,9 +584,11 @@ SECTIONS: tuple[Section, ...] = (
         "sparktrain bench headline --links tbf:100 tbf:1000 --seeds 0 --merge \\\n"
         "    --json docs/results/bench_headline5g.json --plot docs/results/bench_headline5g.png"
         "   # as root\n"
-        "# the tbf 100 Mbit/s PowerSGD rows are a rerun, interleaved, of three contenders:\n"
-        "sparktrain bench headline --links tbf:100 --seeds 0 --merge \\\n"
-        "    --contenders ddp-powersgd powersgd auto --json docs/results/bench_headline5g.json",
+        "# then, each with --merge --json docs/results/bench_headline5g.json (the same):\n"
+        "sparktrain bench headline --links tbf:100 --seeds 0 \\\n"
+        "    --contenders ddp-powersgd powersgd auto                  # seed 0's rerun\n"
+        "sparktrain bench headline --links tbf:100 --seeds 1 2 \\\n"
+        "    --contenders int8+ef powersgd auto ddp-fp16 ddp-powersgd",
         "bench_headline5g.json", _headline, ("bench_headline5g.png",),
     ),
     Section(
