@@ -587,8 +587,8 @@ SECTIONS: tuple[Section, ...] = (
         "# then, each with --merge --json docs/results/bench_headline5g.json (the same):\n"
         "sparktrain bench headline --links tbf:100 --seeds 0 \\\n"
         "    --contenders ddp-powersgd powersgd auto                  # seed 0's rerun\n"
-        "sparktrain bench headline --links tbf:100 --seeds 1 2 \\\n"
-        "    --contenders int8+ef powersgd auto ddp-fp16 ddp-powersgd",
+        "sparktrain bench headline --links tbf:100 tbf:1000 --seeds 1 2 \\\n"
+        "    --contenders int8+ef powersgd auto ddp-fp16 ddp-powersgd   # run one link at a time",
         "bench_headline5g.json", _headline, ("bench_headline5g.png",),
     ),
     Section(
