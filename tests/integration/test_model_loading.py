@@ -35,9 +35,10 @@ def _fresh_registry(monkeypatch):  # type: ignore[no-untyped-def]
 def _model(model_fn: str = "sparktrain.models:digits_mlp") -> TorchClassificationModel:
     """A saved-able classifier without training: the factory's initial weights."""
     module = digits_mlp() if model_fn.startswith("sparktrain.") else user_models.tiny()
-    width = module.state_dict()[next(iter(module.state_dict()))].shape[1]
+    weights = list(module.state_dict().values())
+    width, outputs = weights[0].shape[1], weights[-1].shape[0]  # first weight, last bias
     model = TorchClassificationModel()._set_state(
-        state_to_bytes(module.state_dict()), num_features=width, num_outputs=10
+        state_to_bytes(module.state_dict()), num_features=width, num_outputs=outputs
     )
     return model._set(modelFn=model_fn)
 
