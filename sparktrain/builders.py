@@ -283,7 +283,8 @@ def check_optimizer(
     except ValueError as exc:
         if str(exc) == _NO_PARAMETERS:
             return  # every argument passed
-        raise _misfit(name, kwargs, exc) from exc
+        # a bad argument, or another torch's words for the empty list: building decides
+        build_optimizer(name, params, lr, kwargs)
     except TypeError as exc:
         raise _misfit(name, kwargs, exc) from exc
 

@@ -45,6 +45,15 @@ def test_the_check_raises_what_building_raises(name, kwargs, why):
     assert why in str(checked.value) and f"optimizer {name!r}" in str(checked.value)
 
 
+def test_a_torch_that_words_the_empty_list_otherwise_still_passes_good_settings(monkeypatch):
+    from sparktrain import builders
+
+    monkeypatch.setattr(builders, "_NO_PARAMETERS", "another torch's message")
+    check_optimizer("adam", nn.Linear(3, 2).parameters(), 0.01, {})
+    with pytest.raises(ConfigError, match="Invalid beta parameter"):
+        check_optimizer("adam", nn.Linear(3, 2).parameters(), 0.01, {"betas": (2.0, 0.9)})
+
+
 def test_a_negative_learning_rate_and_an_unknown_name_are_refused():
     with pytest.raises(ConfigError, match="Invalid learning rate"):
         check_optimizer("sgd", [], -1.0, {})
