@@ -10,12 +10,13 @@ settings when the server hides them) is logged as not checked, and left to Spark
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from sparktrain.comm_backend import check_torch_transport  # torch's plaintext collectives
-from sparktrain.errors import ResourceError
+from sparktrain.errors import ConfigError, ResourceError
 from sparktrain.strategies import registry
 
 if TYPE_CHECKING:
@@ -144,10 +145,39 @@ def _delta_note(cfg: TrainConfig, served_weights: bool = False) -> str:
     return ""
 
 
+SLOT_WAIT_KEY = "spark.scheduler.maxRegisteredResourcesWaitingTime"
+"""Spark's own bound on waiting for executors to register; sparktrain's launch check
+waits for missing task slots as long as it says (:func:`slot_wait_s`)."""
+SLOT_WAIT_DEFAULT_S = 60.0
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_TIME = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*")
+
+
+def slot_wait_s(env: SparkEnv) -> float:
+    """How long a barrier launch on a cluster waits for missing task slots (executors
+    still registering, or replacing lost ones): :data:`SLOT_WAIT_KEY` when the application
+    sets it (a Spark time string: ``5s``, ``2min``; a bare number is seconds), else 60 s."""
+    value = env.conf(SLOT_WAIT_KEY)
+    if value is None:
+        return SLOT_WAIT_DEFAULT_S
+    match = _TIME.fullmatch(value.lower())
+    unit = (match.group(2) or "s") if match else ""
+    if match is None or unit not in _TIME_UNITS:
+        raise ConfigError(
+            f"{SLOT_WAIT_KEY}={value!r} is not a Spark time: write it as a number with a "
+            "unit, e.g. 30s or 2min"
+        )
+    return float(match.group(1)) * _TIME_UNITS[unit]
+
+
 def check_can_launch(
-    env: SparkEnv, num_workers: int, wait_for_executors_s: float = 60.0, profile_id: int = 0
+    env: SparkEnv,
+    num_workers: int,
+    wait_for_executors_s: float | None = None,
+    profile_id: int = 0,
 ) -> None:
-    """Refuse dynamic allocation, and wait (bounded) for enough free task slots."""
+    """Refuse dynamic allocation, and wait (bounded by ``wait_for_executors_s``, default
+    :func:`slot_wait_s`) for enough free task slots."""
     if _is_true(env.conf("spark.dynamicAllocation.enabled", "false")):
         raise ResourceError(
             "barrier-mode training cannot run with dynamic allocation: set "
@@ -157,7 +187,10 @@ def check_can_launch(
     # In local mode the slots are known at once; on a cluster executors may still register.
     # A Connect client counts configured slots: waiting would not change them.
     waits = env.watches_slots and not env.is_local()
-    deadline = time.monotonic() + (wait_for_executors_s if waits else 0.0)
+    if waits and wait_for_executors_s is None:
+        wait_for_executors_s = slot_wait_s(env)
+    deadline = time.monotonic() + ((wait_for_executors_s or 0.0) if waits else 0.0)
+    said = False
     while True:
         slots = max_concurrent_tasks(env, profile_id)
         if slots is None:
@@ -173,6 +206,18 @@ def check_can_launch(
             return
         if time.monotonic() >= deadline:
             raise ResourceError(too_few_slots(env, num_workers, slots, profile_id))
+        if not said:  # a silent minute reads as a hang
+            log.info(
+                "num_workers=%d needs %d task slots at once and %s offers %d now: waiting "
+                "up to %.0f s for executors (%s sets the wait)",
+                num_workers,
+                num_workers,
+                env.master,
+                slots,
+                wait_for_executors_s,
+                SLOT_WAIT_KEY,
+            )
+            said = True
         time.sleep(0.5)
 
 

@@ -158,8 +158,10 @@ def test_tree_aggregate_runs_under_dynamic_allocation_with_fewer_slots_than_part
 
 def test_a_lost_worker_leaves_too_few_slots_and_the_run_says_so(cluster, tmp_path):
     """Kill a whole worker (its executor goes with it, and nothing replaces it): the
-    resubmission finds one slot for two workers and fails with our message, not a hang."""
-    proc = _submit(cluster, tmp_path, "epochs=400", "comm_timeout=20.0")
+    resubmission finds one slot for two workers and fails with our message, not a hang,
+    after the wait Spark's setting asks for (15 s here, 60 s by default)."""
+    wait = "spark.scheduler.maxRegisteredResourcesWaitingTime=15s"
+    proc = _submit(cluster, tmp_path, "epochs=400", "comm_timeout=20.0", confs=(wait,))
     try:
         deadline = time.monotonic() + 240
         while len(cluster.executor_pids()) < 2 or "ring on 2 workers" not in _log(tmp_path):
@@ -176,6 +178,7 @@ def test_a_lost_worker_leaves_too_few_slots_and_the_run_says_so(cluster, tmp_pat
     assert code == 2, log[-3000:]
     assert "num_workers=2 needs 2 task slots at once, but spark://" in log
     assert "offers 1" in log or "offers 0" in log
+    assert "waiting up to 15 s for executors" in log
 
 
 HOLD_AND_TRAIN = """

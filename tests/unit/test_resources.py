@@ -1,11 +1,17 @@
 import dataclasses
+import logging
 
 import pytest
 
 from sparktrain.config import TrainConfig
-from sparktrain.driver.resources import check_can_launch, check_transport_security
+from sparktrain.driver.resources import (
+    SLOT_WAIT_KEY,
+    check_can_launch,
+    check_transport_security,
+    slot_wait_s,
+)
 from sparktrain.driver.spark_env import ClassicEnv
-from sparktrain.errors import ResourceError
+from sparktrain.errors import ConfigError, ResourceError
 from sparktrain.trainer import Trainer
 
 
@@ -221,3 +227,44 @@ def test_weights_served_to_connect_tasks_pass_the_gate_like_any_socket():
     out = check_transport_security(_encrypted(), plain, served_weights=True)
     assert out == dataclasses.replace(plain, frame_integrity=True)
     assert check_transport_security(_env(), cfg, served_weights=True) is cfg  # no encryption
+
+
+# ------------------------------------------------------------------ the wait for slots
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(None, 60.0), ("5s", 5.0), ("2min", 120.0), ("1500ms", 1.5), ("45", 45.0), (" 1h ", 3600.0)],
+)
+def test_the_wait_for_slots_is_sparks_own_setting(value: str | None, seconds: float) -> None:
+    conf = {} if value is None else {SLOT_WAIT_KEY: value}
+    assert slot_wait_s(_env(**conf)) == seconds
+
+
+def test_a_wait_that_is_not_a_spark_time_says_how_to_write_it() -> None:
+    env = _env(**{SLOT_WAIT_KEY: "soon"})
+    with pytest.raises(ConfigError, match=r"not a Spark time: write it as .* 30s or 2min"):
+        slot_wait_s(env)
+
+
+class _ShortCluster(ClassicEnv):
+    """A cluster (not local) that offers one slot and never more."""
+
+    master = "spark://127.0.0.1:7077"
+
+    def __init__(self, **conf: str) -> None:
+        super().__init__(_FakeContext(**conf))  # type: ignore[arg-type]
+
+    def is_local(self) -> bool:
+        return False
+
+    def slots(self, profile_id: int = 0) -> int | None:
+        return 1
+
+
+def test_a_cluster_short_of_slots_says_it_waits_then_fails_after_sparks_wait(caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO, logger="sparktrain.driver.resources")
+    env = _ShortCluster(**{SLOT_WAIT_KEY: "100ms"})
+    with pytest.raises(ResourceError, match="offers 1"):
+        check_can_launch(env, 2)
+    said = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    assert len(said) == 1, said
+    assert SLOT_WAIT_KEY in said[0] and "offers 1 now" in said[0]
