@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.plots import save_figure
+from benchmarks.plots import pyplot, save_figure
 from sparktrain.errors import ConfigError
 
 OURS = ("ring", "tree")
@@ -467,10 +467,7 @@ def _duration(seconds: float) -> str:
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
     """busbw against message size, one panel per world size, one line per algorithm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     worlds = sorted({r["world"] for r in records if r["world"] > 1})
     if not worlds:

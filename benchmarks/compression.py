@@ -45,6 +45,7 @@ import torch
 from benchmarks import compression_worlds
 from benchmarks.allreduce import parse_size
 from benchmarks.compression_worlds import WORLD_SPECS, target_for
+from benchmarks.plots import pyplot
 from sparktrain.compress.base import BucketState
 from sparktrain.compress.registry import build
 from sparktrain.errors import ConfigError
@@ -234,10 +235,7 @@ def quality_table(records: list[dict[str, Any]]) -> str:
 
 def quality_plot(records: list[dict[str, Any]], path: Path) -> None:
     """Accuracy against wire bytes (log x), one panel per model, one marker per strategy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = sorted({r["model"] for r in records})
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.5), squeeze=False)

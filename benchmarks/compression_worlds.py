@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.plots import pyplot
 from sparktrain.errors import ConfigError
 
 FORMAT = "compression_worlds/1"
@@ -302,10 +303,8 @@ def render(data: dict[str, Any]) -> str:
 def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Two panels per model: median gap (pp) against world size and byte reduction
     against world size, one line per spec, the targets drawn as dashed lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    import matplotlib.ticker
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.5 * len(models)), squeeze=False)

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.plots import save_figure
+from benchmarks.plots import pyplot, save_figure
 from sparktrain.errors import ConfigError
 from sparktrain.task.memory import anon_rss_bytes
 
@@ -592,10 +592,7 @@ def _verdict(flag: bool | None) -> str:
 def plot(data: dict[str, Any], path: Path) -> None:
     """Peak anonymous memory per worker against the partition size, spilled and in RAM,
     with the budget, the +25 % band over the smallest spilled case and the peer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     mem = data["derived"]["memory"]
     setup = data["setup"]

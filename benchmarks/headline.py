@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compression_worlds import time_to_accuracy
-from benchmarks.plots import save_figure
+from benchmarks.plots import pyplot, save_figure
 from sparktrain.errors import ConfigError, SparkTrainError
 
 FORMAT = "headline/1"
@@ -381,10 +381,7 @@ def table(data: dict[str, Any]) -> str:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """Bars: median time to target per contender, one panel per link."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = data["rows"]
     links = list(dict.fromkeys(r["link"] for r in rows))

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.plots import save_figure
+from benchmarks.plots import pyplot, save_figure
 from sparktrain import datasets
 
 DIGITS_MODEL = "sparktrain.models:digits_mlp"
@@ -209,10 +209,7 @@ def table(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Test accuracy against wall time, one line per system."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for r in report["systems"]:

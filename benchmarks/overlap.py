@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.plots import save_figure
+from benchmarks.plots import pyplot, save_figure
 from sparktrain.errors import ConfigError
 
 HOST = "127.0.0.1"
@@ -318,10 +318,7 @@ def table(records: list[dict[str, Any]]) -> str:
 def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
     """Bars of the median step time per strategy: compute only, overlap off, overlap
     on; the spread of the window medians as error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     strategies = list(dict.fromkeys(r["strategy"] for r in records))
     fig, ax = plt.subplots(figsize=(5.5, 3.6))

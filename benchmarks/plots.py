@@ -1,4 +1,5 @@
-"""What every benchmark plot ends with: laid out, written as PNG, closed."""
+"""What every benchmark plot starts and ends with: pyplot on the file-only backend; laid
+out, written as PNG, closed."""
 
 from __future__ import annotations
 
@@ -15,3 +16,15 @@ def save_figure(fig: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend: benchmarks write PNG files and never
+    open a window (a machine without a display, a CI job). Imported here, on demand,
+    because matplotlib is a benchmark extra that the package does not need."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.plots import save_figure
+from benchmarks.plots import pyplot, save_figure
 from sparktrain import costmodel, strategies
 from sparktrain.errors import ConfigError
 
@@ -226,10 +226,7 @@ def predictions(
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """One panel per (model size, link): predicted seconds per step against workers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     links = [link["profile"] for link in report["links"]]
     models = list(MODEL_SIZES)

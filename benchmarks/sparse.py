@@ -65,7 +65,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.plots import save_figure
+from benchmarks.plots import pyplot, save_figure
 from benchmarks.torchdist import rank0_everywhere, run_local
 from sparktrain.errors import ConfigError
 
@@ -574,10 +574,7 @@ def table(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: Path) -> None:
     """Loss curves by step (medians per contender, smoothed), step time and wire bytes
     bars (log scales)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs, d = report["runs"], report["derived"]
     window = report["spec"]["smooth"]

@@ -74,7 +74,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.plots import save_figure
+from benchmarks.plots import pyplot, save_figure
 from benchmarks.torchdist import rank0_everywhere, run_cluster, run_local
 from sparktrain import datasets
 from sparktrain.errors import SparkTrainError
@@ -1331,10 +1331,7 @@ def table(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: Path) -> None:
     """Time-to-target bars per contender (digits, no link) and, under 5g, a strategy ×
     compressor heatmap per workload."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     runs = [r for r in report["runs"] if "error" not in r]
