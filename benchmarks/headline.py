@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compression_worlds import time_to_accuracy
+from benchmarks.order import rotated
 from benchmarks.plots import pyplot, save_figure
 from sparktrain.errors import ConfigError, SparkTrainError
 
@@ -159,14 +160,6 @@ def contenders_on(link: Link, names: Sequence[str]) -> list[Contender]:
             continue
         out.append(c)
     return out
-
-
-def rotated(items: Sequence[Any], repeat: int) -> list[Any]:
-    """``items`` starting at ``repeat``'s position (every one leads in turn)."""
-    if not items:
-        return []
-    k = repeat % len(items)
-    return [*items[k:], *items[:k]]
 
 
 def train_keys(c: Contender, link: Link, seed: int, epochs: int) -> dict[str, Any]:

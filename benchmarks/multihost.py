@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import train as bench_train
+from benchmarks.order import rotated
 from sparktrain import datasets
 from sparktrain.errors import SparkTrainError
 
@@ -231,13 +232,6 @@ def ddp_fit(net: Any, job: dict[str, Any], name: str, samples: int) -> dict[str,
 
 
 # ---------------------------------------------------------------------- the two parts
-def rotated(items: list[str], repeat: int) -> list[str]:
-    """``items`` starting at ``repeat``'s position: over the repeats each one leads in
-    turn, so none always runs first after a reshaping or a warm-up."""
-    k = repeat % len(items)
-    return [*items[k:], *items[:k]]
-
-
 def _one(spark: Any, net: Any, data: Any, job: dict[str, Any], name: str, contender: str,
          samples: int, link_mbit: float = 0.0) -> dict[str, Any]:  # fmt: skip
     try:

@@ -74,6 +74,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.order import rotated
 from benchmarks.plots import pyplot, save_figure
 from benchmarks.torchdist import rank0_everywhere, run_cluster, run_local
 from sparktrain import datasets
@@ -665,8 +666,7 @@ def run_headline(args: argparse.Namespace) -> list[dict[str, Any]]:
     env = {**os.environ, "SPARK_LOCAL_IP": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")}
     for seed in args.seeds:
         for repeat in range(args.repeats):
-            turn = repeat % len(HEADLINE)
-            for contender in [c for c in HEADLINE[turn:] + HEADLINE[:turn] if c in chosen]:
+            for contender in [c for c in rotated(HEADLINE, repeat) if c in chosen]:
                 cmd = [
                     sys.executable, "-m", "benchmarks.train", "--child", contender,
                     "--epochs", str(args.epochs), "--seed", str(seed), "--target", str(args.target),
@@ -733,9 +733,7 @@ def steady_order(precisions: list[str], repeat: int) -> list[tuple[str, str]]:
     """The steady part's (stem, precision) turns in repeat ``repeat``: every contender of
     every precision, the list rotated by one per repeat, so each contender runs first,
     last and in between across repeats and no one always follows the same neighbour."""
-    turns = [(stem, p) for p in precisions for stem, _ in STEADY_KINDS]
-    k = repeat % len(turns)
-    return turns[k:] + turns[:k]
+    return rotated([(stem, p) for p in precisions for stem, _ in STEADY_KINDS], repeat)
 
 
 def run_steady(spark: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
