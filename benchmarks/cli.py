@@ -15,6 +15,7 @@
     sparktrain bench sparse --json docs/results/bench_sparse.json
     sparktrain bench multihost --rate-mbit 100 --json docs/results/bench_multihost.json
     sparktrain bench defaults --json docs/results/bench_defaults.json
+    sparktrain bench defaults-ceiling --json docs/results/defaults_ceiling.json
     sparktrain bench headline --links 5g --seeds 0 1 2 --json docs/results/bench_headline5g.json
 """
 
@@ -75,6 +76,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "defaults",
         "TrainConfig's defaults vs MLlib's on scikit-learn's data sets (digits, breast "
         "cancer, diabetes, ...), old defaults too",
+    ),
+    "defaults-ceiling": (
+        "defaults_ceiling",
+        "no Spark: the defaults' fits emulated in plain torch against AdamW, early stopping, "
+        "cosine decay and a linear model; the best-epoch ceiling",
     ),
 }
 # what a benchmark may import that only the `bench` extra installs

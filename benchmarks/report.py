@@ -291,6 +291,12 @@ def _defaults(data: Any) -> str:
     return defaults.table(data)
 
 
+def _defaults_ceiling(data: Any) -> str:
+    from benchmarks import defaults_ceiling
+
+    return defaults_ceiling.table(data)
+
+
 def _multihost(data: Any) -> str:
     from benchmarks import multihost
 
@@ -595,6 +601,12 @@ SECTIONS: tuple[Section, ...] = (
         "bench_defaults", "Defaults that train: TrainConfig's defaults against MLlib's",
         "sparktrain bench defaults --json docs/results/bench_defaults.json",
         "bench_defaults.json", _defaults,
+    ),
+    Section(
+        "defaults_ceiling",
+        "How far the default model goes: conventional settings, emulated, against a linear fit",
+        "sparktrain bench defaults-ceiling --json docs/results/defaults_ceiling.json",
+        "defaults_ceiling.json", _defaults_ceiling,
     ),
 )  # fmt: skip
 
