@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -138,26 +137,26 @@ def split(
 
 
 def build_model(workload: Workload) -> torch.nn.Module:
-    """The workload's model, from its ``module:function`` and keywords."""
-    module, _, name = workload.model_fn.partition(":")
-    model: torch.nn.Module = getattr(importlib.import_module(module), name)(**workload.model_kwargs)
-    return model
+    """The workload's model, built as sparktrain builds it from ``model_fn`` and keywords."""
+    from sparktrain.builders import resolve_model_fn
+
+    return resolve_model_fn(workload.model_fn, workload.model_kwargs)()
 
 
 def build_optimizer(
     params: Any, candidate: Candidate, lr: float, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
-    """The candidate's optimizer and, for a cosine decay, its schedule over
-    ``total_steps`` optimizer steps (to 0 after the last)."""
+    """The candidate's optimizer, built as sparktrain builds ``optimizer`` with
+    ``optimizer_kwargs``, and, for a cosine decay, its schedule over ``total_steps``
+    optimizer steps (to 0 after the last)."""
     import torch
 
-    opt: torch.optim.Optimizer
-    if candidate.optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=candidate.weight_decay)
-    elif candidate.optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=lr, weight_decay=candidate.weight_decay)
-    else:
+    from sparktrain import builders
+
+    if candidate.optimizer not in ("adam", "adamw"):  # the candidates the table explains
         raise ConfigError(f"candidate {candidate.key!r}: unknown optimizer {candidate.optimizer}")
+    kwargs = {"weight_decay": candidate.weight_decay}
+    opt = builders.build_optimizer(candidate.optimizer, params, lr, kwargs)
     sched = None
     if candidate.cosine:
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps, eta_min=0.0)
@@ -284,10 +283,6 @@ def linear_reference(
 
 
 # ---------------------------------------------------------------------- the run
-def _mean(values: Sequence[float]) -> float:
-    return statistics.fmean(values)
-
-
 def run_dataset(
     name: str, seeds: Sequence[int], inits: int, test_fraction: float
 ) -> dict[str, Any]:
@@ -320,9 +315,9 @@ def run_dataset(
                 if "curve" in out:
                     best.append(max(out["curve"]))
                     best_epochs.append(int(np.argmax(out["curve"])) + 1)
-            entry["candidates"][key]["splits"].append(_mean(metrics))
-            print(f"{name} split {seed} {key}: {_mean(metrics):.4f}", flush=True)
-        entry["oracle"]["splits"].append(_mean(best))
+            entry["candidates"][key]["splits"].append(statistics.fmean(metrics))
+            print(f"{name} split {seed} {key}: {statistics.fmean(metrics):.4f}", flush=True)
+        entry["oracle"]["splits"].append(statistics.fmean(best))
         entry["oracle"]["epochs"].append(best_epochs)
     return entry
 
@@ -380,7 +375,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the table
 def _cells(splits: Sequence[float]) -> str:
-    return f"{' / '.join(f'{v:.3f}' for v in splits)} | {_mean(splits):.3f}"
+    return f"{' / '.join(f'{v:.3f}' for v in splits)} | {statistics.fmean(splits):.3f}"
 
 
 def table(data: dict[str, Any]) -> str:
