@@ -389,6 +389,8 @@ class PreauthGate(Generic[T]):
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._closed = False
+        self._gate_thread: threading.Thread | None = None
+        """The thread in :meth:`serve`, which alone closes pending sockets while it runs."""
         listener.setblocking(False)  # the selector says when; accept() never waits
         self._sel = selectors.DefaultSelector()
         self._sel.register(listener, selectors.EVENT_READ, None)
@@ -403,6 +405,7 @@ class PreauthGate(Generic[T]):
     def serve(self, done: Callable[[], bool]) -> None:
         """Run :meth:`step` until ``done()`` or :meth:`close`; then drop every pending
         stranger."""
+        self._gate_thread = threading.current_thread()
         try:
             while not self._closed and not done():
                 try:
@@ -612,6 +615,11 @@ class PreauthGate(Generic[T]):
             self._closed = True
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes a waiting select()
+        gate = self._gate_thread
+        if gate is not None and gate is not threading.current_thread() and gate.is_alive():
+            # serve() drops them as it leaves: closing a socket here, under its step,
+            # would hand that step a dead descriptor to peek at or to register
+            return
         self._drop_all()
 
     def _drop_all(self) -> None:

@@ -336,6 +336,34 @@ def test_the_gate_rejects_bad_limits() -> None:
         )
 
 
+class _CloseMidStep(preauth.PreauthGate[None]):
+    """A gate whose close() comes from another thread while a step has a pending
+    socket in hand: after its first peek, before it goes into the selector."""
+
+    def _look(self, key: int, entry: Any) -> bool:
+        closer = threading.Thread(target=self.close)
+        closer.start()
+        closer.join(5)
+        return False  # its first message is not complete yet: the step registers it
+
+
+def test_a_close_from_another_thread_mid_step_leaves_the_gate_thread_whole() -> None:
+    # the half-open flood test once ended a parameter server's gate thread with
+    # "ValueError: Invalid file descriptor: -1": close() had closed the socket that the
+    # gate's step was registering; the gate's own thread now closes what it holds
+    listener = socket.create_server((HOST, 0))
+    gate = _CloseMidStep(
+        listener, name="race", handshake=lambda *a: None, on_ready=lambda r: None, poll_s=0.05
+    )
+    client = socket.create_connection(listener.getsockname(), timeout=5)
+    try:
+        gate.serve(lambda: False)  # returns once close() set the gate closed; raises nothing
+        assert client.recv(1) == b""  # and the pending stranger was dropped on the way out
+    finally:
+        client.close()
+        listener.close()
+
+
 class Moving(Echo):
     """An echo service that lives across stage attempts (as a parameter-server shard)."""
 
