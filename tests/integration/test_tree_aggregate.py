@@ -83,11 +83,12 @@ def test_digits_local_sgd_8_steps_reaches_95_percent_with_the_conf_defaults(spar
 
 def test_digits_synchronous_sgd_reaches_95_percent(spark, tmp_path):
     # local_steps=1 at the conf's batch 32 is 22 rounds/epoch (~440 Spark jobs, 1.5-2.5 min
-    # here; it reaches 0.97); a 4x larger batch with a 2x learning rate keeps this short.
-    s = _cli(tmp_path, "local_steps=1", "batch_size=128", "lr=0.2", "epochs=15")
+    # here; it reaches 0.97); a 4x larger batch with a 2x learning rate keeps this short:
+    # 8 epochs reach 0.964-0.967 on seeds 0, 1 and 2
+    s = _cli(tmp_path, "local_steps=1", "batch_size=128", "lr=0.2", "epochs=8")
     assert s["metric_value"] >= 0.95
     assert s["rounds_per_epoch"] == math.ceil(max(s["train_rows_per_worker"]) / 128)
-    assert len(s["history"]) == 15 and s["history"][-1]["loss"] < s["history"][0]["loss"]
+    assert len(s["history"]) == 8 and s["history"][-1]["loss"] < s["history"][0]["loss"]
 
 
 # ------------------------------------------------------------------ semantics
