@@ -98,11 +98,25 @@ def test_ps_sync_resumes_at_the_servers_step_and_applies_no_step_twice(
     assert abs(s["metric_value"] - fault_free["metric_value"]) <= 0.01
 
 
+TREE_AGGREGATE = {"epochs": 4, "strategy": "tree_aggregate", "local_steps": 8}
+
+
+@pytest.fixture(scope="module")
+def tree_aggregate_fault_free(_sessions):
+    """The fault-free tree_aggregate fit on local[2,4], once for both kinds of failure."""
+    spark = _sessions.get("local[2,4]")
+    train, test = digits_frames(spark)
+    cfg = fast_config(**TREE_AGGREGATE)
+    return Trainer(DIGITS_MODEL, cfg, spark=spark).fit(train, validation_data=test).summary
+
+
 @pytest.mark.parametrize("kind", ["raise", "exit"])
-def test_tree_aggregate_task_failures_are_retried_by_spark(spark_retry, tmp_path, kind):
+def test_tree_aggregate_task_failures_are_retried_by_spark(
+    spark_retry, tmp_path, kind, tree_aggregate_fault_free
+):
     train, test = digits_frames(spark_retry)
-    cfg = fast_config(epochs=4, strategy="tree_aggregate", local_steps=8)
-    clean = Trainer(DIGITS_MODEL, cfg, spark=spark_retry).fit(train, validation_data=test).summary
+    cfg = fast_config(**TREE_AGGREGATE)
+    clean = tree_aggregate_fault_free
     plan = FaultPlan(rank=1, step=5, marker=str(tmp_path / "fault"), kind=kind)
     s = (
         Trainer(DIGITS_MODEL, cfg, spark=spark_retry, fault_plan=plan)
