@@ -197,3 +197,18 @@ def rank_1_gives_up(path: str) -> Any:
         ctx.allreduce(torch.zeros(1))
 
     return train_fn
+
+
+def pyspark_over_unix_sockets_works(spark: Any) -> None:
+    """Python workers, accumulators and Arrow collection work over Unix domain sockets
+    (``spark.python.unix.domain.socket.enabled``), and the accumulator server has no TCP
+    port to connect to."""
+    from sparktrain.driver.spark_env import UNIX_SOCKETS, tcp_accumulator_address
+
+    sc = spark.sparkContext
+    assert sc.getConf().get(UNIX_SOCKETS) == "true"
+    assert tcp_accumulator_address(sc) is None  # a Unix socket: no port to connect to
+    total = sc.accumulator(0)
+    sc.parallelize(range(10), 2).foreach(lambda x: total.add(x))  # workers -> accumulator
+    assert total.value == 45
+    assert spark.range(100).toArrow().num_rows == 100  # Arrow collection to the driver

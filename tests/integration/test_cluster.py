@@ -6,7 +6,7 @@ import pytest
 
 from sparktrain import Trainer
 
-from .fixtures import DIGITS_MODEL, digits_frames, fast_config
+from .fixtures import DIGITS_MODEL, digits_frames, fast_config, pyspark_over_unix_sockets_works
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(400)]
 
@@ -20,3 +20,8 @@ def test_local_cluster_smoke(spark_cluster):
     assert sc.master.startswith("local-cluster")
     assert result.summary["metric_value"] > 0.9
     assert result.summary["replicas_in_sync"]
+
+
+def test_local_cluster_runs_pyspark_over_unix_sockets(spark_cluster):
+    """Issue 31, point 3, on executors of their own (test_unix_sockets.py: local mode)."""
+    pyspark_over_unix_sockets_works(spark_cluster)
