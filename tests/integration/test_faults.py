@@ -98,36 +98,6 @@ def test_ps_sync_resumes_at_the_servers_step_and_applies_no_step_twice(
     assert abs(s["metric_value"] - fault_free["metric_value"]) <= 0.01
 
 
-TREE_AGGREGATE = {"epochs": 4, "strategy": "tree_aggregate", "local_steps": 8}
-
-
-@pytest.fixture(scope="module")
-def tree_aggregate_fault_free(_sessions):
-    """The fault-free tree_aggregate fit on local[2,4], once for both kinds of failure."""
-    spark = _sessions.get("local[2,4]")
-    train, test = digits_frames(spark)
-    cfg = fast_config(**TREE_AGGREGATE)
-    return Trainer(DIGITS_MODEL, cfg, spark=spark).fit(train, validation_data=test).summary
-
-
-@pytest.mark.parametrize("kind", ["raise", "exit"])
-def test_tree_aggregate_task_failures_are_retried_by_spark(
-    spark_retry, tmp_path, kind, tree_aggregate_fault_free
-):
-    train, test = digits_frames(spark_retry)
-    cfg = fast_config(**TREE_AGGREGATE)
-    clean = tree_aggregate_fault_free
-    plan = FaultPlan(rank=1, step=5, marker=str(tmp_path / "fault"), kind=kind)
-    s = (
-        Trainer(DIGITS_MODEL, cfg, spark=spark_retry, fault_plan=plan)
-        .fit(train, validation_data=test)
-        .summary
-    )
-    assert (tmp_path / "fault").exists() and s["spark_failed_tasks"] >= 1
-    assert s["metric_value"] == pytest.approx(clean["metric_value"], abs=1e-9)
-    assert s["final_loss"] == pytest.approx(clean["final_loss"], rel=1e-6)
-
-
 def test_resume_true_continues_from_the_newest_checkpoint(spark, tmp_path):
     train, test = digits_frames(spark)
     ckpt = str(tmp_path / "ckpt")

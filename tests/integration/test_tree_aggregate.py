@@ -27,6 +27,7 @@ from sparktrain.strategies.tree_aggregate.driver_round import (
 )
 from sparktrain.strategies.tree_aggregate.driver_volume import SparkVolume
 from sparktrain.strategies.tree_aggregate.task import RoundSpec
+from sparktrain.task.faults import FaultPlan
 
 from .fixtures import (
     DIGITS_MODEL,
@@ -230,3 +231,34 @@ def test_training_through_a_task_failure_gives_the_fault_free_model(spark_retry,
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     for a, b in zip(clean.history, retried.history, strict=True):
         assert (b["loss"], b["metric"]) == pytest.approx((a["loss"], a["metric"]), abs=1e-6)
+
+
+# a task that raises or whose process exits, through Trainer.fit: Spark retries it
+FAULTS = {"epochs": 4, "local_steps": 8}
+
+
+@pytest.fixture(scope="module")
+def tree_aggregate_fault_free(_sessions):
+    """The fault-free fit on local[2,4], once for both kinds of task failure."""
+    spark = _sessions.get("local[2,4]")
+    train, test = digits_frames(spark)
+    cfg = ta_config(**FAULTS)
+    return Trainer(DIGITS_MODEL, cfg, spark=spark).fit(train, validation_data=test).summary
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit"])
+def test_tree_aggregate_task_failures_are_retried_by_spark(
+    spark_retry, tmp_path, kind, tree_aggregate_fault_free
+):
+    train, test = digits_frames(spark_retry)
+    cfg = ta_config(**FAULTS)
+    clean = tree_aggregate_fault_free
+    plan = FaultPlan(rank=1, step=5, marker=str(tmp_path / "fault"), kind=kind)
+    s = (
+        Trainer(DIGITS_MODEL, cfg, spark=spark_retry, fault_plan=plan)
+        .fit(train, validation_data=test)
+        .summary
+    )
+    assert (tmp_path / "fault").exists() and s["spark_failed_tasks"] >= 1
+    assert s["metric_value"] == pytest.approx(clean["metric_value"], abs=1e-9)
+    assert s["final_loss"] == pytest.approx(clean["final_loss"], rel=1e-6)
