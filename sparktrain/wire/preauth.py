@@ -418,6 +418,7 @@ class PreauthGate(Generic[T]):
         finally:
             self._drop_all()
             self._sel.close()
+            self._gate_thread = None
 
     def step(self) -> None:
         """Wait at most ``poll_s`` (less if a deadline comes first), then accept new

@@ -348,9 +348,8 @@ class _CloseMidStep(preauth.PreauthGate[None]):
 
 
 def test_a_close_from_another_thread_mid_step_leaves_the_gate_thread_whole() -> None:
-    # the half-open flood test once ended a parameter server's gate thread with
-    # "ValueError: Invalid file descriptor: -1": close() had closed the socket that the
-    # gate's step was registering; the gate's own thread now closes what it holds
+    # a close() that closed the socket under the step would raise "ValueError: Invalid
+    # file descriptor: -1" out of serve() as the step registers it, ending the gate's thread
     listener = socket.create_server((HOST, 0))
     gate = _CloseMidStep(
         listener, name="race", handshake=lambda *a: None, on_ready=lambda r: None, poll_s=0.05
